@@ -1,0 +1,153 @@
+"""`fmserve bench offline`: prefill and decode tokens/s of the offline engine, against
+transformers `generate` on the same weights, in the same run.
+
+Prompts are the dev set's prompts, tokenised and cut (or repeated) to exactly --prompt-len
+tokens, so both engines see identical inputs. Decoding is greedy with eos ignored, so every
+request produces exactly --decode-len tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fmserve.default_model import resolve_model_path
+from fmserve.engine import Engine
+from ipc.sampling import SamplingParams
+
+DEV_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "dev.jsonl"
+FALLBACK_TEXT = ("The quick brown fox jumps over the lazy dog while the scheduler batches "
+                 "requests and the worker decodes tokens. ")
+
+
+@dataclass
+class Measure:
+    engine: str
+    dtype: str
+    batch: int
+    prefill_tps: float
+    decode_tps: float
+
+
+def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    texts = []
+    if DEV_PROMPTS.exists():
+        with open(DEV_PROMPTS, encoding="utf-8") as f:
+            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    texts = texts or [FALLBACK_TEXT]
+    prompts = []
+    for i in range(n):
+        ids = tokenizer.encode(texts[i % len(texts)])
+        while len(ids) < length:
+            ids = ids + tokenizer.encode(FALLBACK_TEXT)
+        prompts.append(ids[:length])
+    return prompts
+
+
+def measure_fmserve(engine: Engine, prompts: list[list[int]], decode_len: int) -> tuple[float, float]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=decode_len, ignore_eos=True)
+    engine.generate([p[:8] for p in prompts[:2]], SamplingParams(max_new_tokens=4))  # warm-up
+    start = time.perf_counter()
+    first_token_done = None
+    seen = set()
+    for out in engine.stream(prompts, params):
+        seen.add(out.rid)
+        if first_token_done is None and len(seen) == len(prompts):
+            first_token_done = time.perf_counter()
+    end = time.perf_counter()
+    prefill_tokens = sum(len(p) for p in prompts)
+    decode_tokens = len(prompts) * (decode_len - 1)
+    return prefill_tokens / (first_token_done - start), decode_tokens / (end - first_token_done)
+
+
+def measure_transformers(model, prompts: list[list[int]], decode_len: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], max_new_tokens=4, min_new_tokens=4, **{**kwargs, "attention_mask": mask[:, :8]})
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=decode_len, min_new_tokens=decode_len, **kwargs)
+        t_total = time.perf_counter() - t0
+    n = len(prompts)
+    return n * ids.shape[1] / t_prefill, n * (decode_len - 1) / max(t_total - t_prefill, 1e-9)
+
+
+def load_transformers(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+
+
+def run_bench_offline(args: argparse.Namespace) -> int:
+    console = Console()
+    path = resolve_model_path(args.model)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    dtypes = args.dtypes.split(",")
+    results: list[Measure] = []
+    with Progress(console=console) as progress:
+        task = progress.add_task("benchmark", total=len(dtypes) * len(batches) * 2)
+        for dtype in dtypes:
+            engine = Engine(model=str(path), device=args.device, dtype=dtype,
+                            attention_backend=args.attention_backend,
+                            max_running_requests=max(batches), progress=False)
+            all_prompts = bench_prompts(engine.tokenizer, max(batches), args.prompt_len)
+            for b in batches:
+                progress.update(task, description=f"fmserve {dtype} batch {b}")
+                pf, dc = measure_fmserve(engine, all_prompts[:b], args.decode_len)
+                results.append(Measure("fmserve", dtype, b, pf, dc))
+                progress.advance(task)
+            del engine
+            if args.no_baseline:
+                progress.advance(task, len(batches))
+                continue
+            hf = load_transformers(path, torch.bfloat16 if dtype == "bf16" else torch.float32)
+            for b in batches:
+                if b > args.baseline_max_batch:
+                    progress.advance(task)
+                    continue
+                progress.update(task, description=f"transformers {dtype} batch {b}")
+                pf, dc = measure_transformers(hf, all_prompts[:b], args.decode_len)
+                results.append(Measure("transformers", dtype, b, pf, dc))
+                progress.advance(task)
+            del hf
+    lines = render(results, args, console)
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def render(results: list[Measure], args: argparse.Namespace, console: Console) -> list[str]:
+    base = {(m.dtype, m.batch): m for m in results if m.engine == "transformers"}
+    table = Table(title=f"offline: prompt {args.prompt_len} tokens, decode {args.decode_len} "
+                        f"tokens, threads {torch.get_num_threads()}")
+    header = ["dtype", "batch", "fmserve prefill tok/s", "fmserve decode tok/s",
+              "transformers prefill tok/s", "transformers decode tok/s", "decode ratio",
+              "prefill ratio"]
+    for h in header:
+        table.add_column(h, justify="right")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for m in results:
+        if m.engine != "fmserve":
+            continue
+        b = base.get((m.dtype, m.batch))
+        row = [m.dtype, str(m.batch), f"{m.prefill_tps:.0f}", f"{m.decode_tps:.1f}",
+               f"{b.prefill_tps:.0f}" if b else "-", f"{b.decode_tps:.1f}" if b else "-",
+               f"{m.decode_tps / b.decode_tps:.2f}x" if b else "-",
+               f"{m.prefill_tps / b.prefill_tps:.2f}x" if b else "-"]
+        table.add_row(*row)
+        lines.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    return lines

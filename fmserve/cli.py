@@ -1,0 +1,95 @@
+"""`fmserve` command line: the composition root, the one place that wires ipc, service and gpu.
+
+    fmserve generate --prompt "Hello"          one prompt, streamed
+    fmserve generate --chat                    interactive chat
+    fmserve generate --file prompts.jsonl      a batch; one JSON line out per prompt
+    fmserve bench offline                      prefill/decode tokens/s vs transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and runtime")
+    g.add_argument("--model", default="default",
+                   help="a .gguf file, a Hugging Face model directory, or 'default' "
+                        "(SmolLM2-135M-Instruct, fetched on first use)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (>= 1)")
+    g.add_argument("--max-kv-tokens", type=int, default=65536, help="KV cache size in tokens")
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--max-tokens-per-step", type=int, default=2048,
+                   help="token budget of one forward (decodes + prefill chunk)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fmserve", description="a small LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="run the model in this process (no service)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message (rendered with the chat template)")
+    src.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
+    src.add_argument("--file", help="JSONL file: each line has 'prompt' or 'messages'")
+    gen.add_argument("--raw", action="store_true",
+                     help="feed --prompt / file prompts as plain text, without the chat template")
+    gen.add_argument("--system", default=None, help="system message for --prompt / --chat")
+    gen.add_argument("--output", default="-", help="where --file results go (JSONL; - = stdout)")
+    add_model_args(gen)
+    add_sampling_args(gen)
+
+    bench = sub.add_parser("bench", help="measure throughput")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    off = bench_sub.add_parser("offline", help="prefill and decode tokens/s vs transformers")
+    off.add_argument("--model", default="default")
+    off.add_argument("--batch-sizes", default="1,8,32")
+    off.add_argument("--dtypes", default="bf16,fp32")
+    off.add_argument("--prompt-len", type=int, default=128)
+    off.add_argument("--decode-len", type=int, default=64)
+    off.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    off.add_argument("--device", default="auto")
+    off.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    off.add_argument("--baseline-max-batch", type=int, default=32,
+                     help="largest batch to run transformers at (it is slow)")
+    off.add_argument("--markdown", default=None, help="also write the table to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from fmserve.generate_cmd import run_generate
+            return run_generate(args)
+        if args.command == "bench" and args.bench_command == "offline":
+            from fmserve.bench_offline import run_bench_offline
+            return run_bench_offline(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"fmserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The offline engine: the service's scheduler core and the worker's ModelRunner in one process.
+
+    engine = Engine(model="default", dtype="bf16")
+    for out in engine.stream(["Hello"], SamplingParams(max_new_tokens=32)):
+        print(out.text, end="")
+
+Prompts are text (encoded as is), token ids, or chats (lists of {"role", "content"} dicts,
+rendered with the model's chat template). No sockets: plans go straight to the runner.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from fmserve.default_model import resolve_model_path
+from gpu.model_runner import ModelRunner, RunnerConfig
+from ipc.sampling import SamplingParams
+from service.request import FinishReason, RequestOutput
+from service.scheduler_core import SchedulerConfig, SchedulerCore
+from service.tokenizer import TextTokenizer
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+@dataclass
+class Completion:
+    rid: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: str | None = "default", device: str = "auto", dtype: str = "bf16",
+                 attention_backend: str = "torch", page_size: int = 16,
+                 max_kv_tokens: int = 65536, max_running_requests: int = 64,
+                 max_tokens_per_step: int = 2048, max_context_len: int | None = None,
+                 progress: bool = True) -> None:
+        path = resolve_model_path(model)
+        self.tokenizer = TextTokenizer.from_model_path(path)
+        self.runner = ModelRunner(RunnerConfig(
+            model_path=str(path), device=device, dtype=dtype, attention_backend=attention_backend,
+            page_size=page_size, max_kv_tokens=max_kv_tokens,
+            max_running_requests=max_running_requests, max_context_len=max_context_len,
+            progress=progress))
+        self.info = self.runner.info()
+        self.scheduler = SchedulerCore(self.info, self.tokenizer,
+                                       SchedulerConfig(max_tokens_per_step=max_tokens_per_step))
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            return self.tokenizer.encode_chat(items, add_generation_prompt=True)
+        return [int(t) for t in items]
+
+    def submit(self, prompts: Iterable[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+               ) -> list[tuple[str, list[int]]]:
+        """Queue prompts; returns (request id, prompt ids) per prompt. Bad ones raise."""
+        prompts = list(prompts)
+        per_request = params if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_request) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_request)} sampling params")
+        submitted = []
+        for prompt, p in zip(prompts, per_request):
+            rid, ids = f"r{next(self._ids)}", self.encode(prompt)
+            self.scheduler.add_request(rid, ids, p)
+            submitted.append((rid, ids))
+        return submitted
+
+    def run(self) -> Iterator[RequestOutput]:
+        """Step until every queued request has finished, yielding outputs as they come."""
+        while self.scheduler.has_work:
+            plan = self.scheduler.plan_step()
+            if plan is None:
+                raise RuntimeError("the scheduler has requests but could plan nothing: "
+                                   f"{self.scheduler.accounting()}")
+            yield from self.scheduler.process_result(self.runner.step(plan))
+
+    def stream(self, prompts: Iterable[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+               ) -> Iterator[RequestOutput]:
+        """Run the prompts as one continuous batch, yielding outputs as steps produce them."""
+        self.submit(prompts, params)
+        yield from self.run()
+
+    def generate(self, prompts: Iterable[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+                 ) -> list[Completion]:
+        """Like `stream`, but collected: one Completion per prompt, in prompt order."""
+        submitted = self.submit(prompts, params)
+        done = {rid: Completion(rid, ids) for rid, ids in submitted}
+        for out in self.run():
+            c = done[out.rid]
+            c.token_ids += out.token_ids
+            c.text += out.text
+            if out.logprobs:
+                c.logprobs += out.logprobs
+            if out.finished:
+                c.finish_reason = out.finish_reason
+        return [done[rid] for rid, _ in submitted]

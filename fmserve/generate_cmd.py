@@ -1,0 +1,100 @@
+"""`fmserve generate`: one prompt, an interactive chat, or a JSONL batch, in this process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fmserve.engine import Engine
+from ipc.sampling import SamplingParams
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop=list(args.stop))
+    params.validate()
+    return params
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    return Engine(model=args.model, device=args.device, dtype=args.dtype,
+                  attention_backend=args.attention_backend, page_size=args.page_size,
+                  max_kv_tokens=args.max_kv_tokens, max_running_requests=args.max_running_requests,
+                  max_tokens_per_step=args.max_tokens_per_step)
+
+
+def _stream_one(engine: Engine, prompt, params: SamplingParams) -> str:
+    text = []
+    for out in engine.stream([prompt], params):
+        sys.stdout.write(out.text)
+        sys.stdout.flush()
+        text.append(out.text)
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+def _messages(system: str | None, user: str) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": user}]
+
+
+def _read_jsonl(path: str, raw: bool) -> list:
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if isinstance(row, dict) and isinstance(row.get("messages"), list):
+                prompts.append(row["messages"])
+            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+                prompts.append(row["prompt"] if raw else _messages(None, row["prompt"]))
+            else:
+                raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string or a "
+                                 "'messages' list")
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)
+    engine = engine_from_args(args)
+    if args.prompt is not None:
+        _stream_one(engine, args.prompt if args.raw else _messages(args.system, args.prompt), params)
+        return 0
+    if args.file is not None:
+        prompts = _read_jsonl(args.file, args.raw)
+        out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+        try:
+            for i, c in enumerate(engine.generate(prompts, params)):
+                out.write(json.dumps({"index": i, "text": c.text, "finish_reason":
+                                      c.finish_reason.value if c.finish_reason else None,
+                                      "prompt_tokens": len(c.prompt_ids),
+                                      "completion_tokens": len(c.token_ids)}) + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
+        return 0
+    # Interactive chat: the whole conversation is re-sent each turn (no prefix cache yet).
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("fmserve chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if user.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not user.strip():
+            continue
+        history.append({"role": "user", "content": user})
+        reply = _stream_one(engine, history, params)
+        history.append({"role": "assistant", "content": reply})

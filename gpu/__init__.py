@@ -1,0 +1,1 @@
+"""fmserve worker process: model, KV cache, attention backends, sampler, FutureMap, EAGLE."""

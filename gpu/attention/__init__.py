@@ -1,0 +1,1 @@
+"""Attention backends: paged attention over the KV pool (torch reference, Triton kernels)."""

@@ -1,0 +1,74 @@
+"""Paged attention in plain torch: gather each request's K/V through req_to_token, pad the
+batch to its longest sequence, and run one masked SDPA call per layer.
+
+Building the gather indices and masks needs the longest lengths on the host, hence
+`needs_cpu_seq_lens = True`. The indices are built once per forward and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.kv_cache import KVPool, ReqToTokenPool
+
+
+class TorchAttentionBackend:
+    needs_cpu_seq_lens = True
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self._key_locs: torch.Tensor | None = None  # [bs, max_seq_len] KV locations
+        self._mask: torch.Tensor | None = None  # [bs, 1, q_len, max_seq_len] bool
+        self._query_index: torch.Tensor | None = None  # [bs, max_extend] token index (EXTEND)
+        self._query_valid: torch.Tensor | None = None  # [bs, max_extend] bool (EXTEND)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.IDLE or batch.batch_size == 0:
+            return
+        assert batch.seq_lens_cpu is not None and batch.max_seq_len is not None, (
+            "the torch attention backend needs host sequence lengths (needs_cpu_seq_lens)")
+        device = batch.seq_lens.device
+        max_len = batch.max_seq_len
+        key_pos = torch.arange(max_len, device=device)
+        self._key_locs = self.req_to_token.req_to_token[batch.slots, :max_len].long()
+        in_seq = key_pos[None, :] < batch.seq_lens[:, None]  # [bs, L]
+        if batch.mode == ForwardMode.DECODE:
+            self._mask = in_seq[:, None, None, :]
+            return
+        max_extend = batch.max_extend_len
+        assert max_extend is not None
+        j = torch.arange(max_extend, device=device)
+        cu_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+        self._query_valid = j[None, :] < batch.extend_lens[:, None]  # [bs, Lq]
+        self._query_index = torch.where(self._query_valid, cu_start[:, None] + j[None, :], 0)
+        query_pos = batch.prefix_lens[:, None] + j[None, :]  # [bs, Lq]
+        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
+        # Padded query rows attend to key 0 only, so softmax never sees an all-masked row.
+        mask[:, :, 0] |= ~self._query_valid
+        self._mask = mask[:, None, :, :]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        if batch.batch_size == 0:
+            return q.new_empty(0, self.num_heads, self.head_dim)
+        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        # [bs, kv_heads, L, D]
+        keys = self.kv_pool.k_buffer[layer_id][self._key_locs].to(q.dtype).transpose(1, 2)
+        values = self.kv_pool.v_buffer[layer_id][self._key_locs].to(q.dtype).transpose(1, 2)
+        if batch.mode == ForwardMode.DECODE:
+            queries = q[:, :, None, :]  # [bs, H, 1, D]
+        else:
+            queries = q[self._query_index].transpose(1, 2)  # [bs, H, Lq, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self._mask,
+                                             scale=self.scale, enable_gqa=True)
+        if batch.mode == ForwardMode.DECODE:
+            return out[:, :, 0, :]
+        return out.transpose(1, 2)[self._query_valid]

@@ -1,0 +1,101 @@
+"""Paged attention with Triton kernels (split-K decode, causal extend over req_to_token).
+
+Everything the kernels need stays on the device: grid sizes come from tensor shapes
+(``batch_size``, ``num_tokens``) and the kernels read lengths from device tensors, so this
+backend never needs host copies of the sequence lengths (``needs_cpu_seq_lens = False``).
+Per-forward metadata (query offsets, extend block schedule, decode scratch) is built once in
+``init_forward_metadata`` and shared by all layers. On CPU the kernels run under the Triton
+interpreter only; see ``gpu.attention.triton_kernels`` for how to enable it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu.attention import triton_kernels
+from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.kv_cache import KVPool, ReqToTokenPool
+
+
+@dataclass
+class _ForwardMetadata:
+    batch: ForwardBatch  # the batch this was built for (forward checks identity)
+    # DECODE: split-K scratch, overwritten by every layer.
+    mid_out: torch.Tensor | None = None  # [bs, num_heads, num_splits, head_dim] fp32
+    mid_lse: torch.Tensor | None = None  # [bs, num_heads, num_splits] fp32
+    # EXTEND
+    query_start: torch.Tensor | None = None  # [bs] first row of each request's new tokens
+    block_req: torch.Tensor | None = None  # [grid] request of each query block
+    block_m: torch.Tensor | None = None  # [grid] index of the block within its request
+
+
+class TritonAttentionBackend:
+    needs_cpu_seq_lens = False
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float,
+                 num_kv_splits: int = triton_kernels.DEFAULT_NUM_KV_SPLITS) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads}) for grouped-query attention")
+        if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
+            raise ValueError(f"num_kv_splits must be a power of two (got {num_kv_splits})")
+        if (kv_pool.num_kv_heads, kv_pool.head_dim) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"KV pool holds {kv_pool.num_kv_heads} kv heads of dim {kv_pool.head_dim} but "
+                f"the backend was built for {num_kv_heads} of dim {head_dim}")
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_splits = num_kv_splits
+        self._meta: _ForwardMetadata | None = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        meta = _ForwardMetadata(batch=batch)
+        bs = batch.batch_size
+        device = batch.seq_lens.device
+        if bs == 0 or batch.mode == ForwardMode.IDLE:
+            pass
+        elif batch.mode == ForwardMode.DECODE:
+            meta.mid_out = torch.empty(bs, self.num_heads, self.num_kv_splits, self.head_dim,
+                                       dtype=torch.float32, device=device)
+            meta.mid_lse = torch.empty(bs, self.num_heads, self.num_kv_splits,
+                                       dtype=torch.float32, device=device)
+        else:
+            meta.query_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+            meta.block_req, meta.block_m = triton_kernels.extend_block_schedule(
+                batch.extend_lens, batch.num_tokens)
+        self._meta = meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim] in q's dtype."""
+        if batch.batch_size == 0 or batch.mode == ForwardMode.IDLE:
+            return q.new_empty(0, self.num_heads, self.head_dim)
+        if self._meta is None or self._meta.batch is not batch:
+            self.init_forward_metadata(batch)
+        meta = self._meta
+        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        k_buffer = self.kv_pool.k_buffer[layer_id]
+        v_buffer = self.kv_pool.v_buffer[layer_id]
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype,
+                          device=q.device)
+        table = self.req_to_token.req_to_token
+        if batch.mode == ForwardMode.DECODE:
+            triton_kernels.decode_attention(q, k_buffer, v_buffer, out, table, batch.slots,
+                                            batch.seq_lens, meta.mid_out, meta.mid_lse,
+                                            self.scale)
+        else:
+            triton_kernels.extend_attention(q, k_buffer, v_buffer, out, table, batch.slots,
+                                            batch.prefix_lens, batch.extend_lens,
+                                            meta.query_start, meta.block_req, meta.block_m,
+                                            self.scale)
+        return out

@@ -1,0 +1,72 @@
+"""Device-side KV storage: a paged token pool and the per-slot token-location table.
+
+The scheduler decides which pages a request owns (pure bookkeeping); the worker only applies
+those grants here. Location ``loc`` of a token is ``page * page_size + offset``; page 0 is
+reserved padding so that a zero location never aliases a live token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        if page_size < 1 or num_pages < 2:
+            raise ValueError(f"KV pool needs page_size >= 1 and at least 2 pages (got "
+                             f"page_size={page_size}, num_pages={num_pages})")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        size = num_pages * page_size
+        self.k_buffer = [torch.zeros(size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+
+    @property
+    def num_token_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ReqToTokenPool:
+    """``req_to_token[slot, pos]`` is the KV location of token ``pos`` of the request in ``slot``.
+
+    Slot 0 is reserved padding. Rows are filled from page grants: a request that owns pages
+    ``[p0, p1, ...]`` maps position ``i`` to ``p[i // page_size] * page_size + i % page_size``.
+    """
+
+    def __init__(self, num_slots: int, max_context_len: int, page_size: int,
+                 device: torch.device | str) -> None:
+        self.num_slots = num_slots
+        self.max_context_len = max_context_len
+        self.page_size = page_size
+        self.req_to_token = torch.zeros(num_slots, max_context_len, dtype=torch.int32,
+                                        device=device)
+        self._offsets = torch.arange(page_size, dtype=torch.int32, device=device)
+
+    def grant_pages(self, slot: int, first_page_index: int, pages: torch.Tensor) -> None:
+        """Map the request's pages number ``first_page_index ..`` to the given page ids."""
+        if slot <= 0 or slot >= self.num_slots:
+            raise ValueError(f"request slot {slot} is outside 1..{self.num_slots - 1}")
+        locs = (pages.to(torch.int32)[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
+        start = first_page_index * self.page_size
+        end = min(start + locs.numel(), self.max_context_len)
+        self.req_to_token[slot, start:end] = locs[: end - start]
+
+    def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token[slot, start:end]

@@ -1,0 +1,219 @@
+"""GGUF (llama.cpp) files: metadata -> ModelConfig, tensors -> dequantized, un-permuted HF layout.
+
+Two llama.cpp conventions are undone here:
+- GGUF lists a tensor's dims innermost first; numpy (and we) list them outermost first, so a
+  weight stored as dims `[in, out]` is the HF `[out, in]` matrix.
+- llama.cpp's converter permutes the rows of q and k so that its rope can rotate adjacent pairs
+  (GPT-J style). The runtime uses rotate-half rope (HF style), so the permutation is inverted.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from gpu.loader.errors import ModelLoadError
+from gpu.model_config import ModelConfig, RopeScaling
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF per-block tensor name -> our unfused name (see load.py for the fused layout).
+_LAYER_TENSORS = {
+    "attn_norm": "input_norm",
+    "ffn_norm": "post_attn_norm",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "embed_tokens",
+    "output_norm.weight": "final_norm",
+    "output.weight": "lm_head",
+}
+# Llama 3.1+ files carry rope scaling as precomputed per-frequency factors, not as metadata.
+_ROPE_FREQS = "rope_freqs.weight"
+
+_REQUIRED = object()
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files
+        raise ModelLoadError(
+            f"could not read GGUF file {path}: {e}. The file looks truncated or corrupt "
+            f"(an interrupted download?); download it again.") from e
+
+
+def gguf_value(reader, key: str, path: Path, default=_REQUIRED):
+    """One metadata value as a Python scalar, string or list."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"GGUF file {path} lacks the metadata key '{key}'; it was not "
+                                 f"written by a llama.cpp converter we understand")
+        return default
+    return field.contents()
+
+
+def gguf_model_config(reader, path: Path) -> ModelConfig:
+    arch = gguf_value(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"architecture '{arch}' in {path} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def meta(key: str, default=_REQUIRED):
+        return gguf_value(reader, f"{arch}.{key}", path, default)
+
+    if int(meta("expert_count", 0) or 0) > 0:
+        raise ModelLoadError(f"{path} is a mixture-of-experts model ({arch}.expert_count > 0); "
+                             f"only dense Llama models are supported")
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    num_kv_heads = int(meta("attention.head_count_kv", num_heads))
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
+    rope_dims = int(meta("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(f"{path}: rope covers {rope_dims} of {head_dim} head dims; partial "
+                             f"rotary embeddings are not supported")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta("vocab_size", None)
+    if vocab is None:
+        if tokens is None:
+            raise ModelLoadError(f"{path} states neither {arch}.vocab_size nor a token list")
+        vocab = len(tokens.data)
+    rope_theta = float(meta("rope.freq_base", 10000.0))
+    eos = gguf_value(reader, "tokenizer.ggml.eos_token_id", path, None)
+    eot = gguf_value(reader, "tokenizer.ggml.eot_token_id", path, None)
+    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    bos = gguf_value(reader, "tokenizer.ggml.bos_token_id", path, None)
+    tensor_names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        architecture=arch,
+        num_layers=int(meta("block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=rope_theta,
+        max_context_len=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=_rope_scaling(reader, arch, path, head_dim, rope_theta),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _rope_scaling(reader, arch: str, path: Path, head_dim: int, theta: float) -> RopeScaling | None:
+    kind = gguf_value(reader, f"{arch}.rope.scaling.type", path, None)
+    if kind not in (None, "none"):
+        raise ModelLoadError(f"{path}: rope scaling type '{kind}' is not supported (only Llama-3 "
+                             f"style scaling is)")
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is None:
+        return None
+    factors = np.asarray(freqs.data, dtype=np.float64).reshape(-1)
+    # The file keeps only the per-frequency result of Llama-3 scaling. Recover the parameters by
+    # recomputing that vector for the published Llama 3.x settings and checking it matches.
+    factor = float(factors.max())
+    candidate = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+    expected = llama3_rope_factors(candidate, head_dim, theta)
+    if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-4, atol=1e-5):
+        raise ModelLoadError(f"{path}: tensor {_ROPE_FREQS} holds rope factors that do not match "
+                             f"Llama-3 scaling (factor {factor}, low 1, high 4, original context "
+                             f"8192); this rope scaling is not supported")
+    return candidate
+
+
+def llama3_rope_factors(s: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs for Llama-3 scaling (freq divisors)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(s.factor)
+        else:
+            smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                      / (s.high_freq_factor - s.low_freq_factor))
+            out.append(1.0 / ((1 - smooth) / s.factor + smooth))
+    return np.asarray(out)
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Invert llama.cpp's `w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _our_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_TENSORS:
+        return f"layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+def _dequantize(tensor, path: Path) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{path}: tensor '{tensor.name}' is stored as "
+                             f"{tensor.tensor_type.name}, which the gguf package cannot dequantize; "
+                             f"use a file quantized as F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K") from e
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor '{tensor.name}' could not be decoded ({e}); the file "
+                             f"looks corrupt, download it again") from e
+    shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF dims are innermost first
+    if values.size != math.prod(shape):
+        raise ModelLoadError(f"{path}: tensor '{tensor.name}' decoded to {values.size} values, "
+                             f"expected {math.prod(shape)}; the file looks corrupt, download it again")
+    values = values.reshape(shape)
+    if not values.flags.writeable:  # a view into the read-only file map: copy, never alias the file
+        values = values.copy()
+    return values.astype(np.float32, copy=False)
+
+
+def load_gguf(path: Path, dtype: torch.dtype,
+              progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """ModelConfig and unfused tensors (our short names, HF [out, in] layout, `dtype`, CPU)."""
+    reader = open_gguf(path)
+    config = gguf_model_config(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    tensors = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
+    for tensor in tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue  # consumed by gguf_model_config
+        name = _our_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(f"{path}: tensor '{tensor.name}' is not part of a Llama model we "
+                                 f"can run (biases, extra heads and the like are not supported)")
+        w = torch.from_numpy(_dequantize(tensor, path))
+        if name.endswith(".q_proj"):
+            w = unpermute_rope_rows(w, config.num_heads)
+        elif name.endswith(".k_proj"):
+            w = unpermute_rope_rows(w, config.num_kv_heads)
+        weights[name] = w.to(dtype).contiguous()
+    return config, weights

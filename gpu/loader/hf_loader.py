@@ -1,0 +1,185 @@
+"""Hugging Face model directories: config.json -> ModelConfig, safetensors -> unfused tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from gpu.loader.errors import ModelLoadError
+from gpu.model_config import ModelConfig, RopeScaling
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+# HF tensor name (without the "model." prefix and ".weight" suffix) -> our unfused name.
+_LAYER_TENSORS = {
+    "input_layernorm": "input_norm",
+    "post_attention_layernorm": "post_attn_norm",
+    "self_attn.q_proj": "q_proj",
+    "self_attn.k_proj": "k_proj",
+    "self_attn.v_proj": "v_proj",
+    "self_attn.o_proj": "o_proj",
+    "mlp.gate_proj": "gate_proj",
+    "mlp.up_proj": "up_proj",
+    "mlp.down_proj": "down_proj",
+}
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not read {file}: {e}") from e
+
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    if model_type != "llama" and not (model_type is None and "LlamaForCausalLM" in architectures):
+        raise ModelLoadError(f"{config_file}: model_type '{model_type}' (architectures "
+                             f"{architectures}) is not supported; supported: llama "
+                             f"(LlamaForCausalLM)")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise ModelLoadError(f"{config_file}: the checkpoint is quantized ({method}); use an "
+                             f"unquantized checkpoint or a GGUF file")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ModelLoadError(f"{config_file}: '{flag}: true' is not supported")
+
+    def need(key: str):
+        if raw.get(key) is None:
+            raise ModelLoadError(f"{config_file} lacks the key '{key}'")
+        return raw[key]
+
+    hidden = int(need("hidden_size"))
+    num_heads = int(need("num_attention_heads"))
+    rope_params = raw.get("rope_parameters") or {}  # transformers >= 5 writes this form
+    rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    eos = _eos_ids(raw.get("eos_token_id"))
+    generation_config = config_file.parent / "generation_config.json"
+    if generation_config.is_file():
+        eos += _eos_ids(_read_json(generation_config).get("eos_token_id"))
+    return ModelConfig(
+        architecture="llama",
+        num_layers=int(need("num_hidden_layers")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        vocab_size=int(need("vocab_size")),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_context_len=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope_params, config_file),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+    )
+
+
+def _rope_scaling(params: dict, config_file: Path) -> RopeScaling | None:
+    kind = params.get("rope_type", params.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ModelLoadError(f"{config_file}: rope scaling type '{kind}' is not supported (only "
+                             f"'llama3' is)")
+    try:
+        return RopeScaling(factor=float(params["factor"]),
+                           low_freq_factor=float(params["low_freq_factor"]),
+                           high_freq_factor=float(params["high_freq_factor"]),
+                           original_max_position_embeddings=int(
+                               params["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ModelLoadError(f"{config_file}: llama3 rope scaling lacks the key {e}") from e
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Every tensor name in the checkpoint -> the safetensors file that holds it."""
+    from safetensors import safe_open
+
+    index = directory / SHARD_INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index} has no 'weight_map'; the index file is damaged")
+        files = {name: directory / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.is_file():
+                raise ModelLoadError(f"{index} names the shard {file.name}, which is missing from "
+                                     f"{directory}; download the model again")
+        return files
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        others = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (found {others}: PyTorch .bin checkpoints are not supported)" if others else ""
+        raise ModelLoadError(f"{directory} has neither {SINGLE_FILE} nor {SHARD_INDEX}{hint}; "
+                             f"expected safetensors weights next to config.json")
+    try:
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as e:
+        raise ModelLoadError(f"could not read {single}: {e}; the file looks truncated or "
+                             f"corrupt, download it again") from e
+
+
+def _wanted_tensors(cfg: ModelConfig) -> dict[str, str]:
+    """Our unfused name -> the checkpoint's tensor name."""
+    wanted = {"embed_tokens": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        wanted["lm_head"] = "lm_head.weight"
+    for i in range(cfg.num_layers):
+        for hf, ours in _LAYER_TENSORS.items():
+            wanted[f"layers.{i}.{ours}"] = f"model.layers.{i}.{hf}.weight"
+    return wanted
+
+
+def load_hf_dir(directory: Path, dtype: torch.dtype,
+                progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """ModelConfig and unfused tensors (our short names, [out, in], `dtype`, CPU)."""
+    from safetensors import safe_open
+
+    config_file = directory / "config.json"
+    raw = _read_json(config_file)
+    config = hf_model_config(raw, config_file)
+    files = _tensor_files(directory)
+    if "tie_word_embeddings" not in raw and "lm_head.weight" not in files:
+        # Not stated and no separate head on disk: the embeddings serve as the head.
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+    wanted = _wanted_tensors(config)
+    for ours, hf in wanted.items():
+        if hf not in files:
+            raise ModelLoadError(f"{directory}: the checkpoint has no tensor '{hf}' (needed for "
+                                 f"{ours}); the weights are incomplete or not a Llama model")
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for ours, hf in wanted.items():
+        by_file.setdefault(files[hf], []).append((ours, hf))
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(wanted), desc=f"loading {directory.name}", unit="tensor",
+               disable=not progress)
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="pt") as f:
+                for ours, hf in names:
+                    weights[ours] = f.get_tensor(hf).to(dtype).contiguous()
+                    bar.update(1)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"could not read {file}: {e}; the file looks truncated or "
+                                 f"corrupt, download it again") from e
+    bar.close()
+    return config, weights

@@ -1,0 +1,109 @@
+"""Load a model from a path, whatever its format, into the one layout the runtime reads.
+
+Both loaders hand back *unfused* Llama tensors under short names (`layers.{i}.q_proj`, ...),
+already in `[out_features, in_features]` layout, on CPU, in the requested dtype. Here they are
+checked against the config and fused, so a forward does one matmul for q/k/v and one for
+gate/up instead of five:
+
+    embed_tokens                  [vocab, hidden]
+    layers.{i}.input_norm         [hidden]
+    layers.{i}.qkv_proj           [q_size + 2 * kv_size, hidden]   rows: q, then k, then v
+    layers.{i}.o_proj             [hidden, q_size]
+    layers.{i}.post_attn_norm     [hidden]
+    layers.{i}.gate_up_proj       [2 * intermediate, hidden]       rows: gate, then up
+    layers.{i}.down_proj          [hidden, intermediate]
+    final_norm                    [hidden]
+    lm_head                       [vocab, hidden]                  only when embeddings are untied
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu.loader.errors import ModelLoadError
+from gpu.model_config import ModelConfig
+
+ACCEPTED = ("a .gguf file (Llama architecture), or a Hugging Face model directory holding "
+            "config.json and model.safetensors (or a sharded model.safetensors.index.json)")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    source: Path
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               progress: bool = True) -> LoadedModel:
+    """Read a GGUF file or an HF directory; raises ModelLoadError with a readable message."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise ModelLoadError(f"model path {source} does not exist; expected {ACCEPTED}")
+    if source.is_file() and source.suffix.lower() == ".gguf":
+        from gpu.loader.gguf_loader import load_gguf
+        config, unfused = load_gguf(source, dtype, progress)
+    elif source.is_dir() and (source / "config.json").is_file():
+        from gpu.loader.hf_loader import load_hf_dir
+        config, unfused = load_hf_dir(source, dtype, progress)
+    elif source.is_dir():
+        raise ModelLoadError(f"directory {source} has no config.json, so it is not a Hugging Face "
+                             f"model directory; expected {ACCEPTED}")
+    else:
+        raise ModelLoadError(f"cannot load {source}: expected {ACCEPTED}")
+    weights = fuse_llama_weights(config, unfused, source)
+    return LoadedModel(config=config, weights=weights, source=source)
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens": (cfg.vocab_size, h),
+        "final_norm": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, h)
+    per_layer = {
+        "input_norm": (h,), "post_attn_norm": (h,),
+        "q_proj": (cfg.q_size, h), "k_proj": (cfg.kv_size, h), "v_proj": (cfg.kv_size, h),
+        "o_proj": (h, cfg.q_size),
+        "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter),
+    }
+    for i in range(cfg.num_layers):
+        for name, shape in per_layer.items():
+            shapes[f"layers.{i}.{name}"] = shape
+    return shapes
+
+
+def fuse_llama_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
+                       source: Path) -> dict[str, torch.Tensor]:
+    """Check every tensor's shape against the config, then fuse q/k/v and gate/up per layer.
+
+    Tensors are popped from `unfused` as they are fused, so peak memory stays near one copy.
+    """
+    for name, shape in _expected_shapes(cfg).items():
+        if name not in unfused:
+            raise ModelLoadError(f"{source}: weight '{name}' is missing (the loader produced no "
+                                 f"such tensor); the model file is incomplete or not a Llama model")
+        if tuple(unfused[name].shape) != shape:
+            raise ModelLoadError(f"{source}: weight '{name}' has shape {tuple(unfused[name].shape)}, "
+                                 f"but the model config implies {shape}; the file and its "
+                                 f"config disagree")
+    fused: dict[str, torch.Tensor] = {}
+    for name in ("embed_tokens", "final_norm", "lm_head"):
+        if name in unfused and (name != "lm_head" or not cfg.tie_word_embeddings):
+            fused[name] = unfused.pop(name).contiguous()
+    unfused.pop("lm_head", None)  # tied: the runtime reuses embed_tokens
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        take = lambda n: unfused.pop(p + n)  # noqa: E731
+        fused[p + "input_norm"] = take("input_norm").contiguous()
+        fused[p + "qkv_proj"] = torch.cat([take("q_proj"), take("k_proj"), take("v_proj")], dim=0)
+        fused[p + "o_proj"] = take("o_proj").contiguous()
+        fused[p + "post_attn_norm"] = take("post_attn_norm").contiguous()
+        fused[p + "gate_up_proj"] = torch.cat([take("gate_proj"), take("up_proj")], dim=0)
+        fused[p + "down_proj"] = take("down_proj").contiguous()
+    return fused

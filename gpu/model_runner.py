@@ -1,0 +1,202 @@
+"""The worker's step executor: applies a StepPlan to the device state and runs one forward.
+
+It owns everything device-side: weights, the KV pool, `req_to_token`, per-slot sampling state and
+the per-slot relay buffers (`output_tokens_buf`: the last token each slot produced;
+`seq_lens_buf`: each slot's length in the cache). Decode entries therefore need only slots.
+The same class serves the offline engine (called in-process) and the worker process (over ZMQ).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu.attention.base import AttentionBackend
+from gpu.device import device_kind, resolve_device, resolve_dtype, synchronize
+from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.kv_cache import KVPool, ReqToTokenPool
+from gpu.llama import LlamaModel
+from gpu.loader.load import load_model
+from gpu.sampler import Sampler, SamplingState
+from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, StepPlan, StepResult, WorkerInfo,
+                                 pack_f32, pack_i32, unpack_i32)
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_path: str
+    device: str = "auto"
+    dtype: str = "bf16"
+    attention_backend: str = "torch"
+    page_size: int = 16
+    max_kv_tokens: int = 65536
+    max_running_requests: int = 64
+    max_context_len: int | None = None  # None: the model's own
+    progress: bool = True
+
+
+def make_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                           num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    scale = head_dim ** -0.5
+    if name == "torch":
+        from gpu.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+    if name == "triton":
+        from gpu.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(f"attention backend '{name}' is unknown; choose one of {ATTENTION_BACKENDS}")
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype)
+        loaded = load_model(cfg.model_path, dtype=self.dtype, progress=cfg.progress)
+        self.model_config = mc = loaded.config
+        self.model_name = Path(cfg.model_path).name
+        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
+        del loaded
+        self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)
+        self.num_slots = cfg.max_running_requests + 1  # slot 0 is padding
+        num_pages = -(-cfg.max_kv_tokens // cfg.page_size) + 1  # page 0 is padding
+        self.kv_pool = KVPool(mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads,
+                              mc.head_dim, self.dtype, self.device)
+        self.req_to_token = ReqToTokenPool(self.num_slots, self.max_context_len, cfg.page_size,
+                                           self.device)
+        self.attn = make_attention_backend(cfg.attention_backend, self.kv_pool, self.req_to_token,
+                                           mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.needs_cpu_seq_lens = self.attn.needs_cpu_seq_lens
+        self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device)
+        self.sampler = Sampler(self.sampling_state)
+        # Per-slot relay buffers (see module docstring).
+        self.output_tokens_buf = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
+        self.seq_lens_buf = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
+
+    def info(self) -> WorkerInfo:
+        mc = self.model_config
+        return WorkerInfo(
+            protocol_version=WORKER_PROTOCOL_VERSION, model_name=self.model_name,
+            device=device_kind(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.cfg.attention_backend, num_layers=mc.num_layers,
+            vocab_size=mc.vocab_size, max_context_len=self.max_context_len,
+            page_size=self.cfg.page_size, num_pages=self.kv_pool.num_pages,
+            num_slots=self.num_slots, eos_token_ids=list(mc.eos_token_ids))
+
+    # -- plan application -------------------------------------------------------------------
+
+    def _apply_bookkeeping(self, plan: StepPlan) -> None:
+        for slot in unpack_i32(plan.released_slots).tolist():
+            self.sampling_state.release(slot)
+            self.seq_lens_buf[slot] = 0
+        for req in plan.new_requests:
+            self.sampling_state.set_request(req.slot, req.params, [])
+        for grant in plan.grants:
+            pages = torch.from_numpy(unpack_i32(grant.pages).copy()).to(self.device)
+            self.req_to_token.grant_pages(grant.slot, grant.first_page_index, pages)
+
+    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
+        """Returns the batch and the row index (into requests) of each request that samples."""
+        dev = self.device
+        ext_ids, ext_slots, ext_prefix, ext_lens, ext_sample = [], [], [], [], []
+        for e in plan.extends:
+            ids = unpack_i32(e.token_ids)
+            ext_ids.append(ids)
+            ext_slots.append(e.slot)
+            ext_prefix.append(e.prefix_len)
+            ext_lens.append(len(ids))
+            ext_sample.append(e.sample)
+            self.sampling_state.add_prompt_tokens(e.slot, torch.from_numpy(ids.astype(np.int64)))
+        decode_slots = torch.from_numpy(unpack_i32(plan.decode_slots).astype(np.int64)).to(dev)
+        num_decode = int(decode_slots.shape[0])
+        num_extend = len(plan.extends)
+
+        if num_extend:
+            e_ids = torch.from_numpy(np.concatenate(ext_ids).astype(np.int64)).to(dev)
+            e_slots = torch.tensor(ext_slots, dtype=torch.long, device=dev)
+            e_prefix = torch.tensor(ext_prefix, dtype=torch.long, device=dev)
+            e_lens = torch.tensor(ext_lens, dtype=torch.long, device=dev)
+            cu = torch.cumsum(e_lens, 0) - e_lens
+            e_pos = (torch.arange(int(e_ids.shape[0]), device=dev)
+                     - torch.repeat_interleave(cu - e_prefix, e_lens))
+        d_prefix = self.seq_lens_buf[decode_slots]
+        d_ids = self.output_tokens_buf[decode_slots]
+        if num_extend and num_decode:
+            mode = ForwardMode.EXTEND
+            input_ids = torch.cat([e_ids, d_ids])
+            positions = torch.cat([e_pos, d_prefix])
+            slots = torch.cat([e_slots, decode_slots])
+            prefix_lens = torch.cat([e_prefix, d_prefix])
+            extend_lens = torch.cat([e_lens, torch.ones_like(decode_slots)])
+        elif num_extend:
+            mode = ForwardMode.EXTEND
+            input_ids, positions, slots, prefix_lens, extend_lens = e_ids, e_pos, e_slots, e_prefix, e_lens
+        else:
+            mode = ForwardMode.DECODE if num_decode else ForwardMode.IDLE
+            input_ids, positions, slots, prefix_lens = d_ids, d_prefix, decode_slots, d_prefix
+            extend_lens = torch.ones_like(decode_slots)
+        seq_lens = prefix_lens + extend_lens
+        token_slots = torch.repeat_interleave(slots, extend_lens) if mode == ForwardMode.EXTEND else slots
+        out_cache_loc = self.req_to_token.req_to_token[token_slots, positions].long()
+        batch = ForwardBatch(mode=mode, input_ids=input_ids, positions=positions, slots=slots,
+                             seq_lens=seq_lens, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                             out_cache_loc=out_cache_loc)
+        if self.needs_cpu_seq_lens and mode != ForwardMode.IDLE:
+            batch.seq_lens_cpu = seq_lens.cpu()
+            batch.prefix_lens_cpu = prefix_lens.cpu()
+            batch.extend_lens_cpu = extend_lens.cpu()
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            batch.max_seq_len = int(batch.seq_lens_cpu.max())
+            batch.max_extend_len = int(batch.extend_lens_cpu.max())
+        sample_rows = [i for i, s in enumerate(ext_sample) if s] + list(
+            range(num_extend, num_extend + num_decode))
+        return batch, torch.tensor(sample_rows, dtype=torch.long, device=dev)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor | None, torch.Tensor]:
+        """Apply the plan and run the decoder. Returns the batch, the final hidden state of every
+        new token (None for an idle batch) and the rows (requests) that sample."""
+        self._apply_bookkeeping(plan)
+        batch, sample_rows = self._build_batch(plan)
+        if batch.mode == ForwardMode.IDLE:
+            return batch, None, sample_rows
+        self.attn.init_forward_metadata(batch)
+        hidden, _ = self.model.hidden_states(batch, self.attn)
+        self.seq_lens_buf[batch.slots] = batch.seq_lens
+        return batch, hidden, sample_rows
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        batch, hidden, sample_rows = self.forward(plan)
+        if hidden is None or sample_rows.numel() == 0:  # idle, or only non-final prefill chunks
+            synchronize(self.device)
+            return StepResult(plan.step_id, b"", b"", b"", 0, b"", b"", _ms(start))
+        last_token = torch.cumsum(batch.extend_lens, 0) - 1
+        logits = self.model.logits(hidden[last_token[sample_rows]])
+        sample_slots = batch.slots[sample_rows]
+        out = self.sampler.sample(logits, sample_slots, batch.seq_lens[sample_rows])
+        self.output_tokens_buf[sample_slots] = out.token_ids
+        self.sampling_state.record_outputs(sample_slots, out.token_ids)
+        n_top = 0 if out.top_logprob_ids is None else int(out.top_logprob_ids.shape[1])
+        return StepResult(
+            step_id=plan.step_id,
+            slots=pack_i32(sample_slots.cpu().numpy()),
+            token_ids=pack_i32(out.token_ids.cpu().numpy()),
+            logprobs=b"" if out.logprobs is None else pack_f32(out.logprobs.float().cpu().numpy()),
+            top_logprobs_n=n_top,
+            top_logprob_ids=b"" if n_top == 0 else pack_i32(out.top_logprob_ids.cpu().numpy()),
+            top_logprobs=b"" if n_top == 0 else pack_f32(out.top_logprobs.float().cpu().numpy()),
+            forward_ms=_ms(start))
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0

@@ -1,0 +1,1 @@
+"""fmserve wire protocol: msgspec messages, codecs and socket helpers shared by all processes."""

@@ -1,0 +1,97 @@
+"""Scheduler <-> worker messages: one plan per step in, one result per step out.
+
+Hot messages are `array_like` (encoded as msgpack arrays, no field names on the wire) and carry
+token arrays as raw little-endian buffers (`bytes` of int32/float32), not lists. A request's
+prompt chunk and sampling params travel once; a running request is referenced by its slot.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from ipc.sampling import SamplingParams
+
+WORKER_PROTOCOL_VERSION = 1
+
+
+def pack_i32(values) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def unpack_i32(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<i4")
+
+
+def pack_f32(values) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_f32(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<f4")
+
+
+class NewRequest(msgspec.Struct, array_like=True, frozen=True):
+    """A request entering a slot: the worker resets the slot's sampling state."""
+
+    slot: int
+    params: SamplingParams
+
+
+class PageGrant(msgspec.Struct, array_like=True, frozen=True):
+    """The request in `slot` owns `pages` as its page number first_page_index, +1, ..."""
+
+    slot: int
+    first_page_index: int
+    pages: bytes  # int32
+
+
+class ExtendEntry(msgspec.Struct, array_like=True, frozen=True):
+    """A prefill chunk: tokens at positions prefix_len .. prefix_len + len(token_ids) - 1."""
+
+    slot: int
+    prefix_len: int
+    token_ids: bytes  # int32
+    sample: bool  # the chunk ends the prompt: sample the first output token from it
+
+
+class StepPlan(msgspec.Struct, tag="plan", array_like=True, frozen=True):
+    """One forward. Decode entries carry only slots: the worker reads each request's input
+    token from its output buffer and its length from its length buffer (the FutureMap shape)."""
+
+    step_id: int
+    new_requests: list[NewRequest]
+    grants: list[PageGrant]
+    extends: list[ExtendEntry]
+    decode_slots: bytes  # int32
+    released_slots: bytes  # int32: slots freed since the last plan
+
+
+class StepResult(msgspec.Struct, tag="result", array_like=True, frozen=True):
+    """Sampled tokens, in plan order: extends that sample, then decodes."""
+
+    step_id: int
+    slots: bytes  # int32
+    token_ids: bytes  # int32
+    logprobs: bytes  # float32, empty when no request in the step asked for logprobs
+    top_logprobs_n: int  # columns of the two arrays below (0 = none)
+    top_logprob_ids: bytes  # int32 [len(slots) * top_logprobs_n]
+    top_logprobs: bytes  # float32 [len(slots) * top_logprobs_n]
+    forward_ms: float
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """What the scheduler must know about a worker's capacity and model."""
+
+    protocol_version: int
+    model_name: str
+    device: str
+    dtype: str
+    attention_backend: str
+    num_layers: int
+    vocab_size: int
+    max_context_len: int
+    page_size: int
+    num_pages: int  # including the reserved page 0
+    num_slots: int  # including the reserved slot 0
+    eos_token_ids: list[int]

@@ -1,0 +1,63 @@
+"""Host-side bookkeeping of KV pages and request slots (no device memory here).
+
+The scheduler decides who owns what; the worker applies the decisions it receives in plans.
+Page 0 and slot 0 are reserved padding and are never handed out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutOfPages(Exception):
+    pass
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"need at least 2 KV pages (page 0 is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(1, num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"need at least 2 request slots (slot 0 is reserved), got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(1, num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    def allocate(self) -> int | None:
+        return self._free.popleft() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)

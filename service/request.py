@@ -1,0 +1,71 @@
+"""A request's life inside the scheduler, and what the scheduler emits for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from ipc.sampling import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, owns no slot or pages
+    PREFILLING = "prefilling"  # owns a slot; prompt chunks still to run
+    DECODING = "decoding"  # prompt done, produces one token per step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # the client asked, or vanished
+    ERROR = "error"  # the worker failed
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose KV is in the cache
+    first_token_time: float | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class TokenLogprob:
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first; empty unless asked
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: new tokens (and their text), maybe its end."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

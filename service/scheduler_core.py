@@ -1,0 +1,292 @@
+"""Continuous batching, free of I/O: requests in, step plans out, step results in, outputs out.
+
+The service drives it from its anyio loop and the offline engine from a plain loop; both send
+the plans to the same `ModelRunner`. Policy, in the spirit of SGLang's scheduler:
+- FCFS waiting queue; a request is admitted when a slot is free and the KV pages for its whole
+  prompt are free (plus one page of headroom), never by skipping the queue head;
+- every step decodes all running requests, then spends what is left of the token budget on
+  prefill chunks (continuing partial prefills first, then admitting new requests);
+- when decode growth runs out of pages, the most recently admitted request is retracted (its
+  pages and slot freed) and later recomputed from its prompt plus what it had generated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ipc.sampling import SamplingParams
+from ipc.worker_messages import (ExtendEntry, NewRequest, PageGrant, StepPlan, StepResult,
+                                 WorkerInfo, pack_i32, unpack_f32, unpack_i32)
+from service.kv_accounting import PageAllocator, SlotAllocator
+from service.request import (FinishReason, Request, RequestOutput, RequestState,
+                             TokenLogprob)
+from service.stop_strings import StopStringMatcher
+from service.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long, bad params, duplicate id)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_tokens_per_step: int = 2048  # decode tokens + prefill chunk tokens per forward
+    max_running_requests: int | None = None  # None: every slot the worker has
+
+
+@dataclass
+class _Streaming:
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+
+
+class SchedulerCore:
+    def __init__(self, info: WorkerInfo, tokenizer: TextTokenizer, cfg: SchedulerConfig) -> None:
+        if cfg.max_tokens_per_step < 1:
+            raise ValueError("max_tokens_per_step must be >= 1")
+        self.info = info
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.pages = PageAllocator(info.num_pages, info.page_size)
+        num_slots = info.num_slots if cfg.max_running_requests is None else min(
+            info.num_slots, cfg.max_running_requests + 1)
+        self.slots = SlotAllocator(num_slots)
+        self.eos_ids = frozenset(info.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request, in admission order
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, _Streaming] = {}
+        self._released: list[int] = []
+        self._inflight: dict[int, Request] = {}  # slot -> request the last plan sampled for
+        self.step_id = 0
+        self.num_retractions = 0  # lifetime count, for telemetry and tests
+
+    # -- requests in ------------------------------------------------------------------------
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if rid in self.requests:
+            raise RequestRejected("duplicate_id", f"request id '{rid}' is already in use")
+        try:
+            params.validate(self.info.vocab_size)
+        except ValueError as exc:
+            raise RequestRejected("invalid_params", str(exc)) from None
+        if not prompt_ids:
+            raise RequestRejected("invalid_prompt", "the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise RequestRejected("invalid_prompt", f"prompt token id {bad[0]} is outside the "
+                                  f"vocabulary 0..{self.info.vocab_size - 1}")
+        limit = self.info.max_context_len
+        if len(prompt_ids) >= limit:
+            raise RequestRejected("prompt_too_long", f"the prompt has {len(prompt_ids)} tokens; "
+                                  f"the context holds {limit}, so it must be shorter than that")
+        if self.pages.pages_for(len(prompt_ids) + 1) + 1 > self.pages.capacity:
+            raise RequestRejected("prompt_too_long", f"the prompt has {len(prompt_ids)} tokens, "
+                                  f"more than the KV cache can ever hold "
+                                  f"({self.pages.capacity * self.pages.page_size} tokens)")
+        req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params)
+        self.requests[rid] = req
+        self._streams[rid] = _Streaming(
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
+            StopStringMatcher(params.stop))
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        """End a request now. Returns its terminal output, or None if the id is unknown."""
+        req = self.requests.get(rid)
+        if req is None:
+            return None
+        if req.state == RequestState.WAITING:
+            self.waiting.remove(req)
+        return self._finish(req, FinishReason.ABORT)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """The worker died: every request ends with an error; accounting returns to empty."""
+        outs = [self._finish(req, FinishReason.ERROR, error=message)
+                for req in list(self.requests.values())]
+        self.waiting.clear()
+        self._inflight.clear()
+        self._released.clear()
+        return outs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- plans out --------------------------------------------------------------------------
+
+    def plan_step(self) -> StepPlan | None:
+        new_requests: list[NewRequest] = []
+        grants: list[PageGrant] = []
+        extends: list[ExtendEntry] = []
+        decode_slots: list[int] = []
+        self._inflight = {}
+
+        for req in self._decoding_requests():
+            if req.state != RequestState.DECODING:
+                continue  # retracted to make room for an older request this very step
+            # The request's last output token enters the cache at position num_cached.
+            if not self._grow(req, req.num_cached + 1, grants):
+                continue  # req itself was retracted to make room
+            decode_slots.append(req.slot)
+            self._inflight[req.slot] = req
+            req.num_cached += 1
+        budget = self.cfg.max_tokens_per_step - len(decode_slots)
+
+        for req in [r for r in self.running.values() if r.state == RequestState.PREFILLING]:
+            if budget <= 0:
+                break
+            budget -= self._plan_chunk(req, budget, grants, extends)
+
+        while budget > 0 and self.waiting:
+            req = self.waiting[0]
+            need = self.pages.pages_for(req.seq_len + 1) + 1
+            if self.slots.num_free == 0 or self.pages.num_free < need:
+                break
+            self.waiting.popleft()
+            req.slot = self.slots.allocate()
+            req.state = RequestState.PREFILLING
+            self.running[req.slot] = req
+            new_requests.append(NewRequest(req.slot, req.params))
+            budget -= self._plan_chunk(req, budget, grants, extends)
+
+        released, self._released = self._released, []
+        if not extends and not decode_slots:
+            if released:  # nothing to run, but the worker should still forget these slots
+                self._released = released
+            return None
+        self.step_id += 1
+        return StepPlan(step_id=self.step_id, new_requests=new_requests, grants=grants,
+                        extends=extends, decode_slots=pack_i32(decode_slots),
+                        released_slots=pack_i32(released))
+
+    def _decoding_requests(self) -> list[Request]:
+        return [r for r in self.running.values() if r.state == RequestState.DECODING]
+
+    def _plan_chunk(self, req: Request, budget: int, grants: list[PageGrant],
+                    extends: list[ExtendEntry]) -> int:
+        ids = req.all_ids  # after a retraction the outputs so far are recomputed too
+        # Prefill never retracts others: it takes what the free pages allow, maybe nothing.
+        room = (len(req.pages) + self.pages.num_free) * self.pages.page_size - req.num_cached
+        chunk = min(budget, len(ids) - req.num_cached, room)
+        if chunk <= 0:
+            return 0
+        end = req.num_cached + chunk
+        self._grow(req, end, grants)
+        done = end == len(ids)
+        extends.append(ExtendEntry(req.slot, req.num_cached, pack_i32(ids[req.num_cached:end]), done))
+        if done:
+            self._inflight[req.slot] = req
+        req.num_cached = end
+        return chunk
+
+    def _grow(self, req: Request, num_tokens: int, grants: list[PageGrant]) -> bool:
+        """Make req own pages for num_tokens tokens, retracting newer requests if needed.
+        Returns False if req itself had to be retracted."""
+        need = self.pages.pages_for(num_tokens) - len(req.pages)
+        while need > self.pages.num_free:
+            victim = next(reversed(self.running.values()))
+            self._retract(victim, grants)
+            if victim is req:
+                return False
+        if need > 0:
+            new_pages = self.pages.allocate(need)
+            grants.append(PageGrant(req.slot, len(req.pages), pack_i32(new_pages)))
+            req.pages.extend(new_pages)
+        return True
+
+    def _retract(self, req: Request, grants: list[PageGrant]) -> None:
+        grants[:] = [g for g in grants if g.slot != req.slot]
+        self._inflight.pop(req.slot, None)
+        self._release_resources(req)
+        req.state = RequestState.WAITING
+        req.num_cached = 0
+        req.num_preemptions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def _release_resources(self, req: Request) -> None:
+        if req.slot is not None:
+            del self.running[req.slot]
+            self.slots.free(req.slot)
+            self._released.append(req.slot)
+            req.slot = None
+        self.pages.free(req.pages)
+        req.pages = []
+
+    # -- results in, outputs out ------------------------------------------------------------
+
+    def process_result(self, result: StepResult) -> list[RequestOutput]:
+        slots = unpack_i32(result.slots)
+        tokens = unpack_i32(result.token_ids)
+        logprobs = unpack_f32(result.logprobs) if result.logprobs else None
+        n_top = result.top_logprobs_n
+        top_ids = unpack_i32(result.top_logprob_ids).reshape(-1, n_top) if n_top else None
+        top_lps = unpack_f32(result.top_logprobs).reshape(-1, n_top) if n_top else None
+        outputs = []
+        now = time.monotonic()
+        for row, (slot, token) in enumerate(zip(slots.tolist(), tokens.tolist())):
+            req = self._inflight.get(slot)
+            if req is None or req.state == RequestState.FINISHED or req.slot != slot:
+                continue  # finished or aborted after this step was planned: drop, once
+            lp = None
+            if req.params.logprobs is not None and logprobs is not None:
+                k = req.params.logprobs
+                top = [] if top_ids is None or k == 0 else list(
+                    zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist()))
+                lp = [TokenLogprob(float(logprobs[row]), top)]
+            outputs.append(self._on_token(req, int(token), lp, now))
+        self._inflight = {}
+        return outputs
+
+    def _on_token(self, req: Request, token: int, lp: list[TokenLogprob] | None,
+                  now: float) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.state = RequestState.DECODING
+        req.output_ids.append(token)
+        params = req.params
+        n_out = len(req.output_ids)
+        reason = None
+        hit_stop_token = False
+        if n_out >= params.min_new_tokens:
+            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                reason, hit_stop_token = FinishReason.STOP, True
+        stream = self._streams[req.rid]
+        text = "" if hit_stop_token else stream.detok.push([token])
+        text, hit_stop_string = stream.stops.push(text)
+        if hit_stop_string and n_out >= params.min_new_tokens:
+            reason = FinishReason.STOP
+        elif reason is None and (n_out >= params.max_new_tokens
+                                 or req.seq_len >= self.info.max_context_len):
+            reason = FinishReason.LENGTH
+        if reason is not None and not hit_stop_string:
+            text += stream.stops.flush()
+        if reason is None:
+            return RequestOutput(req.rid, [token], text, lp)
+        out = self._finish(req, reason)
+        out.token_ids, out.text, out.logprobs = [token], text, lp
+        return out
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        self._release_resources(req)
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.rid, None)
+        self._streams.pop(req.rid, None)
+        return RequestOutput(req.rid, [], "", None, reason, len(req.prompt_ids),
+                             len(req.output_ids), error)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def accounting(self) -> dict[str, int]:
+        return {"free_pages": self.pages.num_free, "total_pages": self.pages.capacity,
+                "free_slots": self.slots.num_free, "total_slots": self.slots.capacity,
+                "waiting": len(self.waiting), "running": len(self.running)}
+

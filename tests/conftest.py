@@ -1,0 +1,24 @@
+"""Shared test set-up. Environment defaults come first, before any test module imports triton."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter; it reads this variable when
+# triton is first imported, so it must be set before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The WRWR check on the FutureMap output buffer is always on under test (see DESIGN.md, item 6).
+os.environ.setdefault("FMSERVE_WRWR_CHECK", "1")
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The model the tests run: $FMSERVE_MODEL if set, else the default model (fetched if needed)."""
+    if env := os.environ.get("FMSERVE_MODEL"):
+        return Path(env)
+    from fmserve.default_model import default_model_path
+
+    return default_model_path()
