@@ -37,54 +37,67 @@ import torch
 from ipc.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
-# Counter-based random numbers: splitmix64 on int64 tensors (multiplication wraps mod 2**64).
+# Counter-based random numbers. A draw (seed, position, stream) gets a 64-bit key from two
+# rounds of splitmix64 in int64 ([bs] elements: cheap); each token then mixes its id with the
+# key's low 32 bits through murmur3's fmix32 in int32, because the per-token work runs over up
+# to [bs, vocab] elements and 32-bit ops cost half as much. Integer multiplication wraps.
 
 
-def _as_i64(x: int) -> int:
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= 1 << 63 else x
+def _wrap(x: int, bits: int) -> int:
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if x >= 1 << (bits - 1) else x
 
 
-_GOLDEN = _as_i64(0x9E3779B97F4A7C15)
-_MIX1 = _as_i64(0xBF58476D1CE4E5B9)
-_MIX2 = _as_i64(0x94D049BB133111EB)
+_GOLDEN64 = _wrap(0x9E3779B97F4A7C15, 64)
+_MIX64_1 = _wrap(0xBF58476D1CE4E5B9, 64)
+_MIX64_2 = _wrap(0x94D049BB133111EB, 64)
+_GOLDEN32 = _wrap(0x9E3779B9, 32)
+_FMIX32_1 = _wrap(0x85EBCA6B, 32)
+_FMIX32_2 = _wrap(0xC2B2AE35, 32)
 
 
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift: torch's ``>>`` on int64 is arithmetic, so mask the sign copies off."""
-    return (z >> s).bitwise_and_((1 << (64 - s)) - 1)
+def _shr(z: torch.Tensor, s: int, bits: int) -> torch.Tensor:
+    """Logical right shift: torch's ``>>`` is arithmetic, so mask the sign copies off."""
+    return (z >> s).bitwise_and_((1 << (bits - s)) - 1)
 
 
 def _mix64_(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's output function, in place."""
-    z.bitwise_xor_(_shr(z, 30)).mul_(_MIX1)
-    z.bitwise_xor_(_shr(z, 27)).mul_(_MIX2)
-    return z.bitwise_xor_(_shr(z, 31))
+    """splitmix64's output function, in place on int64."""
+    z.bitwise_xor_(_shr(z, 30, 64)).mul_(_MIX64_1)
+    z.bitwise_xor_(_shr(z, 27, 64)).mul_(_MIX64_2)
+    return z.bitwise_xor_(_shr(z, 31, 64))
+
+
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser, in place on int32."""
+    h.bitwise_xor_(_shr(h, 16, 32)).mul_(_FMIX32_1)
+    h.bitwise_xor_(_shr(h, 13, 32)).mul_(_FMIX32_2)
+    return h.bitwise_xor_(_shr(h, 16, 32))
 
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int = 0) -> torch.Tensor:
-    """One 64-bit key per draw (seed, position). `stream` separates independent uses of the same
-    draw (token sampling is stream 0; e.g. speculative acceptance can use stream 1)."""
-    z = seeds.long() + _as_i64((stream + 1) * 0x9E3779B97F4A7C15)
+    """One int64 key per draw. `stream` separates independent uses of the same (seed,
+    position): token sampling is stream 0; speculative acceptance can use stream 1."""
+    z = seeds.long() + _wrap((stream + 1) * 0x9E3779B97F4A7C15, 64)
     _mix64_(z)
-    z += (positions.long() + 1) * _GOLDEN
+    z += (positions.long() + 1) * _GOLDEN64
     return _mix64_(z)
 
 
 def _token_terms(token_ids: torch.Tensor) -> torch.Tensor:
-    return (token_ids.long() + 1) * _GOLDEN
+    return (token_ids.int() + 1).mul_(_GOLDEN32)
 
 
 def _uniform_from_terms(keys: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
-    """Uniforms in [2**-24, 1 - 2**-24], so -log(-log u) is always finite."""
-    z = _mix64_(terms + keys[:, None])
-    u = _shr(z, 41).float()  # the top 23 bits: exact in float32
-    return u.add_(0.5).mul_(2.0**-23)
+    """float32 uniforms in [2**-24, 1 - 2**-24] (so -log(-log u) is finite), one per term."""
+    h = _fmix32_(terms ^ keys.to(torch.int32)[:, None])  # the key's low 32 bits
+    # The top 23 bits, signed: [-2**22, 2**22) -> exact in float32 -> centred in (0, 1).
+    return (h >> 9).float().add_(2.0**22 + 0.5).mul_(2.0**-23)
 
 
 def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
                    stream: int = 0) -> torch.Tensor:
-    """Uniform(0, 1) per (row, column): a pure function of (seed, position, token id, stream).
+    """Uniform(0, 1) per (row, column), a pure function of (seed, position, token id, stream).
     seeds, positions: [bs]; token_ids: [bs, n] or [n]. Returns float32 [bs, n]."""
     return _uniform_from_terms(row_keys(seeds, positions, stream), _token_terms(token_ids))
 
@@ -115,6 +128,7 @@ class BatchFlags:
     any_top_k: bool  # the rest are over sampled (non-greedy) rows only
     all_top_k: bool
     max_top_k: int
+    all_truncated: bool  # every sampled row has top_k or top_p: a short candidate list may do
     any_top_p: bool
     any_min_p: bool
     max_logprobs: int  # -1: no row wants logprobs
@@ -173,11 +187,14 @@ class SamplingState:
         params.validate(self.vocab_size)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         greedy = params.greedy
-        top_k = params.top_k if 0 < params.top_k < self.vocab_size else 0
+        # Greedy rows take the argmax; their filters are dropped so they never cost a filter pass.
+        top_k = params.top_k if 0 < params.top_k < self.vocab_size and not greedy else 0
+        top_p = params.top_p if params.top_p < 1.0 and not greedy else 1.0
+        min_p = params.min_p if not greedy else 0.0
         self.float_params[slot] = torch.tensor([
             1.0 if greedy else params.temperature,
-            params.top_p if params.top_p < 1.0 else math.inf,  # inf: rounding never cuts the tail
-            math.log(params.min_p) if params.min_p > 0.0 else -math.inf,
+            top_p if top_p < 1.0 else math.inf,  # inf: float rounding can never cut the tail
+            math.log(min_p) if min_p > 0.0 else -math.inf,
             params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
         ], dtype=torch.float32)
         self.int_params[slot] = torch.tensor([top_k, seed, int(greedy), params.min_new_tokens])
@@ -203,8 +220,8 @@ class SamplingState:
         self._penalised[slot] = penalised
         self._min_tokens[slot] = min_tokens
         self._top_k[slot] = top_k
-        self._top_p[slot] = params.top_p < 1.0
-        self._min_p[slot] = params.min_p > 0.0
+        self._top_p[slot] = top_p < 1.0
+        self._min_p[slot] = min_p > 0.0
         self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.seeds[slot] = seed
         self.add_prompt_tokens(slot, prompt_ids)
@@ -242,6 +259,7 @@ class SamplingState:
         top_k = self._top_k[slots][sampled]
         n_sampled = int(sampled.sum())
         n_top_k = int((top_k > 0).sum())
+        top_p = self._top_p[slots][sampled]
         return BatchFlags(
             all_greedy=n_sampled == 0,
             any_greedy=n_sampled < len(slots),
@@ -250,7 +268,8 @@ class SamplingState:
             any_top_k=n_top_k > 0,
             all_top_k=n_sampled > 0 and n_top_k == n_sampled,
             max_top_k=int(top_k.max()) if n_top_k else 0,
-            any_top_p=bool(self._top_p[slots][sampled].any()),
+            all_truncated=n_sampled > 0 and bool(((top_k > 0) | top_p).all()),
+            any_top_p=bool(top_p.any()),
             any_min_p=bool(self._min_p[slots][sampled].any()),
             max_logprobs=int(self._logprobs[slots].max()) if len(slots) else -1,
         )
@@ -284,7 +303,7 @@ def apply_min_tokens(logits: torch.Tensor, slots: torch.Tensor,
 class Sampler:
     def __init__(self, state: SamplingState):
         self.state = state
-        self._vocab_terms: torch.Tensor | None = None  # _token_terms(arange(vocab)), cached
+        self._all_terms: torch.Tensor | None = None  # _token_terms(arange(vocab)), cached
         self._arange: torch.Tensor | None = None
 
     def batch_flags(self, slots: torch.Tensor, slots_host=None) -> BatchFlags:
@@ -329,34 +348,81 @@ class Sampler:
 
     def _draw(self, scaled: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor,
               positions: torch.Tensor, flags: BatchFlags) -> torch.Tensor:
-        """Gumbel-max over the tokens top-k, top-p and min-p leave, per row."""
-        keys = row_keys(ip[:, _I_SEED], positions)
-        if not (flags.any_top_k or flags.any_top_p):  # no ordering needed
-            vals = scaled
-            if flags.any_min_p:
-                floor = scaled.amax(-1, keepdim=True) + fp[:, _F_LOG_MIN_P, None]
-                vals = scaled.masked_fill(scaled < floor, -math.inf)
-            noise = _gumbel_(_uniform_from_terms(keys, self._all_token_terms(scaled.shape[1])))
-            return noise.add_(vals).argmax(-1)
+        """Gumbel-max over the tokens that top-k, top-p and min-p leave in each row.
 
-        if flags.all_top_k:
-            vals, ids = scaled.topk(flags.max_top_k, dim=-1)
+        Every filter keeps the tokens whose scaled logit is >= a per-row threshold, so the
+        filters only have to find that threshold; the draw then runs either over a candidate
+        list (the top K, when it holds every row's allowed set) or over the whole vocabulary.
+        Noise belongs to the token id, so both give the same token."""
+        keys = row_keys(ip[:, _I_SEED], positions)
+        threshold, vals, ids = None, scaled, None
+        if flags.any_top_k or flags.any_top_p:
+            threshold, vals, ids = self._truncate(scaled, fp, ip, flags)
+        if flags.any_min_p:  # relative to the row's max; renormalisation does not change it
+            row_max = scaled.amax(-1) if ids is None else vals[:, 0]
+            floor = row_max + fp[:, _F_LOG_MIN_P]
+            threshold = floor if threshold is None else torch.maximum(threshold, floor)
+        terms = self._vocab_terms(scaled.shape[1]) if ids is None else _token_terms(ids)
+        scores = _gumbel_(_uniform_from_terms(keys, terms))
+        if threshold is not None:
+            vals = vals.masked_fill(vals < threshold[:, None], -math.inf)
+        choice = scores.add_(vals).argmax(-1, keepdim=True)
+        return choice.squeeze(1) if ids is None else ids.gather(1, choice).squeeze(1)
+
+    def _truncate(self, scaled: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor,
+                  flags: BatchFlags):
+        """Per-row top-k / top-p threshold (-inf where a row has neither), and the candidate
+        list (vals, ids) to draw from, or (scaled, None) when some row needs the whole
+        vocabulary. A full sort is slow on CPUs (over 100 ms for 32 x 49152), so there the
+        top-p cut is first sought in the top 256, then the top 4096; the device sync that
+        checks it is free on a CPU."""
+        vocab = scaled.shape[1]
+        if flags.all_top_k or not flags.any_top_p:  # the top max_k decide every cut
+            widths = [flags.max_top_k]
+        elif self.state.device.type == "cpu":
+            first = max(256, flags.max_top_k)
+            widths = [w for w in dict.fromkeys((first, 4096)) if first <= w < vocab] + [vocab]
         else:
-            vals, ids = scaled.sort(dim=-1, descending=True)
-        n = vals.shape[1]
-        if flags.any_top_k:
-            k = ip[:, _I_TOP_K]
-            k = torch.where(k > 0, k, n)
-            vals.masked_fill_(self._columns(n) >= k[:, None], -math.inf)
-        if flags.any_top_p:  # keep a token while the mass before it is < top_p
-            probs = vals.softmax(-1)
-            mass_before = probs.cumsum(-1).sub_(probs)
-            vals.masked_fill_(mass_before >= fp[:, _F_TOP_P, None], -math.inf)
-        if flags.any_min_p:  # vals[:, 0] is the row's max
-            vals.masked_fill_(vals < vals[:, :1] + fp[:, _F_LOG_MIN_P, None], -math.inf)
-        noise = _gumbel_(_uniform_from_terms(keys, _token_terms(ids)))
-        choice = noise.add_(vals).argmax(-1, keepdim=True)
-        return ids.gather(1, choice).squeeze(1)
+            widths = [vocab]
+        for width in widths:
+            if width < vocab:
+                vals, ids = scaled.topk(width, dim=-1)
+            else:
+                vals, ids = scaled.sort(dim=-1, descending=True)
+            threshold, covered = self._cut(scaled, vals, fp, ip, flags)
+            if covered is None or width == vocab or bool(covered.all()):
+                break
+        if not (flags.all_top_k or width == vocab or flags.all_truncated):
+            return threshold, scaled, None  # some row keeps tokens outside the candidates
+        return threshold, vals, ids
+
+    def _cut(self, scaled: torch.Tensor, vals: torch.Tensor, fp: torch.Tensor,
+             ip: torch.Tensor, flags: BatchFlags):
+        """Threshold from candidates vals (sorted, descending); `covered` says per row whether
+        the candidates decide its top-p cut (None when no row needs checking)."""
+        width = vals.shape[1]
+        top_k = ip[:, _I_TOP_K]
+        has_k = top_k > 0
+        keep = torch.where(has_k, top_k.clamp(max=width), width)  # tokens kept, per row
+        truncated = has_k
+        covered = None
+        if flags.any_top_p:
+            top_p = fp[:, _F_TOP_P]
+            has_p = top_p < math.inf
+            truncated = has_k | has_p
+            in_k = vals.masked_fill(self._columns(width) >= keep[:, None], -math.inf)
+            # top-p after top-k renormalises over the top k (HF); alone it is over the vocab.
+            norm = in_k.logsumexp(-1)
+            if not flags.all_top_k:
+                norm = torch.where(has_k, norm, scaled.logsumexp(-1))
+            probs = (in_k - norm[:, None]).exp_()
+            mass = probs.cumsum(-1)
+            mass_before = torch.nn.functional.pad(mass[:, :-1], (1, 0))  # exactly monotone
+            keep = torch.minimum(keep, (mass_before < top_p[:, None]).sum(-1))
+            if not flags.all_top_k:  # rows without top_k need the cut inside the candidates
+                covered = has_k | ~has_p | (mass[:, -1] >= top_p)
+        threshold = vals.gather(1, (keep - 1)[:, None]).squeeze(1)
+        return threshold.masked_fill_(~truncated, -math.inf), covered
 
     def _with_logprobs(self, tokens: torch.Tensor, scaled: torch.Tensor, n: int) -> SampleOutput:
         if n < 0:
@@ -368,11 +434,10 @@ class Sampler:
         top_lp, top_ids = logp.topk(n, dim=-1)
         return SampleOutput(tokens, chosen, top_ids, top_lp)
 
-    def _all_token_terms(self, width: int) -> torch.Tensor:
-        if self._vocab_terms is None or self._vocab_terms.shape[0] != width:
-            ids = torch.arange(width, device=self.state.device)
-            self._vocab_terms = _token_terms(ids)
-        return self._vocab_terms
+    def _vocab_terms(self, width: int) -> torch.Tensor:
+        if self._all_terms is None or self._all_terms.shape[0] != width:
+            self._all_terms = _token_terms(torch.arange(width, device=self.state.device))
+        return self._all_terms
 
     def _columns(self, n: int) -> torch.Tensor:
         if self._arange is None or self._arange.shape[0] < n:

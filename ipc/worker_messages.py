@@ -95,3 +95,24 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     num_pages: int  # including the reserved page 0
     num_slots: int  # including the reserved slot 0
     eos_token_ids: list[int]
+
+
+class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
+    """First message of a worker, after its model is loaded."""
+
+    info: WorkerInfo
+
+
+class WorkerFailed(msgspec.Struct, tag="failed", frozen=True):
+    """The worker could not start or could not run a step; it exits after sending this."""
+
+    step_id: int | None
+    message: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    """Scheduler -> worker: finish and exit."""
+
+
+SchedulerToWorker = StepPlan | Shutdown
+WorkerToScheduler = StepResult | WorkerReady | WorkerFailed

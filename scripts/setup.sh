@@ -19,6 +19,12 @@ TORCH_SPEC="${FMSERVE_TORCH_SPEC:-torch==2.13.0}"
 log() { echo "[setup] $*" >&2; }
 die() { echo "[setup] error: $*" >&2; exit 1; }
 
+# pip on this project's machines warns about every package missing from its local file indexes;
+# harmless, and hundreds of lines, so those lines are dropped (pip's exit status is kept).
+pip_quiet() {
+    "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
 python_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
 
 find_base_python() {
@@ -56,10 +62,10 @@ fi
 if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" || "$(cat "$STAMP")" != "$ROOT" ]]; then
     if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
         log "installing $TORCH_SPEC"
-        "$PY" -m pip install -q "$TORCH_SPEC"
+        pip_quiet install -q "$TORCH_SPEC"
     fi
     log "installing fmserve (editable, with dev extras)"
-    "$PY" -m pip install -q -e "$ROOT[dev]"
+    pip_quiet install -q -e "$ROOT[dev]"
     echo "$ROOT" > "$STAMP"
 fi
 

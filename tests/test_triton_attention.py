@@ -202,6 +202,15 @@ def test_extend_head_dim_128_bf16_with_prefix():
                     num_heads=8, num_kv_heads=2, head_dim=128, **BF16)
 
 
+def test_head_dim_not_a_power_of_two():
+    # head_dim 80 runs in a 128-wide block with the tail masked off.
+    shape = dict(num_heads=4, num_kv_heads=2, head_dim=80)
+    run_and_compare(1e-4, seq_lens=[45, 20], prefix_lens=[30, 0], page_size=16, decode=False,
+                    **shape, **FP32)
+    run_and_compare(1e-4, seq_lens=[45, 200], prefix_lens=[44, 199], page_size=16,
+                    decode=True, **shape, **FP32)
+
+
 def test_idle_batch_returns_empty_without_launching():
     backend, _, _, _, _, layer_id = build_case(
         seq_lens=[4], prefix_lens=[0], page_size=16, decode=False, **SMOL, **FP32)

@@ -41,6 +41,13 @@ EXTEND_BLOCK_N = 64  # keys per inner step of the extend kernel
 
 
 @triton.jit
+def _decode_split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per chunk: whole BLOCK_N steps, so only a sequence's last step is ragged (and
+    never 0, so a zero-length padding request cannot divide by zero in the reduce)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KBuf, VBuf, ReqToToken, Slots, SeqLens, MidO, MidLse,
     sm_scale,
@@ -74,8 +81,7 @@ def _decode_split_kernel(
 
     slot = tl.load(Slots + req).to(tl.int64)
     seq_len = tl.load(SeqLens + req).to(tl.int32)
-    # Chunks are whole BLOCK_N steps so that only a sequence's last step is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _decode_split_len(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -134,7 +140,7 @@ def _decode_reduce_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(SeqLens + req).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _decode_split_len(seq_len, NUM_SPLITS, BLOCK_N)
     num_used = tl.cdiv(seq_len, per_split)  # non-empty chunks come first
 
     offs_s = tl.arange(0, NUM_SPLITS)

@@ -1,0 +1,97 @@
+"""Client <-> service messages (msgpack over a ZMQ DEALER/ROUTER pair).
+
+Every frame is one msgpack map with a "type" tag. A client sends `Generate`, `Abort`, `Health`
+or `Ping`; the service answers a `Generate` with zero or more `Chunk`s and exactly one terminal
+message, `Finished` or `Error`. Unknown fields are refused (`forbid_unknown_fields`), so a typo
+in a request is an error, not a silently ignored option.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ipc.sampling import SamplingParams
+
+CLIENT_PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 8 << 20  # larger frames are refused with Error(code="message_too_large")
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+class Generate(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
+    """Start a request. Exactly one of text, token_ids, messages must be given."""
+
+    id: str  # chosen by the client, unique among its requests in flight
+    text: str | None = None  # plain text, encoded as is
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None  # rendered with the model's chat template
+    params: SamplingParams = SamplingParams()
+    stream: bool = True  # False: one Chunk with all tokens right before Finished
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
+    id: str
+
+
+class Health(msgspec.Struct, tag="health", frozen=True, forbid_unknown_fields=True):
+    """Ask for the service's state; answered with `Stats`."""
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
+    """Client heartbeat; answered with `Pong`. Any message counts as a sign of life."""
+
+
+ClientRequest = Generate | Abort | Health | Ping
+
+
+class Chunk(msgspec.Struct, tag="chunk", frozen=True):
+    id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None  # one per token, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None = None  # arrival to first token
+    e2e_ms: float | None = None  # arrival to finish
+
+
+class Finished(msgspec.Struct, tag="finished", frozen=True):
+    id: str
+    reason: str  # "stop" | "length" | "abort"
+    usage: Usage
+
+
+class Error(msgspec.Struct, tag="error", frozen=True):
+    """A request failed (id set) or a frame could not be understood (id may be None)."""
+
+    id: str | None
+    code: str  # machine-readable: "invalid_message", "invalid_params", "prompt_too_long", ...
+    message: str  # for people: what was wrong and what to do
+
+
+class Stats(msgspec.Struct, tag="stats", frozen=True):
+    model: str
+    device: str
+    worker_alive: bool
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    free_slots: int
+    total_slots: int
+    steps: int
+    output_tokens: int
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    pass
+
+
+ServiceReply = Chunk | Finished | Error | Stats | Pong

@@ -1,0 +1,1 @@
+"""The scheduler process: requests, tokenizer, queue, KV accounting, batch planning, streaming."""
