@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 
 import gguf
@@ -244,11 +243,13 @@ def _write_gguf(path: Path, model: LlamaForCausalLM | None, arch: str = "llama",
         elif kind == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, w.astype(np.float16))
         elif kind == gguf.GGMLQuantizationType.Q8_1:  # bytes only: gguf cannot dequantize it
-            blocks = np.zeros((w.shape[0], w.shape[1] // 32 * 36), dtype=np.uint8)
-            writer.add_tensor(name, blocks, raw_shape=w.shape, raw_dtype=kind)
+            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            blocks = np.zeros((w.shape[0], w.shape[1] // block_elems * block_bytes), np.uint8)
+            writer.add_tensor(name, blocks, raw_dtype=kind)
         else:
+            # raw_dtype: the writer turns the byte shape back into the element shape
             writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), kind),
-                              raw_shape=w.shape, raw_dtype=kind)
+                              raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -347,4 +348,3 @@ def test_not_a_model_file(tmp_path):
     file.write_bytes(b"\0" * 16)
     with pytest.raises(ModelLoadError, match=r"weights.bin.*\.gguf"):
         load_model(file)
-    shutil.rmtree(tmp_path)

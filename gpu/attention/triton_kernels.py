@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 # Whether triton.jit below built interpreted kernels (they then accept CPU tensors).
-KERNELS_INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+KERNELS_INTERPRETED: bool = (
+    os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
 
 DECODE_BLOCK_N = 32  # keys per inner step of the decode kernel
 DECODE_BLOCK_H = 16  # query heads per program (padded; tl.dot needs M >= 16)

@@ -160,10 +160,11 @@ def load_hf_dir(directory: Path, dtype: torch.dtype,
         # Not stated and no separate head on disk: the embeddings serve as the head.
         config = dataclasses.replace(config, tie_word_embeddings=True)
     wanted = _wanted_tensors(config)
+    listing = directory / (SHARD_INDEX if (directory / SHARD_INDEX).is_file() else SINGLE_FILE)
     for ours, hf in wanted.items():
         if hf not in files:
-            raise ModelLoadError(f"{directory}: the checkpoint has no tensor '{hf}' (needed for "
-                                 f"{ours}); the weights are incomplete or not a Llama model")
+            raise ModelLoadError(f"{listing} has no tensor '{hf}' (needed for {ours}); the "
+                                 f"weights are incomplete or not a Llama model")
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for ours, hf in wanted.items():
         by_file.setdefault(files[hf], []).append((ours, hf))

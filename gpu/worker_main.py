@@ -1,0 +1,154 @@
+"""The worker process: a ModelRunner behind one ZMQ PAIR socket.
+
+    python -m gpu.worker_main --endpoint ipc:///tmp/fmserve-x/worker.sock \
+        --config '{"model_path": "...", "dtype": "fp32"}' [--parent-pid N]
+
+The scheduler binds the endpoint and spawns this module (service/worker_supervisor.py); the worker
+connects (PAIR: one peer, ordered, both ways; see ipc/zmq_util.py). Conversation:
+
+    worker -> WorkerReady(info)           once the model is loaded
+    plan   -> StepResult                  one result per plan, in order
+    Shutdown                              close and exit 0
+    worker -> WorkerFailed(step_id, msg)  load (step_id None) or a step failed; then exit 1
+
+The worker exits by itself (code 3) as soon as its parent is gone, even in the middle of loading
+or of a long forward, so a killed service never leaves a process holding the device. It never
+talks to clients and never imports `service`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from ipc.worker_messages import Shutdown, StepPlan, WorkerFailed, WorkerReady
+from ipc.zmq_util import WorkerSideCodec, configure_socket
+
+EXIT_OK, EXIT_FAILED, EXIT_ORPHANED = 0, 1, 3
+PARENT_POLL_S = 0.25
+# Our last message (WorkerFailed) must reach the scheduler before the process exits, so the
+# socket lingers that long on close instead of dropping it (linger 0 elsewhere).
+FINAL_LINGER_MS = 2000
+
+
+def watch_parent(parent_pid: int, interval_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Exit the whole process once `parent_pid` is no longer our parent (it died and we were
+    re-parented to init or a subreaper). A daemon thread, so it also fires while the main
+    thread is busy loading weights or inside a forward, where no recv loop could look."""
+
+    def run() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                print(f"fmserve worker {os.getpid()}: parent process {parent_pid} is gone; "
+                      f"exiting", file=sys.stderr, flush=True)
+                os._exit(EXIT_ORPHANED)
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=run, name="fmserve-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def parse_runner_config(text: str):
+    """JSON of RunnerConfig fields -> RunnerConfig; the load progress bar is always off here
+    (stderr is a log file)."""
+    from gpu.model_runner import RunnerConfig  # imports torch: after the parent watch is up
+
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config is not valid JSON ({exc}): {text[:200]!r}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--config must be a JSON object of RunnerConfig fields, got {text[:200]!r}")
+    known = {f.name for f in dataclasses.fields(RunnerConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"--config has unknown RunnerConfig fields {unknown}; "
+                         f"known fields are {sorted(known)}")
+    if "model_path" not in fields:
+        raise ValueError("--config lacks model_path")
+    fields["progress"] = False
+    return RunnerConfig(**fields)
+
+
+def describe_exception(exc: BaseException) -> str:
+    """One line for people: the error and the innermost frame it came from."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        f = frames[-1]
+        text += f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
+    return text
+
+
+def serve(sock: zmq.Socket, config_json: str) -> int:
+    """Load, announce, then answer plans until Shutdown. Returns the exit code."""
+    codec = WorkerSideCodec()
+
+    def fail(step_id: int | None, message: str) -> int:
+        traceback.print_exc()  # the full traceback goes to the log file
+        print(f"fmserve worker: {message}", file=sys.stderr, flush=True)
+        sock.setsockopt(zmq.LINGER, FINAL_LINGER_MS)
+        sock.send(codec.encode(WorkerFailed(step_id, message)))
+        return EXIT_FAILED
+
+    try:
+        from gpu.model_runner import ModelRunner
+
+        runner = ModelRunner(parse_runner_config(config_json))
+        info = runner.info()
+    except Exception as exc:
+        return fail(None, describe_exception(exc))
+    sock.send(codec.encode(WorkerReady(info)))
+    print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
+          f"{info.dtype}, {info.attention_backend})", file=sys.stderr, flush=True)
+
+    while True:
+        data = sock.recv()
+        try:
+            msg = codec.decode(data)
+        except Exception as exc:
+            return fail(None, f"the worker received a message it cannot decode: "
+                              f"{describe_exception(exc)}")
+        if isinstance(msg, Shutdown):
+            return EXIT_OK
+        assert isinstance(msg, StepPlan)
+        try:
+            result = runner.step(msg)
+        except Exception as exc:
+            return fail(msg.step_id, f"step {msg.step_id} failed in the worker: "
+                                     f"{describe_exception(exc)}")
+        sock.send(codec.encode(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu.worker_main",
+                                     description="fmserve worker process (spawned by the service)")
+    parser.add_argument("--endpoint", required=True, help="ZMQ endpoint the scheduler bound")
+    parser.add_argument("--config", required=True, help="JSON object of RunnerConfig fields")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is gone (default: the parent at start)")
+    args = parser.parse_args(argv)
+
+    parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
+    watch_parent(parent_pid)
+    ctx = zmq.Context()
+    sock = configure_socket(ctx.socket(zmq.PAIR))
+    try:
+        sock.connect(args.endpoint)
+        return serve(sock, args.config)
+    finally:
+        sock.close()  # lingers only if fail() raised LINGER for a final message
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

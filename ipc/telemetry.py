@@ -1,0 +1,57 @@
+"""The telemetry snapshot the service publishes a few times a second (one frame each, PUB).
+
+Snapshots are whole states, not deltas, so a monitor that joins late or drops a frame is
+right again at the next one.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RequestTelemetry(msgspec.Struct, array_like=True, frozen=True):
+    id: str
+    slot: int  # 0 while waiting
+    state: str  # "waiting" | "prefilling" | "decoding"
+    prompt_len: int
+    seq_len: int  # prompt + generated tokens
+    generated: int
+    last_accept_len: int  # draft tokens accepted in the last step (0 without speculation)
+    age_s: float
+
+
+class StepTelemetry(msgspec.Struct, array_like=True, frozen=True):
+    step_id: int
+    batch_size: int
+    num_tokens: int  # tokens fed to the forward (prefill chunks + decodes)
+    forward_ms: float  # worker time for the step
+    wall_ms: float  # scheduler's view: plan sent to result processed
+
+
+class WorkerTelemetry(msgspec.Struct, frozen=True):
+    alive: bool
+    pid: int | None
+    restarts: int
+    device: str
+    dtype: str
+    attention_backend: str
+
+
+class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
+    time: float  # unix seconds
+    model: str
+    overlap: bool
+    speculation: bool
+    running: list[RequestTelemetry]
+    waiting: list[RequestTelemetry]
+    free_pages: int
+    total_pages: int
+    page_size: int
+    free_slots: int
+    total_slots: int
+    output_tokens_per_s: float  # over the last few seconds
+    total_output_tokens: int
+    finished_requests: int
+    retractions: int
+    recent_steps: list[StepTelemetry]  # newest last
+    worker: WorkerTelemetry

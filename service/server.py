@@ -1,0 +1,294 @@
+"""The scheduler process: clients in over ZMQ ROUTER, plans out to the worker, tokens back.
+
+Three anyio tasks share one event loop (asyncio backend):
+- `_receive_loop`: decodes client frames, admits requests into the SchedulerCore, aborts;
+- `_step_loop`: plan -> worker.step -> process result -> stream replies, while there is work;
+- `_housekeeping_loop`: publishes telemetry snapshots and aborts requests of silent clients.
+The worker is a separate process (see worker_supervisor); if it dies mid-step, its requests
+get an Error, it is restarted, and serving continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import deque
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from ipc.client_messages import (Abort, Chunk, Error, Finished, Generate, Health, Ping, Pong,
+                                 Stats, Usage)
+from ipc.codec import ProtocolError, decode_client_request, encode
+from ipc.telemetry import StepTelemetry
+from ipc.worker_messages import WorkerInfo, unpack_i32
+from service.client_registry import ClientRegistry
+from service.config import ServiceConfig
+from service.request import FinishReason, RequestOutput
+from service.scheduler_core import RequestRejected, SchedulerConfig, SchedulerCore
+from service.telemetry import TelemetryPublisher
+from service.tokenizer import TextTokenizer
+from service.worker_supervisor import WorkerDied, WorkerHandle, WorkerStartError
+
+log = logging.getLogger("fmserve.service")
+
+
+class Service:
+    def __init__(self, cfg: ServiceConfig, model_path: str) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.tokenizer = TextTokenizer.from_model_path(model_path)
+        rt = cfg.runtime
+        self.worker = WorkerHandle(
+            runner_config=dict(model_path=model_path, device=cfg.model.device,
+                               dtype=cfg.model.dtype, attention_backend=rt.attention_backend,
+                               page_size=rt.page_size, max_kv_tokens=rt.max_kv_tokens,
+                               max_running_requests=rt.max_running_requests,
+                               max_context_len=rt.max_context_len or None, progress=False),
+            ready_timeout_s=cfg.worker.ready_timeout_s, step_timeout_s=cfg.worker.step_timeout_s)
+        self.clients = ClientRegistry()
+        self.core: SchedulerCore | None = None
+        self.info: WorkerInfo | None = None
+        self.worker_restarts = 0
+        self.worker_ok = False
+        self.steps = 0
+        self.output_tokens = 0
+        self.finished_requests = 0
+        self.recent_steps: deque[StepTelemetry] = deque(maxlen=64)
+        self._work = anyio.Event()
+        self._ctx = zmq.asyncio.Context()
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, cfg.service.max_message_bytes + 4096)
+        self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint, self)
+        self.bound_endpoint: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, ready: anyio.Event | None = None) -> None:
+        self.info = await self.worker.start()
+        self.worker_ok = True
+        self.core = SchedulerCore(self.info, self.tokenizer, SchedulerConfig(
+            max_tokens_per_step=self.cfg.runtime.max_tokens_per_step))
+        self.router.bind(self.cfg.service.client_endpoint)
+        self.bound_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.telemetry.bind()
+        log.info("serving %s on %s (telemetry %s)", self.info.model_name, self.bound_endpoint,
+                 self.telemetry.endpoint)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._signal_watch, tg.cancel_scope)
+                tg.start_soon(self._receive_loop)
+                tg.start_soon(self._step_loop)
+                tg.start_soon(self._housekeeping_loop)
+                if ready is not None:
+                    ready.set()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
+
+    async def _signal_watch(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s: shutting down", signal.Signals(signum).name)
+                scope.cancel()
+                return
+
+    async def _shutdown(self) -> None:
+        if self.core is not None:
+            for out in self.core.fail_all("the service is shutting down"):
+                await self._reply_terminal(out, code="service_shutdown")
+        await self.worker.stop(timeout=5.0)
+        self.telemetry.close()
+        self.router.close(linger=0)
+        self._ctx.term()
+
+    # -- clients ----------------------------------------------------------------------------
+
+    async def _send(self, identity: bytes, msg) -> None:
+        try:
+            await self.router.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client is gone or its queue is full: drop
+            log.debug("dropping a reply to %s: %s", identity.hex(), exc)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 2:
+                log.warning("dropping a message of %d frames (expected identity + payload)",
+                            len(frames))
+                continue
+            identity, payload = frames
+            self.clients.touch(identity)
+            try:
+                msg = decode_client_request(payload)
+            except ProtocolError as exc:
+                await self._send(identity, Error(exc.request_id, exc.code, str(exc)))
+                continue
+            if isinstance(msg, Generate):
+                await self._on_generate(identity, msg)
+            elif isinstance(msg, Abort):
+                await self._on_abort(identity, msg)
+            elif isinstance(msg, Health):
+                await self._send(identity, self.stats())
+            elif isinstance(msg, Ping):
+                await self._send(identity, Pong())
+
+    async def _on_generate(self, identity: bytes, msg: Generate) -> None:
+        rid = self.clients.scheduler_id(identity, msg.id)
+        if rid in self.clients.requests:
+            await self._send(identity, Error(msg.id, "duplicate_id",
+                                             f"request id '{msg.id}' is already in flight on "
+                                             "this connection: use a new id"))
+            return
+        if not self.worker_ok:
+            await self._send(identity, Error(msg.id, "worker_unavailable",
+                                             "the model worker is down and could not be "
+                                             "restarted; see the service log"))
+            return
+        try:
+            if msg.messages is not None:
+                ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                                  for m in msg.messages])
+            elif msg.text is not None:
+                ids = self.tokenizer.encode(msg.text)
+            else:
+                ids = list(msg.token_ids or [])
+            self.core.add_request(rid, ids, msg.params)
+        except RequestRejected as exc:
+            await self._send(identity, Error(msg.id, exc.code, str(exc)))
+            return
+        except Exception as exc:  # a template or tokenizer failure: the client's input
+            await self._send(identity, Error(msg.id, "invalid_prompt", f"could not encode the "
+                                             f"prompt: {exc}"))
+            return
+        self.clients.add(identity, msg.id, msg.stream)
+        self._work.set()
+
+    async def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        rid = self.clients.scheduler_id(identity, msg.id)
+        out = self.core.abort(rid) if rid in self.clients.requests else None
+        if out is None:
+            await self._send(identity, Error(msg.id, "unknown_request",
+                                             f"no request '{msg.id}' is in flight on this "
+                                             "connection (finished already, or never sent)"))
+            return
+        await self._reply_terminal(out)
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while True:
+            plan = self.core.plan_step() if self.core.has_work else None
+            if plan is None:
+                self._work = anyio.Event()
+                if self.core.has_work:  # work that cannot be planned now (no pages): poll
+                    with anyio.move_on_after(0.05):
+                        await self._work.wait()
+                else:
+                    await self._work.wait()
+                continue
+            start = time.perf_counter()
+            try:
+                result = await self.worker.step(plan)
+            except WorkerDied as exc:
+                await self._on_worker_death(str(exc))
+                continue
+            outputs = self.core.process_result(result)
+            for out in outputs:
+                await self._reply(out)
+            num_tokens = sum(len(unpack_i32(e.token_ids)) for e in plan.extends) + len(
+                unpack_i32(plan.decode_slots))
+            self.steps += 1
+            self.recent_steps.append(StepTelemetry(
+                plan.step_id, len(plan.extends) + len(unpack_i32(plan.decode_slots)), num_tokens,
+                result.forward_ms, (time.perf_counter() - start) * 1000.0))
+            await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
+
+    async def _on_worker_death(self, message: str) -> None:
+        log.error("worker died: %s", message)
+        self.worker_ok = False
+        for out in self.core.fail_all(f"the model worker died during a step: {message}"):
+            await self._reply_terminal(out, code="worker_died")
+        if not self.cfg.worker.restart_on_failure or \
+                self.worker_restarts >= self.cfg.worker.max_restarts:
+            log.error("not restarting the worker (restarts so far: %d)", self.worker_restarts)
+            return
+        try:
+            self.worker_restarts += 1
+            info = await self.worker.restart()
+        except WorkerStartError as exc:
+            log.error("worker restart failed: %s", exc)
+            return
+        self.info = info
+        self.core = SchedulerCore(info, self.tokenizer, self.core.cfg)
+        self.worker_ok = True
+
+    # -- replies ----------------------------------------------------------------------------
+
+    async def _reply(self, out: RequestOutput) -> None:
+        info = self.clients.requests.get(out.rid)
+        if info is None:
+            return
+        if out.token_ids:
+            self.output_tokens += len(out.token_ids)
+            if info.first_token is None:
+                info.first_token = time.monotonic()
+            lps = [lp.logprob for lp in out.logprobs] if out.logprobs else None
+            tops = [lp.top for lp in out.logprobs] if out.logprobs else None
+            if info.stream:
+                await self._send(info.identity, Chunk(info.client_id, out.token_ids, out.text,
+                                                      lps, tops))
+            else:
+                info.tokens += out.token_ids
+                info.text.append(out.text)
+                info.logprobs += lps or []
+                info.top_logprobs += tops or []
+        if out.finished:
+            await self._reply_terminal(out)
+
+    async def _reply_terminal(self, out: RequestOutput, code: str = "internal_error") -> None:
+        info = self.clients.pop(out.rid)
+        if info is None:
+            return
+        self.finished_requests += 1
+        if out.finish_reason == FinishReason.ERROR:
+            await self._send(info.identity, Error(info.client_id, code, out.error or "failed"))
+            return
+        if not info.stream and info.tokens:
+            await self._send(info.identity, Chunk(
+                info.client_id, info.tokens, "".join(info.text),
+                info.logprobs or None, info.top_logprobs or None))
+        now = time.monotonic()
+        ttft = None if info.first_token is None else (info.first_token - info.arrival) * 1000.0
+        usage = Usage(out.prompt_tokens, out.completion_tokens, ttft, (now - info.arrival) * 1000.0)
+        await self._send(info.identity, Finished(info.client_id, out.finish_reason.value, usage))
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    async def _housekeeping_loop(self) -> None:
+        interval = self.cfg.service.telemetry_interval_s
+        while True:
+            await anyio.sleep(interval)
+            self.telemetry.publish()
+            for identity in self.clients.silent_clients(self.cfg.service.client_timeout_s):
+                rids = self.clients.requests_of(identity)
+                log.warning("client %s silent for %.0f s: aborting its %d request(s)",
+                            identity.hex(), self.cfg.service.client_timeout_s, len(rids))
+                for rid in rids:
+                    out = self.core.abort(rid)
+                    if out is not None:
+                        await self._reply_terminal(out)
+                    else:
+                        self.clients.pop(rid)
+
+    def stats(self) -> Stats:
+        acc = self.core.accounting()
+        return Stats(model=self.info.model_name, device=self.info.device,
+                     worker_alive=self.worker_ok, running=acc["running"],
+                     waiting=acc["waiting"], free_pages=acc["free_pages"],
+                     total_pages=acc["total_pages"], free_slots=acc["free_slots"],
+                     total_slots=acc["total_slots"], steps=self.steps,
+                     output_tokens=self.output_tokens)

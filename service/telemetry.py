@@ -1,0 +1,77 @@
+"""Publishes whole-state `TelemetrySnapshot`s on a ZMQ PUB socket for `fmserve top`."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from ipc.telemetry import RequestTelemetry, TelemetrySnapshot, WorkerTelemetry
+from service.request import Request, RequestState
+
+if TYPE_CHECKING:
+    from service.server import Service
+
+THROUGHPUT_WINDOW_S = 5.0
+
+
+def request_telemetry(req: Request, now: float) -> RequestTelemetry:
+    return RequestTelemetry(id=req.rid.split("/", 1)[-1], slot=req.slot or 0,
+                            state=req.state.value, prompt_len=len(req.prompt_ids),
+                            seq_len=req.seq_len, generated=len(req.output_ids),
+                            last_accept_len=0, age_s=now - req.arrival)
+
+
+class TelemetryPublisher:
+    def __init__(self, ctx: zmq.Context, endpoint: str, service: Service) -> None:
+        self.service = service
+        self._requested = endpoint
+        self.socket = zmq.Socket(ctx, zmq.PUB)  # a plain (blocking-API) socket: sends never wait
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 16)  # a slow monitor drops frames, never blocks us
+        self.endpoint: str | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._history: deque[tuple[float, int]] = deque()
+
+    def bind(self) -> None:
+        self.socket.bind(self._requested)
+        self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def snapshot(self) -> TelemetrySnapshot:
+        svc = self.service
+        now_m = time.monotonic()
+        self._history.append((now_m, svc.output_tokens))
+        while self._history and now_m - self._history[0][0] > THROUGHPUT_WINDOW_S:
+            self._history.popleft()
+        t0, n0 = self._history[0]
+        rate = (svc.output_tokens - n0) / (now_m - t0) if now_m > t0 else 0.0
+        core, info = svc.core, svc.info
+        running = [request_telemetry(r, now_m) for r in core.running.values()]
+        waiting = [request_telemetry(r, now_m) for r in core.waiting
+                   if r.state == RequestState.WAITING]
+        acc = core.accounting()
+        return TelemetrySnapshot(
+            time=time.time(), model=info.model_name, overlap=False, speculation=False,
+            running=running, waiting=waiting, free_pages=acc["free_pages"],
+            total_pages=acc["total_pages"], page_size=info.page_size,
+            free_slots=acc["free_slots"], total_slots=acc["total_slots"],
+            output_tokens_per_s=rate, total_output_tokens=svc.output_tokens,
+            finished_requests=svc.finished_requests, retractions=core.num_retractions,
+            recent_steps=list(svc.recent_steps)[-16:],
+            worker=WorkerTelemetry(alive=svc.worker_ok, pid=svc.worker.pid,
+                                   restarts=svc.worker_restarts, device=info.device,
+                                   dtype=info.dtype, attention_backend=info.attention_backend))
+
+    def publish(self) -> None:
+        if self.endpoint is None or self.service.core is None:
+            return
+        try:
+            self.socket.send(self._encoder.encode(self.snapshot()), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

@@ -1,0 +1,355 @@
+"""Spawns one worker process (`python -m gpu.worker_main`), talks to it, notices when it dies.
+
+    worker = WorkerHandle({"model_path": path, "dtype": "fp32"})
+    info = await worker.start()            # WorkerStartError if it cannot load
+    result = await worker.step(plan)       # WorkerDied within ~0.1 s of a crash
+    await worker.stop()
+
+For overlap scheduling, `send_plan` and `next_result` split `step`: several plans may be in flight
+and results come back in plan order.
+
+Async with zmq.asyncio, so it needs anyio's asyncio backend. The worker is *spawned* by module
+name with `sys.executable` (never forked: a forked copy of the service would share its sockets
+and threads), in a new session so a Ctrl-C in the terminal reaches the service first and the
+service decides how the worker ends. Its stdout and stderr go to a log file in the handle's
+private temp dir, which also holds the ipc:// socket; errors quote the log's tail. The worker
+exits by itself when this process dies (see gpu/worker_main.py). This module must not import
+`gpu` or torch: the service never holds device state.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, Shutdown, StepPlan, StepResult,
+                                 WorkerFailed, WorkerInfo, WorkerReady, WorkerToScheduler)
+from ipc.zmq_util import SchedulerSideCodec, configure_socket, ipc_endpoint, make_ipc_dir
+
+WORKER_MODULE = "gpu.worker_main"
+POLL_INTERVAL_S = 0.05  # how often a wait checks that the process is still alive
+FINAL_MESSAGE_GRACE_S = 0.3  # a worker that just exited may still have a WorkerFailed in flight
+LOG_TAIL_LINES = 25
+
+
+class WorkerStartError(RuntimeError):
+    """The worker process could not load its model or never said it was ready."""
+
+
+class WorkerDied(RuntimeError):
+    """The worker process exited, failed a step or stopped answering while it was needed."""
+
+
+class _WorkerExited(Exception):
+    def __init__(self, returncode: int) -> None:
+        self.returncode = returncode
+
+
+def describe_returncode(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _project_root_for(package: str) -> Path | None:
+    """The directory `package` is imported from, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        return None
+    if spec.origin and spec.origin not in ("namespace", "built-in"):
+        return Path(spec.origin).resolve().parent.parent
+    locations = list(spec.submodule_search_locations or [])
+    return Path(locations[0]).resolve().parent if locations else None
+
+
+class WorkerHandle:
+    """One worker process and its socket. Not for concurrent use by several tasks: one task
+    sends plans and reads results (the scheduler loop)."""
+
+    def __init__(self, runner_config: dict[str, Any], ready_timeout_s: float = 300.0,
+                 step_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
+        if "model_path" not in runner_config:
+            raise ValueError("runner_config needs a model_path")
+        # Paths and the like become strings; the worker rebuilds a RunnerConfig from this JSON.
+        self.runner_config = json.loads(json.dumps(runner_config, default=str))
+        self.ready_timeout_s = ready_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.extra_env = dict(env or {})
+        self.info: WorkerInfo | None = None
+        self.last_returncode: int | None = None  # of the previous process, after stop()
+        self._codec = SchedulerSideCodec()
+        self._proc: subprocess.Popen | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._dir: Path | None = None
+        self._log_file = None
+        self._endpoint: str | None = None
+        self._inflight: deque[int] = deque()  # step ids sent whose results are still to come
+        self._dead: str | None = None  # why the current process can no longer be used
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and self._dead is None
+
+    @property
+    def endpoint(self) -> str | None:
+        return self._endpoint
+
+    @property
+    def log_path(self) -> Path | None:
+        return None if self._dir is None else self._dir / "worker.log"
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        path = self.log_path
+        if path is None or not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 16384))
+            text = f.read().decode("utf-8", errors="replace")
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+    def _with_log(self, message: str) -> str:
+        tail = self.log_tail()
+        return f"{message}\n--- last lines of the worker log ---\n{tail}" if tail else message
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> WorkerHandle:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.stop()
+
+    async def start(self) -> WorkerInfo:
+        """Spawn the worker and wait until its model is loaded."""
+        if self._proc is not None:
+            raise RuntimeError(f"worker {self.pid} is already started; use restart()")
+        root = _project_root_for(WORKER_MODULE.split(".")[0])
+        if root is None:
+            raise WorkerStartError(f"cannot find the '{WORKER_MODULE}' module from "
+                                   f"{sys.executable}: is fmserve installed in this environment?")
+        self._dir = make_ipc_dir("fmserve-worker-")
+        self._endpoint = ipc_endpoint(self._dir, "worker.sock")
+        self._ctx = zmq.asyncio.Context()
+        self._sock = configure_socket(self._ctx.socket(zmq.PAIR))
+        self._sock.bind(self._endpoint)
+        self._log_file = open(self._dir / "worker.log", "wb")
+        env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(
+                   p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+        cmd = [sys.executable, "-m", WORKER_MODULE, "--endpoint", self._endpoint,
+               "--config", json.dumps(self.runner_config), "--parent-pid", str(os.getpid())]
+        self._dead = None
+        self._inflight.clear()
+        try:
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                          stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True, close_fds=True)
+            self.info = await self._await_ready()
+        except BaseException:  # includes cancellation: never leave a half-started worker
+            self._kill_and_cleanup()
+            raise
+        return self.info
+
+    async def _await_ready(self) -> WorkerInfo:
+        model = self.runner_config.get("model_path")
+        what = f"the worker for {model!r} (pid {self.pid})"
+        try:
+            msg = await self._receive(self.ready_timeout_s)
+        except _WorkerExited as e:
+            raise WorkerStartError(self._with_log(
+                f"{what} exited with {describe_returncode(e.returncode)} before it was ready")
+            ) from None
+        except TimeoutError:
+            raise WorkerStartError(self._with_log(
+                f"{what} was not ready after {self.ready_timeout_s:g} s (ready_timeout_s); "
+                f"it was killed")) from None
+        except WorkerDied as e:  # it sent something undecodable
+            raise WorkerStartError(f"{what}: {e}") from None
+        if isinstance(msg, WorkerFailed):
+            raise WorkerStartError(self._with_log(f"{what} failed to start: {msg.message}"))
+        if not isinstance(msg, WorkerReady):
+            raise WorkerStartError(f"{what} sent {type(msg).__name__} before WorkerReady")
+        if msg.info.protocol_version != WORKER_PROTOCOL_VERSION:
+            raise WorkerStartError(
+                f"{what} speaks worker protocol {msg.info.protocol_version}, this service "
+                f"{WORKER_PROTOCOL_VERSION}: the service and the worker come from different "
+                f"fmserve versions; reinstall so both match")
+        return msg.info
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit (Shutdown), then SIGTERM, then SIGKILL; remove the temp dir.
+        Safe to call on a handle that is stopped, never started or already dead."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                await self._sock.send(self._codec.encode(Shutdown()), flags=zmq.DONTWAIT)
+            except zmq.ZMQError:
+                pass  # no peer any more: the signals below will do
+            for sig, wait_s in ((None, timeout_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+                if sig is not None:
+                    self._signal_group(sig)
+                if await self._wait_exit(wait_s):
+                    break
+        self._kill_and_cleanup()
+
+    async def restart(self) -> WorkerInfo:
+        """Replace the worker (dead or alive) with a fresh process: new socket, new temp dir."""
+        await self.stop(timeout_s=2.0)
+        return await self.start()
+
+    def kill(self) -> None:
+        """SIGKILL the worker and clean up, synchronously: for emergency exits."""
+        self._kill_and_cleanup()
+
+    async def _wait_exit(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._proc.poll() is None:
+            if time.monotonic() >= deadline:
+                return False
+            await anyio.sleep(0.02)
+        return True
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        """Signal the worker's whole process group (its own session): helpers it may have
+        started go too. Only while the worker is unreaped, so its pid cannot be reused."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            self._proc.send_signal(sig)
+
+    def _kill_and_cleanup(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._signal_group(signal.SIGKILL)
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # unkillable (e.g. stuck in the driver)
+                    pass
+            self.last_returncode = self._proc.returncode
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._log_file is not None:
+            self._log_file.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._proc = self._sock = self._ctx = self._log_file = self._dir = None
+        self._endpoint = self.info = None
+        self._inflight.clear()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        """Run one plan and return its result (no other plan may be in flight)."""
+        if self._inflight:
+            raise RuntimeError(f"step() with {len(self._inflight)} plans in flight; "
+                               f"collect them with next_result() first")
+        await self.send_plan(plan)
+        return await self.next_result()
+
+    async def send_plan(self, plan: StepPlan) -> None:
+        """Queue a plan for the worker without waiting for its result."""
+        self._check_usable()
+        try:
+            await self._sock.send(self._codec.encode(plan), flags=zmq.DONTWAIT)
+        except zmq.Again:  # the peer is gone (or hopelessly behind)
+            raise self._died(f"the worker (pid {self.pid}) does not accept plans "
+                             f"(step {plan.step_id})") from None
+        self._inflight.append(plan.step_id)
+
+    async def next_result(self) -> StepResult:
+        """The result of the oldest plan in flight. Raises WorkerDied promptly if the process
+        exits, reports a failure, or exceeds step_timeout_s (then it is killed)."""
+        self._check_usable()
+        if not self._inflight:
+            raise RuntimeError("next_result() with no plan in flight")
+        step_id = self._inflight[0]
+        try:
+            msg = await self._receive(self.step_timeout_s)
+        except _WorkerExited as e:
+            raise self._died(f"the worker (pid {self.pid}) exited with "
+                             f"{describe_returncode(e.returncode)} during step {step_id}") from None
+        except TimeoutError:
+            self._signal_group(signal.SIGKILL)
+            raise self._died(f"step {step_id} took longer than {self.step_timeout_s:g} s "
+                             f"(step_timeout_s); the worker (pid {self.pid}) was killed") from None
+        if isinstance(msg, WorkerFailed):
+            raise self._died(msg.message)
+        if not isinstance(msg, StepResult) or msg.step_id != step_id:
+            got = type(msg).__name__ + (f" {msg.step_id}" if isinstance(msg, StepResult) else "")
+            self._signal_group(signal.SIGKILL)
+            raise self._died(f"protocol error: expected the result of step {step_id}, "
+                             f"the worker sent {got}; it was killed")
+        self._inflight.popleft()
+        return msg
+
+    def _check_usable(self) -> None:
+        if self._proc is None:
+            raise WorkerDied("the worker is not started; call start()")
+        if self._dead is not None:
+            raise WorkerDied(f"the worker is unusable ({self._dead}); call restart()")
+
+    def _died(self, message: str) -> WorkerDied:
+        self._dead = message
+        self._inflight.clear()
+        return WorkerDied(self._with_log(message))
+
+    async def _receive(self, timeout_s: float) -> WorkerToScheduler:
+        """The next message. Checks between short polls that the process lives, so a death is
+        seen within POLL_INTERVAL_S, not at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        poll_ms = int(POLL_INTERVAL_S * 1000)
+        while True:
+            if await self._sock.poll(timeout=poll_ms, flags=zmq.POLLIN):
+                return self._decode(await self._sock.recv())
+            if self._proc.poll() is not None:
+                # A worker that failed sends WorkerFailed and then exits: read it if it's coming.
+                if await self._sock.poll(timeout=int(FINAL_MESSAGE_GRACE_S * 1000),
+                                         flags=zmq.POLLIN):
+                    return self._decode(await self._sock.recv())
+                raise _WorkerExited(self._proc.returncode)
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+
+    def _decode(self, data: bytes) -> WorkerToScheduler:
+        try:
+            return self._codec.decode(data)
+        except msgspec.DecodeError as exc:
+            self._signal_group(signal.SIGKILL)
+            raise self._died(f"protocol error: the worker (pid {self.pid}) sent a message this "
+                             f"service cannot decode ({exc}); it was killed") from None
+

