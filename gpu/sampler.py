@@ -2,28 +2,35 @@
 
 Every parameter lives in a device table with one row per request slot, written once when the
 request is admitted (`SamplingState.set_request`), so a step's only input besides the logits is
-the batch's slots. Host mirrors of the same parameters pick the fast path for a batch without
-touching the device:
+the batch's slots. Host mirrors of the same parameters pick the path for a batch without
+touching the device, and nothing loops over the batch in Python:
 
-- every row greedy, no penalties   -> one argmax (the common case)
-- no row has penalties             -> the penalty gathers are skipped
-- every sampled row has top_k > 0  -> ``torch.topk(max_k)`` instead of a full-vocabulary sort
-- some top_p without universal top_k -> full sort
-- temperature / min_p only         -> no sort at all
+- every row greedy                   -> one argmax (the common case; no float copy)
+- no row has penalties / min tokens  -> those gathers are skipped
+- temperature (and min_p) only       -> no sort: Gumbel-max over the vocabulary
+- every sampled row has top_k > 0    -> ``torch.topk(max_k)``, and the draw runs over those
+- top_p without top_k everywhere     -> full sort on GPUs; on CPUs (where sorting 32 x 49152
+  takes over 100 ms) ``topk(256)``, then ``topk(4096)``, then a sort, until the top-p cut falls
+  inside the candidates
 
-Randomness: no shared ``torch.Generator``. A draw hashes ``(seed, position, token id)`` with
-splitmix64 in int64 tensor ops into a uniform ``u`` and samples by Gumbel-max,
-``argmax(logit / T - log(-log u))`` over the allowed tokens. A token's noise depends only on its
-own request's seed, the position being sampled and the token id, so a seeded request draws the
-same tokens alone or in any batch, in any order, whichever path the batch takes (up to
-floating-point ties at a filter boundary).
+All filters keep the tokens whose scaled logit is >= a per-row threshold (order: top-k, top-p
+over the survivors, min-p relative to the max, as HF and SGLang), so ties at a cut are kept.
+
+Randomness: no shared ``torch.Generator``. A draw hashes ``(seed, position, token id)`` into a
+uniform ``u`` with integer tensor ops (splitmix64 in int64 for the per-row key, murmur3's fmix32
+in int32 per token) and samples by Gumbel-max, ``argmax(logit / T - log(-log u))`` over the
+allowed tokens. A token's noise depends only on its own request's seed, the position being
+sampled and the token id, so a seeded request draws the same tokens alone or in any batch, in
+any order, whichever path the batch takes.
 
 Logprobs are those of the distribution the sampler draws from before truncation:
 ``log_softmax(penalised_logits / T)``, ahead of top-k / top-p / min-p, so the top-n alternatives
 stay finite. Greedy rows (temperature 0 or top_k 1) report them at T = 1. (vLLM's default is the
 raw model distribution; with no penalties and T = 1 the two agree.)
-"""
 
+The sampler does not count its own outputs: the worker calls `SamplingState.record_outputs`
+with the tokens it keeps (all of them, or the accepted ones under speculation).
+"""
 from __future__ import annotations
 
 import math
@@ -146,6 +153,7 @@ class SampleOutput:
 class SamplingState:
     """Per-slot sampling parameters and token counts on the device (row = request slot)."""
 
+    @torch.inference_mode(False)  # normal tensors, updatable in and out of inference mode
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device | str,
                  eos_token_ids: Sequence[int] = ()):
         self.num_slots = num_slots
@@ -174,9 +182,10 @@ class SamplingState:
 
     def _check_slot(self, slot: int) -> None:
         if not 1 <= slot < self.num_slots:
-            raise ValueError(f"request slot {slot} is out of range: slots are 1..{self.num_slots - 1}"
-                             " (slot 0 is padding)")
+            raise ValueError(f"request slot {slot} is out of range: slots are "
+                             f"1..{self.num_slots - 1} (slot 0 is padding)")
 
+    @torch.inference_mode(False)  # also when first needed inside the worker's inference mode
     def _table(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(self.num_slots, self.vocab_size, dtype=dtype, device=self.device)
 
@@ -279,7 +288,8 @@ class SamplingState:
 # The sampler.
 
 
-def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, state: SamplingState) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, slots: torch.Tensor,
+                    state: SamplingState) -> torch.Tensor:
     """Repetition (prompt + output, HF: divide positive / multiply negative logits), then
     frequency and presence (output only, OpenAI). Rows without penalties come out unchanged."""
     assert state.output_counts is not None, "no request with penalties was ever admitted"

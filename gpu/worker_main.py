@@ -1,7 +1,7 @@
 """The worker process: a ModelRunner behind one ZMQ PAIR socket.
 
     python -m gpu.worker_main --endpoint ipc:///tmp/fmserve-x/worker.sock \
-        --config '{"model_path": "...", "dtype": "fp32"}' [--parent-pid N]
+        --config '{"model_path": "...", "dtype": "fp32"}' [--parent-pid N] [--cleanup-dir D]
 
 The scheduler binds the endpoint and spawns this module (service/worker_supervisor.py); the worker
 connects (PAIR: one peer, ordered, both ways; see ipc/zmq_util.py). Conversation:
@@ -12,8 +12,8 @@ connects (PAIR: one peer, ordered, both ways; see ipc/zmq_util.py). Conversation
     worker -> WorkerFailed(step_id, msg)  load (step_id None) or a step failed; then exit 1
 
 The worker exits by itself (code 3) as soon as its parent is gone, even in the middle of loading
-or of a long forward, so a killed service never leaves a process holding the device. It never
-talks to clients and never imports `service`.
+or of a long forward, so a killed service never leaves a process holding the device (nor, with
+--cleanup-dir, its socket file). It never talks to clients and never imports `service`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -39,16 +40,21 @@ PARENT_POLL_S = 0.25
 FINAL_LINGER_MS = 2000
 
 
-def watch_parent(parent_pid: int, interval_s: float = PARENT_POLL_S) -> threading.Thread:
+def watch_parent(parent_pid: int, cleanup_dir: str | None = None,
+                 interval_s: float = PARENT_POLL_S) -> threading.Thread:
     """Exit the whole process once `parent_pid` is no longer our parent (it died and we were
     re-parented to init or a subreaper). A daemon thread, so it also fires while the main
-    thread is busy loading weights or inside a forward, where no recv loop could look."""
+    thread is busy loading weights or inside a forward, where no recv loop could look.
+    `cleanup_dir` (the parent's temp dir: socket file, log) is removed first: a killed parent
+    cannot do it any more."""
 
     def run() -> None:
         while True:
             if os.getppid() != parent_pid:
                 print(f"fmserve worker {os.getpid()}: parent process {parent_pid} is gone; "
                       f"exiting", file=sys.stderr, flush=True)
+                if cleanup_dir:
+                    shutil.rmtree(cleanup_dir, ignore_errors=True)
                 os._exit(EXIT_ORPHANED)
             time.sleep(interval_s)
 
@@ -67,7 +73,8 @@ def parse_runner_config(text: str):
     except json.JSONDecodeError as exc:
         raise ValueError(f"--config is not valid JSON ({exc}): {text[:200]!r}") from None
     if not isinstance(fields, dict):
-        raise ValueError(f"--config must be a JSON object of RunnerConfig fields, got {text[:200]!r}")
+        raise ValueError(f"--config must be a JSON object of RunnerConfig fields, "
+                         f"got {text[:200]!r}")
     known = {f.name for f in dataclasses.fields(RunnerConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -136,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="JSON object of RunnerConfig fields")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (default: the parent at start)")
+    parser.add_argument("--cleanup-dir", default=None,
+                        help="directory to remove when exiting because the parent is gone")
     args = parser.parse_args(argv)
 
     parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
-    watch_parent(parent_pid)
+    watch_parent(parent_pid, args.cleanup_dir)
     ctx = zmq.Context()
     sock = configure_socket(ctx.socket(zmq.PAIR))
     try:

@@ -97,20 +97,20 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     eos_token_ids: list[int]
 
 
-class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
+class WorkerReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     """First message of a worker, after its model is loaded."""
 
     info: WorkerInfo
 
 
-class WorkerFailed(msgspec.Struct, tag="failed", frozen=True):
+class WorkerFailed(msgspec.Struct, tag="failed", array_like=True, frozen=True):
     """The worker could not start or could not run a step; it exits after sending this."""
 
     step_id: int | None
     message: str
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
     """Scheduler -> worker: finish and exit."""
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-import typing
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
@@ -48,37 +46,12 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
 
 
-def _is_msgpack_array(data: bytes) -> bool:
-    first = data[0] if data else 0
-    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
-
-
-class UnionDecoder:
-    """Decodes a union of tagged Structs, even one that mixes `array_like` Structs (encoded as
-    msgpack arrays) with map-encoded ones, which a single msgspec Decoder refuses. The two
-    encodings are told apart by the msgpack container type of the message; when the union
-    is all of one kind this is exactly one msgspec Decoder."""
-
-    def __init__(self, union: Any) -> None:
-        members = typing.get_args(union) or (union,)
-        arrays = [t for t in members if t.__struct_config__.array_like]
-        maps = [t for t in members if not t.__struct_config__.array_like]
-        self._array = msgspec.msgpack.Decoder(typing.Union[tuple(arrays)]) if arrays else None
-        self._map = msgspec.msgpack.Decoder(typing.Union[tuple(maps)]) if maps else None
-
-    def decode(self, data: bytes):
-        dec = self._array if _is_msgpack_array(data) else self._map
-        if dec is None:  # let msgspec produce its usual error for a wrong container type
-            dec = self._map or self._array
-        return dec.decode(data)
-
-
 class SchedulerSideCodec:
     """Encodes plans and Shutdown; decodes results, WorkerReady and WorkerFailed."""
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = UnionDecoder(WorkerToScheduler)
+        self._dec = msgspec.msgpack.Decoder(WorkerToScheduler)
 
     def encode(self, msg: SchedulerToWorker) -> bytes:
         return self._enc.encode(msg)
@@ -92,7 +65,7 @@ class WorkerSideCodec:
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = UnionDecoder(SchedulerToWorker)
+        self._dec = msgspec.msgpack.Decoder(SchedulerToWorker)
 
     def encode(self, msg: WorkerToScheduler) -> bytes:
         return self._enc.encode(msg)

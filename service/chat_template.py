@@ -88,8 +88,8 @@ class ChatTemplate:
         clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
         context = {**self.special_tokens, "tools": None, "documents": None, **extra}
         try:
-            return self._template.render(messages=clean, add_generation_prompt=add_generation_prompt,
-                                         **context)
+            return self._template.render(messages=clean,
+                                         add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{self.name} failed to render this conversation: "
                                     f"{e.message or e}") from e

@@ -73,8 +73,9 @@ def _gguf_metadata(path: Path) -> dict[str, Any]:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:
-        raise TokenizerLoadError(f"could not read GGUF file {path}: {e}. The file looks truncated "
-                                 f"or corrupt; download it again.") from e
+        reason = str(e).rstrip(".")
+        raise TokenizerLoadError(f"could not read GGUF file {path}: {reason}. The file looks "
+                                 f"truncated or corrupt; download it again.") from e
     return {key: field.contents() for key, field in reader.fields.items()
             if key.startswith("tokenizer.")}
 
@@ -229,7 +230,8 @@ class TextTokenizer:
         eos = _token_text(tok_config.get("eos_token"))
         # The model's stop ids: generation_config.json lists every end-of-turn token (Llama 3
         # instruct stops on <|eot_id|>, which is not the tokenizer's eos_token).
-        stop_ids = _as_ids(gen_config.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))
+        stop_ids = (_as_ids(gen_config.get("eos_token_id"))
+                    + _as_ids(model_config.get("eos_token_id")))
         return cls(backend, bos_token=bos, eos_tokens=[eos] if eos else [], eos_token_ids=stop_ids,
                    chat_template=_hf_chat_template(directory, tok_config), source=directory,
                    unk_token=_token_text(tok_config.get("unk_token")),

@@ -2,7 +2,7 @@
 
     worker = WorkerHandle({"model_path": path, "dtype": "fp32"})
     info = await worker.start()            # WorkerStartError if it cannot load
-    result = await worker.step(plan)       # WorkerDied within ~0.1 s of a crash
+    result = await worker.step(plan)       # WorkerDied well within 1 s of a crash
     await worker.stop()
 
 For overlap scheduling, `send_plan` and `next_result` split `step`: several plans may be in flight
@@ -115,6 +115,11 @@ class WorkerHandle:
         return self._proc is not None and self._proc.poll() is None and self._dead is None
 
     @property
+    def returncode(self) -> int | None:
+        """The current process's exit status; None while it runs or when there is none."""
+        return None if self._proc is None else self._proc.poll()
+
+    @property
     def endpoint(self) -> str | None:
         return self._endpoint
 
@@ -156,25 +161,29 @@ class WorkerHandle:
         if root is None:
             raise WorkerStartError(f"cannot find the '{WORKER_MODULE}' module from "
                                    f"{sys.executable}: is fmserve installed in this environment?")
-        self._dir = make_ipc_dir("fmserve-worker-")
-        self._endpoint = ipc_endpoint(self._dir, "worker.sock")
-        self._ctx = zmq.asyncio.Context()
-        self._sock = configure_socket(self._ctx.socket(zmq.PAIR))
-        self._sock.bind(self._endpoint)
-        self._log_file = open(self._dir / "worker.log", "wb")
-        env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(
-                   p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
-        cmd = [sys.executable, "-m", WORKER_MODULE, "--endpoint", self._endpoint,
-               "--config", json.dumps(self.runner_config), "--parent-pid", str(os.getpid())]
         self._dead = None
         self._inflight.clear()
-        try:
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                          stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True, close_fds=True)
+        self._dir = make_ipc_dir("fmserve-worker-")
+        try:  # from here on, any failure (or cancellation) must leave no process and no files
+            self._endpoint = ipc_endpoint(self._dir, "worker.sock")
+            self._ctx = zmq.asyncio.Context()
+            self._sock = configure_socket(self._ctx.socket(zmq.PAIR))
+            self._sock.bind(self._endpoint)
+            self._log_file = open(self._dir / "worker.log", "wb")
+            env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1"}
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+            cmd = [sys.executable, "-m", WORKER_MODULE, "--endpoint", self._endpoint,
+                   "--config", json.dumps(self.runner_config), "--parent-pid", str(os.getpid()),
+                   "--cleanup-dir", str(self._dir)]
+            try:
+                self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                              stdout=self._log_file, stderr=subprocess.STDOUT,
+                                              env=env, start_new_session=True, close_fds=True)
+            except OSError as exc:
+                raise WorkerStartError(f"cannot run {sys.executable} -m {WORKER_MODULE}: "
+                                       f"{exc}") from exc
             self.info = await self._await_ready()
-        except BaseException:  # includes cancellation: never leave a half-started worker
+        except BaseException:
             self._kill_and_cleanup()
             raise
         return self.info
@@ -229,6 +238,16 @@ class WorkerHandle:
     def kill(self) -> None:
         """SIGKILL the worker and clean up, synchronously: for emergency exits."""
         self._kill_and_cleanup()
+
+    def __del__(self) -> None:
+        # A handle dropped without stop(): its worker would wait for plans forever.
+        try:
+            if getattr(self, "_proc", None) is not None and self._proc.poll() is None:
+                self._signal_group(signal.SIGKILL)
+            if getattr(self, "_dir", None) is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+        except Exception:  # interpreter shutdown: modules may already be torn down
+            pass
 
     async def _wait_exit(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

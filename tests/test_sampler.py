@@ -112,7 +112,8 @@ def reference_uniform(seed: int, position: int, token: int, stream: int = 0) -> 
 
 def test_defaults_validate_and_roundtrip():
     P().validate(49152)
-    P(temperature=0, top_k=-1, seed=2**63 - 1, logprobs=20, stop_token_ids=[0, 49151]).validate(49152)
+    P(temperature=0, top_k=-1, seed=2**63 - 1, logprobs=20,
+      stop_token_ids=[0, 49151]).validate(49152)
     params = P(temperature=0.7, stop=["\n\n"], seed=3)
     assert msgspec.json.decode(msgspec.json.encode(params), type=P) == params
     with pytest.raises(msgspec.ValidationError, match="tempreature"):
@@ -268,7 +269,8 @@ def peaked_logits(vocab: int, head: list[float], tail_mass: float, perm_seed: in
 
 FILTER_CASES = [
     P(top_k=3), P(top_k=2, top_p=0.5), P(top_p=0.7), P(top_p=0.95), P(min_p=0.3),
-    P(temperature=0.5, top_p=0.8), P(top_k=30, top_p=0.9, min_p=0.01), P(temperature=2.0, min_p=0.55),
+    P(temperature=0.5, top_p=0.8), P(top_k=30, top_p=0.9, min_p=0.01),
+    P(temperature=2.0, min_p=0.55),
 ]
 
 
@@ -381,7 +383,8 @@ def test_empty_batch():
 
 PENALTY_CASES = [
     P(repetition_penalty=1.3), P(repetition_penalty=0.7), P(frequency_penalty=0.8),
-    P(presence_penalty=-1.5), P(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
+    P(presence_penalty=-1.5),
+    P(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
     P(),  # no penalties, in a batch that has them: unchanged
 ]
 

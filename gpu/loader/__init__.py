@@ -1,4 +1,4 @@
-"""Model loaders: GGUF files and Hugging Face directories, both into one fused Llama weight layout."""
+"""Model loaders: GGUF files and Hugging Face directories, into one fused Llama weight layout."""
 
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.load import LoadedModel, load_model

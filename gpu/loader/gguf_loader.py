@@ -50,8 +50,9 @@ def open_gguf(path: Path):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files
+        reason = str(e).rstrip(".")
         raise ModelLoadError(
-            f"could not read GGUF file {path}: {e}. The file looks truncated or corrupt "
+            f"could not read GGUF file {path}: {reason}. The file looks truncated or corrupt "
             f"(an interrupted download?); download it again.") from e
 
 
@@ -169,7 +170,8 @@ def _our_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_TENSORS:
+    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight"
+            and parts[2] in _LAYER_TENSORS):
         return f"layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
     return None
 
@@ -181,17 +183,19 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
         raise ModelLoadError(f"{path}: tensor '{tensor.name}' is stored as "
-                             f"{tensor.tensor_type.name}, which the gguf package cannot dequantize; "
-                             f"use a file quantized as F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K") from e
+                             f"{tensor.tensor_type.name}, which the gguf package cannot "
+                             f"dequantize; use a file quantized as F32, F16, BF16, Q8_0, Q4_0, "
+                             f"Q4_1, Q4_K, Q5_K or Q6_K") from e
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor '{tensor.name}' could not be decoded ({e}); the file "
                              f"looks corrupt, download it again") from e
     shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF dims are innermost first
     if values.size != math.prod(shape):
         raise ModelLoadError(f"{path}: tensor '{tensor.name}' decoded to {values.size} values, "
-                             f"expected {math.prod(shape)}; the file looks corrupt, download it again")
+                             f"expected {math.prod(shape)}; the file looks corrupt, download it "
+                             f"again")
     values = values.reshape(shape)
-    if not values.flags.writeable:  # a view into the read-only file map: copy, never alias the file
+    if not values.flags.writeable:  # a view of the read-only file map: copy, never alias it
         values = values.copy()
     return values.astype(np.float32, copy=False)
 

@@ -50,8 +50,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         from gpu.loader.hf_loader import load_hf_dir
         config, unfused = load_hf_dir(source, dtype, progress)
     elif source.is_dir():
+        ggufs = sorted(p.name for p in source.glob("*.gguf"))
+        hint = f" (it holds {', '.join(ggufs)}: pass that file itself)" if ggufs else ""
         raise ModelLoadError(f"directory {source} has no config.json, so it is not a Hugging Face "
-                             f"model directory; expected {ACCEPTED}")
+                             f"model directory{hint}; expected {ACCEPTED}")
     else:
         raise ModelLoadError(f"cannot load {source}: expected {ACCEPTED}")
     weights = fuse_llama_weights(config, unfused, source)
@@ -87,11 +89,12 @@ def fuse_llama_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
     for name, shape in _expected_shapes(cfg).items():
         if name not in unfused:
             raise ModelLoadError(f"{source}: weight '{name}' is missing (the loader produced no "
-                                 f"such tensor); the model file is incomplete or not a Llama model")
+                                 f"such tensor); the model file is incomplete or not a Llama "
+                                 f"model")
         if tuple(unfused[name].shape) != shape:
-            raise ModelLoadError(f"{source}: weight '{name}' has shape {tuple(unfused[name].shape)}, "
-                                 f"but the model config implies {shape}; the file and its "
-                                 f"config disagree")
+            raise ModelLoadError(f"{source}: weight '{name}' has shape "
+                                 f"{tuple(unfused[name].shape)}, but the model config implies "
+                                 f"{shape}; the file and its config disagree")
     fused: dict[str, torch.Tensor] = {}
     for name in ("embed_tokens", "final_norm", "lm_head"):
         if name in unfused and (name != "lm_head" or not cfg.tie_word_embeddings):

@@ -1,0 +1,288 @@
+"""The service's configuration: config.toml, then command-line overrides, checked strictly.
+
+    cfg = load_config(Path("config.toml"), {"runtime.page_size": args.page_size})
+
+Every key has a type and an allowed range or set of choices, declared next to its default.
+Unknown sections and keys are refused rather than ignored (a typo would otherwise silently
+leave a default in place), and every error names the file, the dotted key and what is allowed:
+
+    config.toml: runtime.page_size = 0 is out of range: must be an integer in [1, 1024]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ipc.client_messages import MAX_MESSAGE_BYTES
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says where and why."""
+
+
+# ----- rules: what a key accepts ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    """Checks one value; `check` returns the value to store or raises `_Refused`."""
+
+    def check(self, value: Any) -> Any:
+        raise NotImplementedError
+
+
+class _Refused(Exception):
+    def __init__(self, problem: str, allowed: str) -> None:
+        self.problem, self.allowed = problem, allowed  # "is out of range", "must be ..."
+
+
+@dataclass(frozen=True)
+class IntIn(Rule):
+    lo: int
+    hi: int
+
+    def check(self, value: Any) -> int:
+        allowed = f"must be an integer in [{self.lo}, {self.hi}]"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Refused("has the wrong type", allowed)
+        if not self.lo <= value <= self.hi:
+            raise _Refused("is out of range", allowed)
+        return value
+
+
+@dataclass(frozen=True)
+class FloatIn(Rule):
+    lo: float  # exclusive: every float key here is a duration or interval, so 0 is no answer
+    hi: float
+
+    def check(self, value: Any) -> float:
+        allowed = f"must be a number in ({self.lo:g}, {self.hi:g}]"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Refused("has the wrong type", allowed)
+        if not (math.isfinite(value) and self.lo < value <= self.hi):
+            raise _Refused("is out of range", allowed)
+        return float(value)
+
+
+@dataclass(frozen=True)
+class Boolean(Rule):
+    def check(self, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise _Refused("has the wrong type", "must be true or false")
+        return value
+
+
+@dataclass(frozen=True)
+class OneOf(Rule):
+    choices: tuple[str, ...]
+
+    def check(self, value: Any) -> str:
+        allowed = "must be one of " + ", ".join(f'"{c}"' for c in self.choices)
+        if not isinstance(value, str):
+            raise _Refused("has the wrong type", allowed)
+        if value not in self.choices:
+            raise _Refused("is not a valid choice", allowed)
+        return value
+
+
+@dataclass(frozen=True)
+class Matches(Rule):
+    pattern: str
+    allowed: str  # for people: what the pattern means
+
+    def check(self, value: Any) -> str:
+        if not isinstance(value, str):
+            raise _Refused("has the wrong type", self.allowed)
+        if not re.fullmatch(self.pattern, value):
+            raise _Refused("is not valid", self.allowed)
+        return value
+
+
+def _key(default: Any, rule: Rule) -> Any:
+    return field(default=default, metadata={"rule": rule})
+
+
+ENDPOINT = Matches(r"(tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)",
+                   'must be a ZMQ endpoint such as "tcp://127.0.0.1:5557" or "ipc:///tmp/fm"')
+
+# ----- sections ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceSection:
+    client_endpoint: str = _key("tcp://127.0.0.1:5557", ENDPOINT)
+    telemetry_endpoint: str = _key("tcp://127.0.0.1:5558", ENDPOINT)
+    telemetry_interval_s: float = _key(0.25, FloatIn(0.0, 60.0))
+    client_timeout_s: float = _key(10.0, FloatIn(0.0, 3600.0))
+    heartbeat_interval_s: float = _key(2.0, FloatIn(0.0, 600.0))
+    max_message_bytes: int = _key(MAX_MESSAGE_BYTES, IntIn(1 << 10, 1 << 30))
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = _key("default", Matches(r".*\S.*", 'must be a .gguf file, a Hugging Face '
+                                        'model directory or "default"'))
+    device: str = _key("auto", Matches(r"auto|cpu|cuda(:\d+)?",
+                                       'must be "auto", "cpu", "cuda" or "cuda:N"'))
+    dtype: str = _key("bf16", OneOf(("bf16", "fp16", "fp32")))
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    attention_backend: str = _key("torch", OneOf(("torch", "triton")))
+    page_size: int = _key(16, IntIn(1, 1024))
+    max_kv_tokens: int = _key(65536, IntIn(1, 1 << 26))
+    max_running_requests: int = _key(64, IntIn(1, 4096))
+    max_tokens_per_step: int = _key(2048, IntIn(1, 1 << 20))
+    max_context_len: int = _key(0, IntIn(0, 1 << 24))  # 0 = the model's own limit
+
+
+@dataclass(frozen=True)
+class SchedulingSection:
+    overlap: bool = _key(True, Boolean())
+    speculation: bool = _key(False, Boolean())
+
+
+@dataclass(frozen=True)
+class WorkerSection:
+    ready_timeout_s: float = _key(300.0, FloatIn(0.0, 86400.0))
+    step_timeout_s: float = _key(120.0, FloatIn(0.0, 86400.0))
+    restart_on_failure: bool = _key(True, Boolean())
+    max_restarts: int = _key(3, IntIn(0, 1000))
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    service: ServiceSection = field(default_factory=ServiceSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    scheduling: SchedulingSection = field(default_factory=SchedulingSection)
+    worker: WorkerSection = field(default_factory=WorkerSection)
+
+
+SECTIONS: dict[str, type] = {
+    "service": ServiceSection, "model": ModelSection, "runtime": RuntimeSection,
+    "scheduling": SchedulingSection, "worker": WorkerSection,
+}
+
+
+def _rules(section_cls: type) -> dict[str, Rule]:
+    return {f.name: f.metadata["rule"] for f in dataclasses.fields(section_cls)}
+
+
+def all_keys() -> list[str]:
+    """Every dotted key, in file order ("service.client_endpoint", ...)."""
+    return [f"{s}.{k}" for s, cls in SECTIONS.items() for k in _rules(cls)]
+
+
+# ----- loading -------------------------------------------------------------------------------
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None,
+                ) -> ServiceConfig:
+    """Defaults, then the TOML file at `path` (if given), then `overrides`.
+
+    `overrides` maps dotted keys to values, e.g. {"runtime.page_size": 32} from CLI flags;
+    a value of None means "flag not given" and is skipped.
+    """
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: config file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        for section, table in raw.items():
+            _known_section(source, section)
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: {section} must be a table ([{section}]), "
+                                  f"not a single value")
+            for key, value in table.items():
+                values[section][key] = _checked(source, section, key, value)
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"override {dotted!r}: keys are written section.key, "
+                              f"e.g. runtime.page_size")
+        _known_section("command line", section)
+        values[section][key] = _checked("command line", section, key, value)
+
+    config = ServiceConfig(**{name: SECTIONS[name](**v) for name, v in values.items()})
+    sources = ([str(path)] if path is not None else []) + (["command line"] if overrides else [])
+    _check_consistency(config, " + ".join(sources) or "defaults")
+    return config
+
+
+def parse_set_flags(flags: list[str]) -> dict[str, Any]:
+    """`--set runtime.page_size=32` style flags -> overrides. A value is read as a TOML value
+    (32, 0.5, true, "x"); anything that is not one is taken as a plain string (cuda:0)."""
+    overrides: dict[str, Any] = {}
+    for flag in flags:
+        dotted, sep, text = flag.partition("=")
+        if not sep or not dotted.strip():
+            raise ConfigError(f"--set {flag!r}: write it as section.key=value, "
+                              f"e.g. runtime.page_size=32")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        overrides[dotted.strip()] = value
+    return overrides
+
+
+def _known_section(source: str, section: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{source}: unknown section [{section}]{_did_you_mean(section, SECTIONS)}"
+                          f"; the sections are: {', '.join(f'[{s}]' for s in SECTIONS)}")
+
+
+def _checked(source: str, section: str, key: str, value: Any) -> Any:
+    rules = _rules(SECTIONS[section])
+    if key not in rules:
+        hint = _did_you_mean(key, rules, prefix=f"{section}.")
+        raise ConfigError(f"{source}: unknown key {section}.{key}{hint}; "
+                          f"[{section}] has: {', '.join(rules)}")
+    try:
+        return rules[key].check(value)
+    except _Refused as refused:
+        raise ConfigError(f"{source}: {section}.{key} = {_show(value)} {refused.problem}: "
+                          f"{refused.allowed}") from None
+
+
+def _check_consistency(config: ServiceConfig, source: str) -> None:
+    """Rules that tie two keys together."""
+    s, r = config.service, config.runtime
+    if s.heartbeat_interval_s >= s.client_timeout_s:
+        raise ConfigError(
+            f"{source}: service.heartbeat_interval_s = {s.heartbeat_interval_s:g} must be "
+            f"smaller than service.client_timeout_s = {s.client_timeout_s:g}, or every client "
+            f"would be timed out between two heartbeats")
+    if r.max_kv_tokens < r.page_size:
+        raise ConfigError(f"{source}: runtime.max_kv_tokens = {r.max_kv_tokens} must be at "
+                          f"least runtime.page_size = {r.page_size} (one page)")
+    if s.client_endpoint == s.telemetry_endpoint:
+        raise ConfigError(f"{source}: service.client_endpoint and service.telemetry_endpoint "
+                          f"are both {s.client_endpoint!r}; they must differ")
+
+
+def _did_you_mean(name: str, known, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written in TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)

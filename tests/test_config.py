@@ -1,0 +1,143 @@
+"""service/config.py: the shipped config.toml, strict refusal of bad keys and values, overrides."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from service.config import (
+    ConfigError,
+    ServiceConfig,
+    all_keys,
+    load_config,
+    parse_set_flags,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "config.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "my.toml"
+    path.write_text(text)
+    return path
+
+
+def refused(path, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides or {})
+    return str(info.value)
+
+
+def test_shipped_config_lists_every_key_with_its_default():
+    cfg = load_config(SHIPPED, {})
+    assert cfg == ServiceConfig()
+    raw = tomllib.loads(SHIPPED.read_text())
+    listed = [f"{s}.{k}" for s, table in raw.items() for k in table]
+    assert listed == all_keys()
+    # the defaults the design and the brief fix
+    assert cfg.service.client_endpoint == "tcp://127.0.0.1:5557"
+    assert cfg.service.heartbeat_interval_s == 2.0 and cfg.service.client_timeout_s == 10.0
+    assert cfg.runtime.page_size == 16 and cfg.scheduling.overlap is True
+
+
+def test_no_file_gives_defaults():
+    assert load_config(None, {}) == ServiceConfig()
+
+
+def test_partial_file_keeps_other_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "[runtime]\npage_size = 32\n"), {})
+    assert cfg.runtime.page_size == 32
+    assert cfg.runtime.max_kv_tokens == ServiceConfig().runtime.max_kv_tokens
+    assert cfg.model == ServiceConfig().model
+
+
+def test_unknown_section(tmp_path):
+    msg = refused(write(tmp_path, "[runtim]\npage_size = 32\n"))
+    assert "my.toml" in msg and "[runtim]" in msg and "[runtime]" in msg
+
+
+def test_unknown_key(tmp_path):
+    msg = refused(write(tmp_path, "[runtime]\npagesize = 32\n"))
+    assert "my.toml" in msg and "runtime.pagesize" in msg
+    assert "did you mean runtime.page_size" in msg
+
+
+@pytest.mark.parametrize("line, key, allowed", [
+    ('[runtime]\npage_size = "16"', "runtime.page_size", "[1, 1024]"),
+    ("[runtime]\npage_size = 16.0", "runtime.page_size", "integer"),
+    ("[scheduling]\noverlap = 1", "scheduling.overlap", "true or false"),
+    ("[service]\nclient_timeout_s = \"10\"", "service.client_timeout_s", "number"),
+    ("[model]\ndtype = 16", "model.dtype", '"bf16"'),
+])
+def test_wrong_type(tmp_path, line, key, allowed):
+    msg = refused(write(tmp_path, line + "\n"))
+    assert "my.toml" in msg and key in msg and "wrong type" in msg and allowed in msg
+
+
+def test_out_of_range(tmp_path):
+    msg = refused(write(tmp_path, "[runtime]\npage_size = 0\n"))
+    assert msg == ("%s: runtime.page_size = 0 is out of range: must be an integer in [1, 1024]"
+                   % (tmp_path / "my.toml"))
+    msg = refused(write(tmp_path, "[worker]\nmax_restarts = -1\n"))
+    assert "worker.max_restarts = -1" in msg and "[0, 1000]" in msg
+    msg = refused(write(tmp_path, "[service]\ntelemetry_interval_s = 0.0\n"))
+    assert "service.telemetry_interval_s" in msg and "(0, 60]" in msg
+    msg = refused(write(tmp_path, "[service]\nclient_timeout_s = inf\n"))
+    assert "service.client_timeout_s" in msg and "out of range" in msg
+
+
+@pytest.mark.parametrize("line, key, shown", [
+    ('[runtime]\nattention_backend = "flash"', "runtime.attention_backend", '"triton"'),
+    ('[model]\ndtype = "int8"', "model.dtype", '"fp32"'),
+    ('[model]\ndevice = "gpu"', "model.device", "cuda:N"),
+    ('[service]\nclient_endpoint = "localhost:5557"', "service.client_endpoint", "tcp://"),
+])
+def test_bad_choice(tmp_path, line, key, shown):
+    msg = refused(write(tmp_path, line + "\n"))
+    assert "my.toml" in msg and key in msg and shown in msg
+
+
+def test_keys_that_depend_on_each_other(tmp_path):
+    msg = refused(None, {"service.heartbeat_interval_s": 10.0})
+    assert "service.heartbeat_interval_s" in msg and "service.client_timeout_s" in msg
+    msg = refused(None, {"runtime.page_size": 64, "runtime.max_kv_tokens": 32})
+    assert "runtime.max_kv_tokens" in msg
+    msg = refused(None, {"service.telemetry_endpoint": "tcp://127.0.0.1:5557"})
+    assert "must differ" in msg
+
+
+def test_overrides_win(tmp_path):
+    path = write(tmp_path, "[runtime]\npage_size = 32\nattention_backend = \"triton\"\n")
+    cfg = load_config(path, {"runtime.page_size": 8, "scheduling.speculation": True,
+                             "model.device": None})  # None = flag not given
+    assert cfg.runtime.page_size == 8
+    assert cfg.runtime.attention_backend == "triton"  # from the file
+    assert cfg.scheduling.speculation is True
+    assert cfg.model.device == "auto"
+
+
+def test_bad_overrides_name_the_key():
+    msg = refused(None, {"runtime.page_size": 0})
+    assert msg.startswith("command line: runtime.page_size = 0 is out of range")
+    assert "runtime.nope" in refused(None, {"runtime.nope": 1})
+    assert "section.key" in refused(None, {"page_size": 1})
+
+
+def test_set_flags_parse_toml_values():
+    overrides = parse_set_flags(["runtime.page_size=32", "model.device=cuda:0",
+                                 "scheduling.overlap=false", "service.client_timeout_s=30"])
+    assert overrides == {"runtime.page_size": 32, "model.device": "cuda:0",
+                         "scheduling.overlap": False, "service.client_timeout_s": 30}
+    cfg = load_config(None, overrides)
+    assert cfg.service.client_timeout_s == 30.0 and cfg.model.device == "cuda:0"
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_set_flags(["runtime.page_size"])
+
+
+def test_file_errors(tmp_path):
+    assert "not found" in refused(tmp_path / "missing.toml")
+    msg = refused(write(tmp_path, "[runtime\npage_size = 1\n"))
+    assert "my.toml" in msg and "not valid TOML" in msg
+    msg = refused(write(tmp_path, "runtime = 3\n"))
+    assert "runtime must be a table" in msg
