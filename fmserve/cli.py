@@ -3,6 +3,8 @@
     fmserve generate --prompt "Hello"          one prompt, streamed
     fmserve generate --chat                    interactive chat
     fmserve generate --file prompts.jsonl      a batch; one JSON line out per prompt
+    fmserve serve                              the service (config.toml + flags)
+    fmserve client --prompt "Hello"            ask a running service
     fmserve bench offline                      prefill/decode tokens/s vs transformers
 """
 
@@ -57,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_sampling_args(gen)
 
+    serve = sub.add_parser("serve", help="run the service (scheduler + worker processes)")
+    from fmserve.serve_cmd import add_serve_args
+    add_serve_args(serve)
+
+    client = sub.add_parser("client", help="send requests to a running service")
+    from fmserve.client_cmd import add_client_args
+    add_client_args(client)
+    add_sampling_args(client)
+
     bench = sub.add_parser("bench", help="measure throughput")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="prefill and decode tokens/s vs transformers")
@@ -80,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from fmserve.generate_cmd import run_generate
             return run_generate(args)
+        if args.command == "serve":
+            from fmserve.serve_cmd import run_serve
+            return run_serve(args)
+        if args.command == "client":
+            from fmserve.client_cmd import run_client
+            return run_client(args)
         if args.command == "bench" and args.bench_command == "offline":
             from fmserve.bench_offline import run_bench_offline
             return run_bench_offline(args)

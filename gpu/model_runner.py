@@ -73,7 +73,8 @@ class ModelRunner:
         self.attn = make_attention_backend(cfg.attention_backend, self.kv_pool, self.req_to_token,
                                            mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.needs_cpu_seq_lens = self.attn.needs_cpu_seq_lens
-        self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device)
+        self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device,
+                                            eos_token_ids=mc.eos_token_ids)
         self.sampler = Sampler(self.sampling_state)
         # Per-slot relay buffers (see module docstring).
         self.output_tokens_buf = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
@@ -156,6 +157,10 @@ class ModelRunner:
             batch.max_extend_len = int(batch.extend_lens_cpu.max())
         sample_rows = [i for i, s in enumerate(ext_sample) if s] + list(
             range(num_extend, num_extend + num_decode))
+        # The sampled slots on the host too, so the sampler needs no device->host sync.
+        self._sample_slots_host = np.concatenate(
+            [np.asarray([s for s, smp in zip(ext_slots, ext_sample) if smp], dtype=np.int64),
+             unpack_i32(plan.decode_slots).astype(np.int64)])
         return batch, torch.tensor(sample_rows, dtype=torch.long, device=dev)
 
     # -- the step ---------------------------------------------------------------------------
@@ -183,7 +188,8 @@ class ModelRunner:
         last_token = torch.cumsum(batch.extend_lens, 0) - 1
         logits = self.model.logits(hidden[last_token[sample_rows]])
         sample_slots = batch.slots[sample_rows]
-        out = self.sampler.sample(logits, sample_slots, batch.seq_lens[sample_rows])
+        out = self.sampler.sample(logits, sample_slots, batch.seq_lens[sample_rows],
+                                  slots_host=self._sample_slots_host)
         self.output_tokens_buf[sample_slots] = out.token_ids
         self.sampling_state.record_outputs(sample_slots, out.token_ids)
         n_top = 0 if out.top_logprob_ids is None else int(out.top_logprob_ids.shape[1])

@@ -1,0 +1,94 @@
+"""`fmserve client`: talk to a running service: one prompt, a chat, or a JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from fmserve.generate_cmd import _messages, _read_jsonl, sampling_from_args
+from ipc.client import AsyncClient, Client, RequestFailed
+from ipc.client_messages import ChatMessage, Chunk
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message (chat template applied by the service)")
+    src.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
+    src.add_argument("--file", help="JSONL file: each line has 'prompt' or 'messages'")
+    src.add_argument("--health", action="store_true", help="print the service's stats")
+    p.add_argument("--raw", action="store_true", help="send prompts as plain text")
+    p.add_argument("--system", default=None)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight for --file")
+    p.add_argument("--output", default="-", help="where --file results go (JSONL)")
+
+
+def _chat(msgs: list[dict]) -> list[ChatMessage]:
+    return [ChatMessage(m["role"], m["content"]) for m in msgs]
+
+
+def _stream(client: Client, prompt, params) -> str:
+    kwargs = {"messages": _chat(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
+    parts = []
+    for msg in client.generate(params=params, **kwargs):
+        if isinstance(msg, Chunk):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+            parts.append(msg.text)
+    sys.stdout.write("\n")
+    return "".join(parts)
+
+
+async def _run_file(args: argparse.Namespace, params) -> int:
+    prompts = _read_jsonl(args.file, args.raw)
+    sem = asyncio.Semaphore(max(1, args.concurrency))
+    results: list[dict | None] = [None] * len(prompts)
+    async with AsyncClient(args.endpoint) as client:
+        async def one(i: int, prompt) -> None:
+            async with sem:
+                kwargs = {"messages": _chat(prompt)} if isinstance(prompt, list) else {
+                    "prompt": prompt}
+                start = time.perf_counter()
+                try:
+                    c = await client.complete(params=params, **kwargs)
+                    results[i] = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                                  "completion_tokens": len(c.token_ids),
+                                  "latency_s": round(time.perf_counter() - start, 3)}
+                except RequestFailed as exc:
+                    results[i] = {"index": i, "error": exc.code, "message": str(exc)}
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    for row in results:
+        out.write(json.dumps(row) + "\n")
+    if out is not sys.stdout:
+        out.close()
+    return 0
+
+
+def run_client(args: argparse.Namespace) -> int:
+    if args.health:
+        with Client(args.endpoint) as client:
+            print(json.dumps({f: getattr(s, f) for s in [client.health()]
+                              for f in s.__struct_fields__}, indent=2))
+        return 0
+    params = sampling_from_args(args)
+    if args.file:
+        return asyncio.run(_run_file(args, params))
+    with Client(args.endpoint) as client:
+        if args.prompt is not None:
+            _stream(client, args.prompt if args.raw else _messages(args.system, args.prompt), params)
+            return 0
+        history = [{"role": "system", "content": args.system}] if args.system else []
+        print("fmserve client: type a message, Ctrl-D to quit.", file=sys.stderr)
+        while True:
+            try:
+                user = input("> ")
+            except EOFError:
+                return 0
+            if not user.strip():
+                continue
+            history.append({"role": "user", "content": user})
+            history.append({"role": "assistant", "content": _stream(client, history, params)})

@@ -1,0 +1,72 @@
+"""`fmserve serve`: load config.toml, apply CLI overrides, run the service until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import anyio
+
+from fmserve.default_model import resolve_model_path
+from service.config import ConfigError, ServiceConfig, load_config, parse_set_flags
+
+# CLI flag -> dotted config key; flags left unset (None) do not override the file.
+FLAG_KEYS = {
+    "model": "model.path", "device": "model.device", "dtype": "model.dtype",
+    "attention_backend": "runtime.attention_backend", "page_size": "runtime.page_size",
+    "max_kv_tokens": "runtime.max_kv_tokens",
+    "max_running_requests": "runtime.max_running_requests",
+    "max_tokens_per_step": "runtime.max_tokens_per_step",
+    "endpoint": "service.client_endpoint", "telemetry_endpoint": "service.telemetry_endpoint",
+    "overlap": "scheduling.overlap", "speculation": "scheduling.speculation",
+}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None,
+                   help="TOML config (default: ./config.toml if it exists, else built-in defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key, e.g. --set runtime.page_size=32")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--max-kv-tokens", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-tokens-per-step", type=int, default=None)
+    p.add_argument("--endpoint", default=None, help="client ROUTER endpoint (tcp:// or ipc://)")
+    p.add_argument("--telemetry-endpoint", default=None)
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    path = Path(args.config) if args.config else (Path("config.toml") if Path(
+        "config.toml").exists() else None)
+    overrides = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items()}
+    overrides.update(parse_set_flags(args.set))
+    return load_config(path, overrides)
+
+
+def check_supported(cfg: ServiceConfig) -> None:
+    if cfg.scheduling.overlap:
+        raise ConfigError("scheduling.overlap = true: overlap scheduling is not built yet; "
+                          "set it to false (or pass --no-overlap)")
+    if cfg.scheduling.speculation:
+        raise ConfigError("scheduling.speculation = true: EAGLE speculative decoding is not "
+                          "built yet; set it to false (or pass --no-speculation)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(args)
+    check_supported(cfg)
+    model_path = str(resolve_model_path(cfg.model.path))
+    from service.server import Service  # after validation: fail fast on a bad config
+    service = Service(cfg, model_path)
+    anyio.run(service.run, backend="asyncio")
+    return 0

@@ -1,0 +1,302 @@
+"""The service end to end: a real `fmserve serve` process, its worker process, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from ipc.client import Client, RequestFailed, ServiceUnavailable
+from ipc.client_messages import Abort, Chunk, Error, Finished, Generate
+from ipc.codec import decode_service_reply, encode
+from ipc.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+QUESTIONS = ["What is 2+2?", "Name a color.", "Write one word about the sea.",
+             "Say hello in French."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+class ServiceProcess:
+    def __init__(self, model_path: Path, *extra: str) -> None:
+        self.port, self.tport = free_port(), free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"fmserve-svc-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model_path),
+             "--dtype", "fp32", "--endpoint", self.endpoint, "--no-overlap",
+             "--telemetry-endpoint", f"tcp://127.0.0.1:{self.tport}", "--max-kv-tokens", "4096",
+             "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        with Client(self.endpoint) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"fmserve serve exited early:\n{self.log_text()}")
+                try:
+                    c.health(timeout_s=1.0)
+                    return
+                except ServiceUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def worker_pid(self) -> int:
+        kids = child_pids(self.proc.pid)
+        assert kids, "the service has no worker child process"
+        return kids[0]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def service(model_path):
+    svc = ServiceProcess(model_path)
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """Greedy outputs of the offline engine: the independent side of the comparison."""
+    import torch
+
+    from fmserve.engine import Engine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(model=str(model_path), dtype="fp32", max_kv_tokens=4096,
+                        max_running_requests=8, progress=False)
+        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        return {q: c for q, c in zip(QUESTIONS, engine.generate(chats, GREEDY))}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def messages(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+def assert_idle(client: Client) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        s = client.health()
+        if (s.free_pages, s.free_slots, s.running, s.waiting) == (s.total_pages, s.total_slots, 0, 0):
+            return
+        assert time.monotonic() < deadline, f"accounting did not return to idle: {s}"
+        time.sleep(0.1)
+
+
+def test_concurrent_clients_stream_the_offline_greedy_output(service, reference):
+    results: dict[str, tuple[str, list[int], str]] = {}
+
+    def run(q: str) -> None:
+        with Client(service.endpoint) as client:
+            text, ids, reason = "", [], None
+            for msg in client.generate(messages=messages(q), params=GREEDY):
+                if isinstance(msg, Chunk):
+                    text += msg.text
+                    ids += msg.token_ids
+                elif isinstance(msg, Finished):
+                    reason = msg.reason
+            results[q] = (text, ids, reason)
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in QUESTIONS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for q in QUESTIONS:
+        text, ids, reason = results[q]
+        assert ids == reference[q].token_ids
+        assert text == reference[q].text
+        assert reason == reference[q].finish_reason.value
+
+
+def test_many_requests_on_one_connection_and_non_streaming(service, reference):
+    import asyncio
+
+    from ipc.client import AsyncClient
+
+    async def main():
+        async with AsyncClient(service.endpoint) as client:
+            return await asyncio.gather(*(client.complete(messages=messages(q), params=GREEDY)
+                                          for q in QUESTIONS))
+    for q, c in zip(QUESTIONS, asyncio.run(main())):
+        assert c.token_ids == reference[q].token_ids
+    with Client(service.endpoint) as client:
+        chunks = list(client.generate(messages=messages(QUESTIONS[0]), params=GREEDY, stream=False))
+        assert [type(m) for m in chunks] == [Chunk, Finished]
+        assert chunks[0].token_ids == reference[QUESTIONS[0]].token_ids
+
+
+def test_stop_string_cuts_exactly(service, reference):
+    full = reference[QUESTIONS[2]].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), f"pick a better stop from {full!r}"
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, stop=[stop])
+    with Client(service.endpoint) as client:
+        c = client.complete(messages=messages(QUESTIONS[2]), params=params)
+    assert c.text == full[: full.index(stop)]
+    assert c.finish_reason == "stop"
+
+
+def test_abort_mid_stream_frees_pages_and_slot(service):
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    with Client(service.endpoint) as client:
+        got = []
+        for msg in client.generate(messages=messages("Count to one thousand."), params=params,
+                                   request_id="long-1"):
+            got.append(msg)
+            if sum(isinstance(m, Chunk) for m in got) == 3:
+                client.abort("long-1")
+        assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
+        assert sum(isinstance(m, (Finished, Error)) for m in got) == 1
+        assert_idle(client)
+
+
+def test_vanished_client_is_detected_and_its_requests_aborted(service):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    sock.send(encode(Generate(id="ghost", messages=None, text="Tell me a long story.",
+                              params=SamplingParams(max_new_tokens=2000, ignore_eos=True))))
+    assert sock.poll(30000), "no reply to the ghost request"
+    sock.close()  # no heartbeats from now on
+    ctx.term()
+    with Client(service.endpoint) as client:
+        time.sleep(3.5)  # client_timeout_s is 3 in this service
+        assert_idle(client)
+    assert "silent" in service.log_text()
+
+
+@pytest.mark.parametrize("frame, code", [
+    (b"\xc1\xff not msgpack", "invalid_message"),
+    (msgspec.msgpack.encode({"type": "teleport", "id": "x"}), "unknown_message_type"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": 5}), "invalid_message"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi", "colour": 1}),
+     "invalid_message"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi",
+                             "params": {"temperature": -1.0}}), "invalid_params"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi",
+                             "params": {"top_p": 0.0}}), "invalid_params"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "word " * 9000}),
+     "prompt_too_long"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "x" * (9 << 20)}),
+     "message_too_large"),
+    (msgspec.msgpack.encode({"type": "abort", "id": "never-sent"}), "unknown_request"),
+])
+def test_bad_input_gets_a_clear_error(service, frame, code):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        sock.send(frame)
+        assert sock.poll(30000), f"no reply for {code}"
+        reply = decode_service_reply(sock.recv())
+        assert isinstance(reply, Error), reply
+        assert reply.code == code, reply
+        assert len(reply.message) > 15
+    finally:
+        sock.close()
+        ctx.term()
+    with Client(service.endpoint) as client:  # and the service still serves everyone
+        assert client.complete(text="Hi", params=SamplingParams(max_new_tokens=2)).token_ids
+
+
+def test_worker_killed_mid_batch_errors_in_flight_then_recovers(model_path):
+    svc = ServiceProcess(model_path)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True)
+        outcomes: list[object] = []
+
+        def run(i: int) -> None:
+            with Client(svc.endpoint) as client:
+                try:
+                    outcomes.append(client.complete(text=f"Story {i}:", params=params))
+                except RequestFailed as exc:
+                    outcomes.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        with Client(svc.endpoint) as client:
+            deadline = time.monotonic() + 60
+            while client.health().running < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.kill(svc.worker_pid(), signal.SIGKILL)
+            for t in threads:
+                t.join(timeout=60)
+            assert len(outcomes) == 3
+            assert all(isinstance(o, RequestFailed) and o.code == "worker_died" for o in outcomes)
+            c = client.complete(text="Hello", params=SamplingParams(max_new_tokens=3),
+                                timeout_s=180)
+            assert len(c.token_ids) == 3
+            assert_idle(client)
+    finally:
+        svc.stop()
+
+
+def test_sigterm_shuts_down_cleanly(model_path):
+    svc = ServiceProcess(model_path)
+    worker = svc.worker_pid()
+    replies: list[object] = []
+
+    def run() -> None:
+        with Client(svc.endpoint) as client:
+            try:
+                replies.append(client.complete(
+                    text="Go on and on", params=SamplingParams(max_new_tokens=2000, ignore_eos=True),
+                    timeout_s=60))
+            except RequestFailed as exc:
+                replies.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    with Client(svc.endpoint) as client:
+        deadline = time.monotonic() + 60
+        while client.health().running < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert svc.stop() == 0
+    t.join(timeout=30)
+    assert len(replies) == 1 and isinstance(replies[0], RequestFailed)
+    assert replies[0].code == "service_shutdown"
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(worker, 0)
+            time.sleep(0.1)
+    for port in (svc.port, svc.tport):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # raises if the service still holds it
