@@ -145,7 +145,7 @@ class RuntimeSection:
 
 @dataclass(frozen=True)
 class SchedulingSection:
-    overlap: bool = _key(True, Boolean())
+    overlap: bool = _key(False, Boolean())  # true is refused until issue 4 lands
     speculation: bool = _key(False, Boolean())
 
 

@@ -61,7 +61,9 @@ class Service:
         self._ctx = zmq.asyncio.Context()
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, cfg.service.max_message_bytes + 4096)
+        # Frames up to the limit get decoded; a bit over it gets Error(message_too_large); only a
+        # frame far beyond it (4x, a memory guard) makes ZMQ drop that connection silently.
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.service.max_message_bytes)
         self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint, self)
         self.bound_endpoint: str | None = None
 
@@ -100,7 +102,7 @@ class Service:
         if self.core is not None:
             for out in self.core.fail_all("the service is shutting down"):
                 await self._reply_terminal(out, code="service_shutdown")
-        await self.worker.stop(timeout=5.0)
+        await self.worker.stop(timeout_s=5.0)
         self.telemetry.close()
         self.router.close(linger=0)
         self._ctx.term()
@@ -123,7 +125,7 @@ class Service:
             identity, payload = frames
             self.clients.touch(identity)
             try:
-                msg = decode_client_request(payload)
+                msg = decode_client_request(payload, self.cfg.service.max_message_bytes)
             except ProtocolError as exc:
                 await self._send(identity, Error(exc.request_id, exc.code, str(exc)))
                 continue
@@ -209,22 +211,26 @@ class Service:
 
     async def _on_worker_death(self, message: str) -> None:
         log.error("worker died: %s", message)
-        self.worker_ok = False
+        # fail_all empties the core's accounting, matching the fresh worker. Requests that
+        # arrive during the restart wait in the queue; only a worker that stays down refuses.
         for out in self.core.fail_all(f"the model worker died during a step: {message}"):
             await self._reply_terminal(out, code="worker_died")
         if not self.cfg.worker.restart_on_failure or \
                 self.worker_restarts >= self.cfg.worker.max_restarts:
             log.error("not restarting the worker (restarts so far: %d)", self.worker_restarts)
+            await self._worker_down()
             return
         try:
             self.worker_restarts += 1
-            info = await self.worker.restart()
+            self.info = await self.worker.restart()
         except WorkerStartError as exc:
             log.error("worker restart failed: %s", exc)
-            return
-        self.info = info
-        self.core = SchedulerCore(info, self.tokenizer, self.core.cfg)
-        self.worker_ok = True
+            await self._worker_down()
+
+    async def _worker_down(self) -> None:
+        self.worker_ok = False
+        for out in self.core.fail_all("the model worker is down and could not be restarted"):
+            await self._reply_terminal(out, code="worker_unavailable")
 
     # -- replies ----------------------------------------------------------------------------
 

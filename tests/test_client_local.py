@@ -122,7 +122,7 @@ PROMPTS = ["alpha beta gamma delta", "one two three", "red green blue yellow pur
 
 def test_concurrent_requests_are_routed_by_id():
     async def main(endpoint):
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             return await asyncio.gather(*(client.complete(p) for p in PROMPTS))
 
     with FakeService(batch=len(PROMPTS)) as service:
@@ -138,7 +138,7 @@ def test_concurrent_requests_are_routed_by_id():
 
 def test_stream_yields_chunks_then_finished():
     async def main(endpoint):
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             return [m async for m in client.generate(
                 "a b c", params=SamplingParams(temperature=0), request_id="mine")]
 
@@ -151,7 +151,7 @@ def test_stream_yields_chunks_then_finished():
 
 def test_heartbeat_while_in_flight_only():
     async def main(endpoint):
-        async with AsyncClient(endpoint, heartbeat_interval_s=0.05) as client:
+        async with AsyncClient(endpoint, heartbeat_interval_s=0.05, timeout_s=5.0) as client:
             await client.complete("x y")  # the service holds it for 0.5 s
             pings_done = len(service.of_type("ping"))
             await asyncio.sleep(0.3)  # idle: no pings
@@ -169,7 +169,7 @@ def test_heartbeat_while_in_flight_only():
 
 def test_error_reply_raises_request_failed():
     async def main(endpoint):
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             with pytest.raises(RequestFailed) as info:
                 await client.complete("error", request_id="bad-one")
             assert info.value.code == "prompt_too_long" and info.value.request_id == "bad-one"
@@ -182,7 +182,7 @@ def test_error_reply_raises_request_failed():
 
 def test_invalid_request_is_refused_before_sending():
     async def main(endpoint):
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             with pytest.raises(RequestFailed) as info:
                 await client.complete("x", params=SamplingParams(temperature=-1))
             assert info.value.code == "invalid_params"
@@ -197,7 +197,7 @@ def test_invalid_request_is_refused_before_sending():
 
 def test_timeout_and_early_exit_abort_the_request():
     async def main(endpoint):
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             with pytest.raises(RequestTimeout):
                 await client.complete("slow request", request_id="t1", timeout_s=0.2)
             await asyncio.sleep(0.1)
@@ -208,7 +208,7 @@ def test_timeout_and_early_exit_abort_the_request():
         assert [m["id"] for m in service.of_type("abort")] == ["t1"]
 
     async def break_early(endpoint):
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             agen = client.generate("a b c d e f", request_id="t2")
             async for _ in agen:
                 break
@@ -222,7 +222,7 @@ def test_timeout_and_early_exit_abort_the_request():
 
 def test_health_and_service_unavailable():
     async def main(endpoint):
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             return await client.health(timeout_s=2.0)
 
     with FakeService() as service:
@@ -232,7 +232,7 @@ def test_health_and_service_unavailable():
     endpoint = free_endpoint()
 
     async def nobody_home():
-        async with AsyncClient(endpoint) as client:
+        async with AsyncClient(endpoint, timeout_s=5.0) as client:
             with pytest.raises(ServiceUnavailable) as info:
                 await client.health(timeout_s=0.3)
             return str(info.value)
@@ -242,7 +242,7 @@ def test_health_and_service_unavailable():
 
 
 def test_sync_client():
-    with FakeService(batch=1) as service, Client(service.endpoint) as client:
+    with FakeService(batch=1) as service, Client(service.endpoint, timeout_s=5.0) as client:
         assert client.health(timeout_s=2.0).model == "fake"
         texts = [m.text for m in client.generate("hello there world") if isinstance(m, Chunk)]
         assert "".join(texts) == "hello there world"

@@ -233,7 +233,7 @@ def test_bad_input_gets_a_clear_error(service, frame, code):
         sock.close()
         ctx.term()
     with Client(service.endpoint) as client:  # and the service still serves everyone
-        assert client.complete(text="Hi", params=SamplingParams(max_new_tokens=2)).token_ids
+        assert client.complete("Hi", params=SamplingParams(max_new_tokens=2)).token_ids
 
 
 def test_worker_killed_mid_batch_errors_in_flight_then_recovers(model_path):
@@ -245,7 +245,7 @@ def test_worker_killed_mid_batch_errors_in_flight_then_recovers(model_path):
         def run(i: int) -> None:
             with Client(svc.endpoint) as client:
                 try:
-                    outcomes.append(client.complete(text=f"Story {i}:", params=params))
+                    outcomes.append(client.complete(f"Story {i}:", params=params))
                 except RequestFailed as exc:
                     outcomes.append(exc)
 
@@ -261,7 +261,7 @@ def test_worker_killed_mid_batch_errors_in_flight_then_recovers(model_path):
                 t.join(timeout=60)
             assert len(outcomes) == 3
             assert all(isinstance(o, RequestFailed) and o.code == "worker_died" for o in outcomes)
-            c = client.complete(text="Hello", params=SamplingParams(max_new_tokens=3),
+            c = client.complete("Hello", params=SamplingParams(max_new_tokens=3),
                                 timeout_s=180)
             assert len(c.token_ids) == 3
             assert_idle(client)
@@ -278,7 +278,7 @@ def test_sigterm_shuts_down_cleanly(model_path):
         with Client(svc.endpoint) as client:
             try:
                 replies.append(client.complete(
-                    text="Go on and on", params=SamplingParams(max_new_tokens=2000, ignore_eos=True),
+                    "Go on and on", params=SamplingParams(max_new_tokens=2000, ignore_eos=True),
                     timeout_s=60))
             except RequestFailed as exc:
                 replies.append(exc)
