@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--baseline-max-batch", type=int, default=32,
                      help="largest batch to run transformers at (it is slow)")
     off.add_argument("--markdown", default=None, help="also write the table to this file")
+    srv = bench_sub.add_parser("serve", help="the service under load vs the offline engine")
+    from fmserve.bench_serve import add_bench_serve_args
+    add_bench_serve_args(srv)
     return parser
 
 
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "client":
             from fmserve.client_cmd import run_client
             return run_client(args)
+        if args.command == "bench" and args.bench_command == "serve":
+            from fmserve.bench_serve import run_bench_serve
+            return run_bench_serve(args)
         if args.command == "bench" and args.bench_command == "offline":
             from fmserve.bench_offline import run_bench_offline
             return run_bench_offline(args)

@@ -1,0 +1,199 @@
+"""`fmserve bench serve`: the service under load, against the offline engine in the same run.
+
+1. The offline engine runs the first `--requests-per-level` dev prompts at batch 32 (the
+   baseline: output tokens/s with no sockets, no processes).
+2. A real `fmserve serve` process is started with the same runtime settings.
+3. Concurrency sweep: C clients' worth of requests in flight (C in --concurrency), each
+   request a dev prompt as a chat, greedy, exactly --max-new-tokens tokens (eos ignored).
+4. Poisson arrivals at --rate requests/s.
+Reported per run: TTFT, inter-token latency (ITL) and end-to-end p50/p99, output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from fmserve.bench_offline import DEV_PROMPTS, FALLBACK_TEXT
+from fmserve.default_model import resolve_model_path
+from ipc.client import AsyncClient, Client, ServiceUnavailable
+from ipc.client_messages import ChatMessage, Chunk
+from ipc.sampling import SamplingParams
+
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    itl: list[float]
+    e2e: float
+    tokens: int
+
+
+@dataclass
+class RunResult:
+    name: str
+    timings: list[RequestTiming]
+    wall: float
+
+    @property
+    def output_tps(self) -> float:
+        return sum(t.tokens for t in self.timings) / self.wall
+
+
+def dev_prompts(n: int) -> list[str]:
+    texts = []
+    if DEV_PROMPTS.exists():
+        with open(DEV_PROMPTS, encoding="utf-8") as f:
+            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    texts = texts or [FALLBACK_TEXT]
+    return [texts[i % len(texts)][:1500] for i in range(n)]
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="torch")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--requests-per-level", type=int, default=32,
+                   help="requests per concurrency level (at least the concurrency)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
+    p.add_argument("--poisson-requests", type=int, default=32)
+    p.add_argument("--markdown", default=None, help="also write the tables to this file")
+
+
+async def one_request(client: AsyncClient, prompt: str, params: SamplingParams) -> RequestTiming:
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async for msg in client.generate(messages=[ChatMessage("user", prompt)], params=params):
+        if isinstance(msg, Chunk) and msg.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += len(msg.token_ids)
+    end = time.perf_counter()
+    itl = list(np.diff(stamps)) if len(stamps) > 1 else []
+    return RequestTiming(stamps[0] - start if stamps else end - start, itl, end - start, tokens)
+
+
+async def run_closed_loop(endpoint: str, prompts: list[str], concurrency: int,
+                          params: SamplingParams) -> RunResult:
+    queue = list(prompts)
+    timings: list[RequestTiming] = []
+    async with AsyncClient(endpoint) as client:
+        async def worker() -> None:
+            while queue:
+                timings.append(await one_request(client, queue.pop(), params))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return RunResult(f"concurrency {concurrency}", timings, time.perf_counter() - start)
+
+
+async def run_poisson(endpoint: str, prompts: list[str], rate: float,
+                      params: SamplingParams) -> RunResult:
+    rng = random.Random(0)
+    async with AsyncClient(endpoint) as client:
+        start = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(one_request(client, p, params)))
+            await asyncio.sleep(rng.expovariate(rate))
+        timings = await asyncio.gather(*tasks)
+        return RunResult(f"poisson {rate:g} req/s", list(timings), time.perf_counter() - start)
+
+
+def offline_baseline(args, path: Path, prompts: list[str], params: SamplingParams) -> float:
+    from fmserve.engine import Engine
+    engine = Engine(model=str(path), device=args.device, dtype=args.dtype,
+                    attention_backend=args.attention_backend, max_running_requests=32,
+                    progress=False)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    engine.generate(chats[:2], SamplingParams(max_new_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(chats, params)
+    return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - start)
+
+
+def start_service(args, path: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(path), "--dtype",
+           args.dtype, "--device", args.device, "--attention-backend", args.attention_backend,
+           "--endpoint", endpoint, "--telemetry-endpoint", "tcp://127.0.0.1:0",
+           "--max-running-requests", "32", "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with Client(endpoint) as c:
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError(f"fmserve serve exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                c.health(timeout_s=1.0)
+                return proc, endpoint
+            except ServiceUnavailable:
+                continue
+    proc.kill()
+    raise RuntimeError("fmserve serve did not answer within 300 s")
+
+
+def pct(values: list[float], q: float) -> str:
+    return f"{np.percentile(values, q) * 1000:.0f}" if values else "-"
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    console = Console()
+    path = resolve_model_path(args.model)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    n = max(args.requests_per_level, max(levels))
+    prompts = dev_prompts(max(n, args.poisson_requests))
+    console.print(f"offline baseline: batch 32, {n} requests ...")
+    baseline = offline_baseline(args, path, prompts[:n], params)
+    console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
+    proc, endpoint = start_service(args, path)
+    results: list[RunResult] = []
+    try:
+        asyncio.run(run_closed_loop(endpoint, prompts[:2], 1, SamplingParams(max_new_tokens=4)))
+        for c in levels:
+            console.print(f"concurrency {c} ...")
+            results.append(asyncio.run(run_closed_loop(endpoint, prompts[:max(n, c)], c, params)))
+        console.print(f"poisson {args.rate} req/s ...")
+        results.append(asyncio.run(run_poisson(endpoint, prompts[:args.poisson_requests],
+                                               args.rate, params)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    header = ["run", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+              "E2E p50 ms", "E2E p99 ms", "output tok/s", "vs offline b32"]
+    table = Table(title=f"serve: {args.dtype}, {args.max_new_tokens} new tokens/request, "
+                        f"offline batch-32 baseline {baseline:.1f} tok/s")
+    for h in header:
+        table.add_column(h, justify="right")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        ttft = [t.ttft for t in r.timings]
+        itl = [x for t in r.timings for x in t.itl]
+        e2e = [t.e2e for t in r.timings]
+        row = [r.name, str(len(r.timings)), pct(ttft, 50), pct(ttft, 99), pct(itl, 50),
+               pct(itl, 99), pct(e2e, 50), pct(e2e, 99), f"{r.output_tps:.1f}",
+               f"{r.output_tps / baseline:.2f}"]
+        table.add_row(*row)
+        lines.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+    return 0
