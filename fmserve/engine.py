@@ -11,6 +11,7 @@ rendered with the model's chat template). No sockets: plans go straight to the r
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ class Engine:
                  attention_backend: str = "torch", page_size: int = 16,
                  max_kv_tokens: int = 65536, max_running_requests: int = 64,
                  max_tokens_per_step: int = 2048, max_context_len: int | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, overlap: bool = False) -> None:
         path = resolve_model_path(model)
         self.tokenizer = TextTokenizer.from_model_path(path)
         self.runner = ModelRunner(RunnerConfig(
@@ -51,6 +52,9 @@ class Engine:
         self.scheduler = SchedulerCore(self.info, self.tokenizer,
                                        SchedulerConfig(max_tokens_per_step=max_tokens_per_step))
         self._ids = itertools.count()
+        # With overlap, plan k+1 is made before step k's result is processed, exactly as the
+        # service does; in one process this buys no parallelism but runs the same logic.
+        self.overlap = overlap
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -77,12 +81,18 @@ class Engine:
 
     def run(self) -> Iterator[RequestOutput]:
         """Step until every queued request has finished, yielding outputs as they come."""
-        while self.scheduler.has_work:
-            plan = self.scheduler.plan_step()
-            if plan is None:
+        depth = 2 if self.overlap else 1
+        inflight: deque = deque()  # results of plans sent but not yet processed
+        while self.scheduler.has_work or inflight:
+            if len(inflight) < depth and self.scheduler.has_work:
+                plan = self.scheduler.plan_step()
+                if plan is not None:
+                    inflight.append(self.runner.step(plan))
+                    continue
+            if not inflight:
                 raise RuntimeError("the scheduler has requests but could plan nothing: "
                                    f"{self.scheduler.accounting()}")
-            yield from self.scheduler.process_result(self.runner.step(plan))
+            yield from self.scheduler.process_result(inflight.popleft())
 
     def stream(self, prompts: Iterable[Prompt],
                params: SamplingParams | Sequence[SamplingParams] = SamplingParams()

@@ -52,9 +52,6 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 
 
 def check_supported(cfg: ServiceConfig) -> None:
-    if cfg.scheduling.overlap:
-        raise ConfigError("scheduling.overlap = true: overlap scheduling is not built yet; "
-                          "set it to false (or pass --no-overlap)")
     if cfg.scheduling.speculation:
         raise ConfigError("scheduling.speculation = true: EAGLE speculative decoding is not "
                           "built yet; set it to false (or pass --no-speculation)")

@@ -6,31 +6,59 @@ The model holds weights only; everything per-forward (token locations, lengths) 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch
-from gpu.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+from gpu.layers import DenseLinear, RotaryEmbedding, apply_rope, rms_norm, swiglu
 from gpu.model_config import ModelConfig
+from gpu.quantized_linear import WEIGHT_QUANT_MODES, make_linear
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv_proj: Linear
+    o_proj: Linear
+    post_attn_norm: torch.Tensor
+    gate_up_proj: Linear
+    down_proj: Linear
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, weight_quant: str = "none") -> None:
+        if weight_quant not in WEIGHT_QUANT_MODES:
+            raise ValueError(f"weight_quant '{weight_quant}' is unknown; choose one of "
+                             f"{WEIGHT_QUANT_MODES}")
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.weight_quant = weight_quant
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
+        def linear(name: str) -> Linear:
+            return make_linear(w(name), weight_quant)
+
         self.embed_tokens = w("embed_tokens")
-        self.lm_head = w("lm_head") if "lm_head" in weights else self.embed_tokens
+        self.lm_head = make_linear(w("lm_head") if "lm_head" in weights else self.embed_tokens,
+                                   weight_quant, both_layouts=True)
         self.final_norm = w("final_norm")
         self.layers = [
-            {name: w(f"layers.{i}.{name}") for name in
-             ("input_norm", "qkv_proj", "o_proj", "post_attn_norm", "gate_up_proj", "down_proj")}
+            DecoderLayer(input_norm=w(f"layers.{i}.input_norm"),
+                         qkv_proj=linear(f"layers.{i}.qkv_proj"),
+                         o_proj=linear(f"layers.{i}.o_proj"),
+                         post_attn_norm=w(f"layers.{i}.post_attn_norm"),
+                         gate_up_proj=linear(f"layers.{i}.gate_up_proj"),
+                         down_proj=linear(f"layers.{i}.down_proj"))
             for i in range(config.num_layers)
         ]
         self.rope = RotaryEmbedding(config, device, dtype)
@@ -44,23 +72,27 @@ class LlamaModel:
         cfg = self.config
         eps = cfg.rms_norm_eps
         n = batch.num_tokens
+        qk_heads = cfg.num_heads + cfg.num_kv_heads
         h = F.embedding(batch.input_ids, self.embed_tokens)
-        cos, sin = self.rope.cos_sin(batch.positions)
+        cos, signed_sin = self.rope.cos_sin(batch.positions)
         captured: list[torch.Tensor] = []
-        for layer_id, p in enumerate(self.layers):
+        for layer_id, layer in enumerate(self.layers):
             if layer_id in capture_layers:
                 captured.append(h)
-            x = rms_norm(h, p["input_norm"], eps)
-            qkv = F.linear(x, p["qkv_proj"])
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+                h = h.clone()  # the residual adds below are in place
+            x = rms_norm(h, layer.input_norm, eps)
+            qkv = layer.qkv_proj(x)
+            # q and k are rotated together: they sit side by side in the fused projection.
+            qk = apply_rope(qkv[:, :qk_heads * cfg.head_dim].view(n, qk_heads, cfg.head_dim),
+                            cos, signed_sin)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, qk_heads * cfg.head_dim:].view(n, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(q, k, v, layer_id, batch)
-            h = h + F.linear(o.reshape(n, cfg.q_size), p["o_proj"])
-            x = rms_norm(h, p["post_attn_norm"], eps)
-            h = h + F.linear(swiglu(F.linear(x, p["gate_up_proj"])), p["down_proj"])
+            h.add_(layer.o_proj(o.reshape(n, cfg.q_size)))
+            x = rms_norm(h, layer.post_attn_norm, eps)
+            h.add_(layer.down_proj(swiglu(layer.gate_up_proj(x))))
         return rms_norm(h, self.final_norm, eps), captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        # Contiguous rows: the sampler's row-wise argmax/softmax are slow on a transposed product.
+        return self.lm_head(hidden).float().contiguous()

@@ -12,12 +12,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
 from gpu.attention.base import AttentionBackend
 from gpu.device import device_kind, resolve_device, resolve_dtype, synchronize
 from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.future_map import FutureMap
 from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
@@ -39,6 +41,7 @@ class RunnerConfig:
     max_running_requests: int = 64
     max_context_len: int | None = None  # None: the model's own
     progress: bool = True
+    wrwr_check: bool | None = None  # None: from FMSERVE_WRWR_CHECK
 
 
 def make_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool,
@@ -77,8 +80,8 @@ class ModelRunner:
                                             eos_token_ids=mc.eos_token_ids)
         self.sampler = Sampler(self.sampling_state)
         # Per-slot relay buffers (see module docstring).
-        self.output_tokens_buf = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
-        self.seq_lens_buf = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
+        self.future_map = FutureMap(self.num_slots, self.device, cfg.wrwr_check)
+        self._last_step_end: float | None = None
 
     def info(self) -> WorkerInfo:
         mc = self.model_config
@@ -93,9 +96,10 @@ class ModelRunner:
     # -- plan application -------------------------------------------------------------------
 
     def _apply_bookkeeping(self, plan: StepPlan) -> None:
-        for slot in unpack_i32(plan.released_slots).tolist():
+        released = unpack_i32(plan.released_slots)
+        for slot in released.tolist():
             self.sampling_state.release(slot)
-            self.seq_lens_buf[slot] = 0
+        self.future_map.release(torch.from_numpy(released.astype(np.int64)).to(self.device))
         for req in plan.new_requests:
             self.sampling_state.set_request(req.slot, req.params, [])
         for grant in plan.grants:
@@ -126,8 +130,8 @@ class ModelRunner:
             cu = torch.cumsum(e_lens, 0) - e_lens
             e_pos = (torch.arange(int(e_ids.shape[0]), device=dev)
                      - torch.repeat_interleave(cu - e_prefix, e_lens))
-        d_prefix = self.seq_lens_buf[decode_slots]
-        d_ids = self.output_tokens_buf[decode_slots]
+        d_prefix = self.future_map.resolve_seq_lens(decode_slots)
+        d_ids = self.future_map.resolve_future(decode_slots)
         if num_extend and num_decode:
             mode = ForwardMode.EXTEND
             input_ids = torch.cat([e_ids, d_ids])
@@ -148,11 +152,12 @@ class ModelRunner:
         batch = ForwardBatch(mode=mode, input_ids=input_ids, positions=positions, slots=slots,
                              seq_lens=seq_lens, prefix_lens=prefix_lens, extend_lens=extend_lens,
                              out_cache_loc=out_cache_loc)
-        if self.needs_cpu_seq_lens and mode != ForwardMode.IDLE:
-            batch.seq_lens_cpu = seq_lens.cpu()
+        if mode != ForwardMode.IDLE:
+            batch.seq_lens_cpu, batch.seq_lens_sum = self.future_map.resolve_seq_lens_cpu(
+                seq_lens, self.needs_cpu_seq_lens)
+        if batch.seq_lens_cpu is not None:
             batch.prefix_lens_cpu = prefix_lens.cpu()
             batch.extend_lens_cpu = extend_lens.cpu()
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
             batch.max_seq_len = int(batch.seq_lens_cpu.max())
             batch.max_extend_len = int(batch.extend_lens_cpu.max())
         sample_rows = [i for i, s in enumerate(ext_sample) if s] + list(
@@ -175,12 +180,18 @@ class ModelRunner:
             return batch, None, sample_rows
         self.attn.init_forward_metadata(batch)
         hidden, _ = self.model.hidden_states(batch, self.attn)
-        self.seq_lens_buf[batch.slots] = batch.seq_lens
+        self.future_map.publish(batch.slots, batch.seq_lens)
         return batch, hidden, sample_rows
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
+        idle_ms = 0.0 if self._last_step_end is None else (start - self._last_step_end) * 1e3
+        result = self._step(plan, start)
+        self._last_step_end = time.perf_counter()
+        return msgspec.structs.replace(result, idle_ms=idle_ms)
+
+    def _step(self, plan: StepPlan, start: float) -> StepResult:
         batch, hidden, sample_rows = self.forward(plan)
         if hidden is None or sample_rows.numel() == 0:  # idle, or only non-final prefill chunks
             synchronize(self.device)
@@ -190,7 +201,7 @@ class ModelRunner:
         sample_slots = batch.slots[sample_rows]
         out = self.sampler.sample(logits, sample_slots, batch.seq_lens[sample_rows],
                                   slots_host=self._sample_slots_host)
-        self.output_tokens_buf[sample_slots] = out.token_ids
+        self.future_map.stash(sample_slots, out.token_ids)
         self.sampling_state.record_outputs(sample_slots, out.token_ids)
         n_top = 0 if out.top_logprob_ids is None else int(out.top_logprob_ids.shape[1])
         return StepResult(

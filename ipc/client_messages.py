@@ -44,7 +44,15 @@ class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
     """Client heartbeat; answered with `Pong`. Any message counts as a sign of life."""
 
 
-ClientRequest = Generate | Abort | Health | Ping
+class AdminAbort(msgspec.Struct, tag="admin_abort", frozen=True, forbid_unknown_fields=True):
+    """Abort any client's request (for monitors such as `fmserve top`). `key` is the
+    service-wide request key from telemetry (`RequestTelemetry.key`). The owner gets its
+    usual `Finished(reason="abort")`; the sender gets `Aborted` (or `Error` if unknown)."""
+
+    key: str
+
+
+ClientRequest = Generate | Abort | Health | Ping | AdminAbort
 
 
 class Chunk(msgspec.Struct, tag="chunk", frozen=True):
@@ -94,4 +102,10 @@ class Pong(msgspec.Struct, tag="pong", frozen=True):
     pass
 
 
-ServiceReply = Chunk | Finished | Error | Stats | Pong
+class Aborted(msgspec.Struct, tag="aborted", frozen=True):
+    """Answer to `AdminAbort`: the request with this key has been ended."""
+
+    key: str
+
+
+ServiceReply = Chunk | Finished | Error | Stats | Pong | Aborted

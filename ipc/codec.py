@@ -25,8 +25,8 @@ MAX_REQUEST_ID_CHARS = 128
 CHAT_ROLES = ("system", "user", "assistant")
 
 # Tags a frame may carry, in the order the docs list them.
-CLIENT_REQUEST_TYPES = ("generate", "abort", "health", "ping")
-SERVICE_REPLY_TYPES = ("chunk", "finished", "error", "stats", "pong")
+CLIENT_REQUEST_TYPES = ("generate", "abort", "health", "ping", "admin_abort")
+SERVICE_REPLY_TYPES = ("chunk", "finished", "error", "stats", "pong", "aborted")
 _TYPES_WITH_ID = ("generate", "abort", "chunk", "finished", "error")
 
 # Encoders/decoders are cached: building one compiles the type's schema.

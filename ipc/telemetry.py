@@ -18,6 +18,7 @@ class RequestTelemetry(msgspec.Struct, array_like=True, frozen=True):
     generated: int
     last_accept_len: int  # draft tokens accepted in the last step (0 without speculation)
     age_s: float
+    key: str  # service-wide request key ("<client hex>/<client id>"), for AdminAbort
 
 
 class StepTelemetry(msgspec.Struct, array_like=True, frozen=True):
@@ -26,6 +27,7 @@ class StepTelemetry(msgspec.Struct, array_like=True, frozen=True):
     num_tokens: int  # tokens fed to the forward (prefill chunks + decodes)
     forward_ms: float  # worker time for the step
     wall_ms: float  # scheduler's view: plan sent to result processed
+    idle_ms: float  # worker idle before this step (end of the previous forward to its start)
 
 
 class WorkerTelemetry(msgspec.Struct, frozen=True):
@@ -54,4 +56,5 @@ class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     finished_requests: int
     retractions: int
     recent_steps: list[StepTelemetry]  # newest last
+    worker_idle_share: float  # worker idle / (idle + busy) since start: overlap efficiency
     worker: WorkerTelemetry

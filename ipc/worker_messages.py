@@ -77,7 +77,8 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, frozen=True):
     top_logprobs_n: int  # columns of the two arrays below (0 = none)
     top_logprob_ids: bytes  # int32 [len(slots) * top_logprobs_n]
     top_logprobs: bytes  # float32 [len(slots) * top_logprobs_n]
-    forward_ms: float
+    forward_ms: float  # plan received to result ready
+    idle_ms: float = 0.0  # end of the previous step to the start of this one (worker idle)
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

@@ -5,5 +5,6 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh"
-# Until the service exists the main job is an interactive chat with the default model.
-exec "${FMSERVE_VENV:-$ROOT/.venv}/bin/fmserve" generate --chat "$@"
+# The main job is the service on the default model, configured by config.toml.
+cd "$ROOT"
+exec "${FMSERVE_VENV:-$ROOT/.venv}/bin/fmserve" serve "$@"

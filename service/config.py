@@ -141,11 +141,12 @@ class RuntimeSection:
     max_running_requests: int = _key(64, IntIn(1, 4096))
     max_tokens_per_step: int = _key(2048, IntIn(1, 1 << 20))
     max_context_len: int = _key(0, IntIn(0, 1 << 24))  # 0 = the model's own limit
+    wrwr_check: bool = _key(False, Boolean())  # FutureMap write/read invariant checks (debug)
 
 
 @dataclass(frozen=True)
 class SchedulingSection:
-    overlap: bool = _key(False, Boolean())  # true is refused until issue 4 lands
+    overlap: bool = _key(True, Boolean())
     speculation: bool = _key(False, Boolean())
 
 

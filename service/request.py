@@ -37,6 +37,7 @@ class Request:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_inflight: int = 0  # planned samples whose result has not been processed yet
 
     @property
     def all_ids(self) -> list[int]:

@@ -63,9 +63,13 @@ class SchedulerCore:
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Streaming] = {}
         self._released: list[int] = []
-        self._inflight: dict[int, Request] = {}  # slot -> request the last plan sampled for
+        # step id -> slot -> (request, its retraction count when planned). With overlap two
+        # plans are in flight; an entry is stale if the request finished or was retracted since.
+        self._inflight: dict[int, dict[int, tuple[Request, int]]] = {}
+        self._planning: dict[int, tuple[Request, int]] = {}
         self.step_id = 0
         self.num_retractions = 0  # lifetime count, for telemetry and tests
+        self.num_stale_results = 0  # results dropped one step late (finished/aborted/retracted)
 
     # -- requests in ------------------------------------------------------------------------
 
@@ -126,16 +130,18 @@ class SchedulerCore:
         grants: list[PageGrant] = []
         extends: list[ExtendEntry] = []
         decode_slots: list[int] = []
-        self._inflight = {}
+        self._planning = {}
 
         for req in self._decoding_requests():
             if req.state != RequestState.DECODING:
                 continue  # retracted to make room for an older request this very step
+            if self._will_finish_by_length(req):
+                continue  # its in-flight step hits the limit: a decode now would be wasted
             # The request's last output token enters the cache at position num_cached.
             if not self._grow(req, req.num_cached + 1, grants):
                 continue  # req itself was retracted to make room
             decode_slots.append(req.slot)
-            self._inflight[req.slot] = req
+            self._mark_sampling(req)
             req.num_cached += 1
         budget = self.cfg.max_tokens_per_step - len(decode_slots)
 
@@ -162,12 +168,22 @@ class SchedulerCore:
                 self._released = released
             return None
         self.step_id += 1
+        self._inflight[self.step_id] = self._planning
         return StepPlan(step_id=self.step_id, new_requests=new_requests, grants=grants,
                         extends=extends, decode_slots=pack_i32(decode_slots),
                         released_slots=pack_i32(released))
 
     def _decoding_requests(self) -> list[Request]:
         return [r for r in self.running.values() if r.state == RequestState.DECODING]
+
+    def _mark_sampling(self, req: Request) -> None:
+        self._planning[req.slot] = (req, req.num_preemptions)
+        req.num_inflight += 1
+
+    def _will_finish_by_length(self, req: Request) -> bool:
+        produced = len(req.output_ids) + req.num_inflight
+        return (produced >= req.params.max_new_tokens
+                or len(req.prompt_ids) + produced >= self.info.max_context_len)
 
     def _plan_chunk(self, req: Request, budget: int, grants: list[PageGrant],
                     extends: list[ExtendEntry]) -> int:
@@ -182,7 +198,8 @@ class SchedulerCore:
         done = end == len(ids)
         extends.append(ExtendEntry(req.slot, req.num_cached, pack_i32(ids[req.num_cached:end]), done))
         if done:
-            self._inflight[req.slot] = req
+            self._mark_sampling(req)
+            req.state = RequestState.DECODING  # the next plan may decode it before this result
         req.num_cached = end
         return chunk
 
@@ -203,7 +220,8 @@ class SchedulerCore:
 
     def _retract(self, req: Request, grants: list[PageGrant]) -> None:
         grants[:] = [g for g in grants if g.slot != req.slot]
-        self._inflight.pop(req.slot, None)
+        if self._planning.pop(req.slot, None) is not None:
+            req.num_inflight -= 1
         self._release_resources(req)
         req.state = RequestState.WAITING
         req.num_cached = 0
@@ -229,12 +247,19 @@ class SchedulerCore:
         n_top = result.top_logprobs_n
         top_ids = unpack_i32(result.top_logprob_ids).reshape(-1, n_top) if n_top else None
         top_lps = unpack_f32(result.top_logprobs).reshape(-1, n_top) if n_top else None
+        planned = self._inflight.pop(result.step_id, {})
         outputs = []
         now = time.monotonic()
         for row, (slot, token) in enumerate(zip(slots.tolist(), tokens.tolist())):
-            req = self._inflight.get(slot)
-            if req is None or req.state == RequestState.FINISHED or req.slot != slot:
-                continue  # finished or aborted after this step was planned: drop, once
+            entry = planned.get(slot)
+            if entry is None:
+                continue
+            req, epoch = entry
+            req.num_inflight -= 1
+            if req.state == RequestState.FINISHED or req.slot != slot or \
+                    req.num_preemptions != epoch:
+                self.num_stale_results += 1
+                continue  # finished, aborted or retracted after this step was planned: drop
             lp = None
             if req.params.logprobs is not None and logprobs is not None:
                 k = req.params.logprobs
@@ -242,7 +267,6 @@ class SchedulerCore:
                     zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist()))
                 lp = [TokenLogprob(float(logprobs[row]), top)]
             outputs.append(self._on_token(req, int(token), lp, now))
-        self._inflight = {}
         return outputs
 
     def _on_token(self, req: Request, token: int, lp: list[TokenLogprob] | None,

@@ -19,8 +19,8 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from ipc.client_messages import (Abort, Chunk, Error, Finished, Generate, Health, Ping, Pong,
-                                 Stats, Usage)
+from ipc.client_messages import (Abort, AdminAbort, Aborted, Chunk, Error, Finished, Generate,
+                                 Health, Ping, Pong, Stats, Usage)
 from ipc.codec import ProtocolError, decode_client_request, encode
 from ipc.telemetry import StepTelemetry
 from ipc.worker_messages import WorkerInfo, unpack_i32
@@ -46,7 +46,8 @@ class Service:
                                dtype=cfg.model.dtype, attention_backend=rt.attention_backend,
                                page_size=rt.page_size, max_kv_tokens=rt.max_kv_tokens,
                                max_running_requests=rt.max_running_requests,
-                               max_context_len=rt.max_context_len or None, progress=False),
+                               max_context_len=rt.max_context_len or None, progress=False,
+                               wrwr_check=rt.wrwr_check or None),
             ready_timeout_s=cfg.worker.ready_timeout_s, step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
         self.core: SchedulerCore | None = None
@@ -56,6 +57,8 @@ class Service:
         self.steps = 0
         self.output_tokens = 0
         self.finished_requests = 0
+        self.worker_busy_ms = 0.0  # sums over steps: the worker's idle share = idle / (idle + busy)
+        self.worker_idle_ms = 0.0
         self.recent_steps: deque[StepTelemetry] = deque(maxlen=64)
         self._work = anyio.Event()
         self._ctx = zmq.asyncio.Context()
@@ -137,6 +140,8 @@ class Service:
                 await self._send(identity, self.stats())
             elif isinstance(msg, Ping):
                 await self._send(identity, Pong())
+            elif isinstance(msg, AdminAbort):
+                await self._on_admin_abort(identity, msg)
 
     async def _on_generate(self, identity: bytes, msg: Generate) -> None:
         rid = self.clients.scheduler_id(identity, msg.id)
@@ -179,12 +184,39 @@ class Service:
             return
         await self._reply_terminal(out)
 
+    async def _on_admin_abort(self, identity: bytes, msg: AdminAbort) -> None:
+        out = self.core.abort(msg.key) if msg.key in self.clients.requests else None
+        if out is None:
+            await self._send(identity, Error(None, "unknown_request",
+                                             f"no request with key '{msg.key}' is in flight"))
+            return
+        await self._reply_terminal(out)
+        await self._send(identity, Aborted(msg.key))
+
     # -- stepping ---------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        """Keep the worker fed. With overlap, plan k+1 is sent before step k's result is read,
+        so this process's planning, detokenising and streaming run while the worker computes;
+        the worker reads step k's tokens for plan k+1 from its FutureMap."""
+        depth = 2 if self.cfg.scheduling.overlap else 1
+        inflight: deque[tuple[object, float, bool]] = deque()  # (plan, sent at, idle counts)
+        waited = True  # the worker's idle before a step that follows a wait for work is not ours
         while True:
-            plan = self.core.plan_step() if self.core.has_work else None
-            if plan is None:
+            if len(inflight) < depth and self.core.has_work:
+                plan = self.core.plan_step()
+                if plan is not None:
+                    try:
+                        await self.worker.send_plan(plan)
+                    except WorkerDied as exc:
+                        inflight.clear()
+                        await self._on_worker_death(str(exc))
+                        continue
+                    inflight.append((plan, time.perf_counter(), not waited))
+                    waited = False
+                    continue
+            if not inflight:
+                waited = True
                 self._work = anyio.Event()
                 if self.core.has_work:  # work that cannot be planned now (no pages): poll
                     with anyio.move_on_after(0.05):
@@ -192,22 +224,27 @@ class Service:
                 else:
                     await self._work.wait()
                 continue
-            start = time.perf_counter()
             try:
-                result = await self.worker.step(plan)
+                result = await self.worker.next_result()
             except WorkerDied as exc:
+                inflight.clear()
                 await self._on_worker_death(str(exc))
                 continue
-            outputs = self.core.process_result(result)
-            for out in outputs:
+            plan, sent, idle_counts = inflight.popleft()
+            for out in self.core.process_result(result):
                 await self._reply(out)
-            num_tokens = sum(len(unpack_i32(e.token_ids)) for e in plan.extends) + len(
-                unpack_i32(plan.decode_slots))
-            self.steps += 1
-            self.recent_steps.append(StepTelemetry(
-                plan.step_id, len(plan.extends) + len(unpack_i32(plan.decode_slots)), num_tokens,
-                result.forward_ms, (time.perf_counter() - start) * 1000.0))
+            self._record_step(plan, result, sent, idle_counts)
             await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
+
+    def _record_step(self, plan, result, sent: float, idle_counts: bool) -> None:
+        decodes = len(unpack_i32(plan.decode_slots))
+        num_tokens = sum(len(unpack_i32(e.token_ids)) for e in plan.extends) + decodes
+        self.steps += 1
+        self.worker_busy_ms += result.forward_ms
+        self.worker_idle_ms += result.idle_ms if idle_counts else 0.0
+        self.recent_steps.append(StepTelemetry(
+            plan.step_id, len(plan.extends) + decodes, num_tokens, result.forward_ms,
+            (time.perf_counter() - sent) * 1000.0, result.idle_ms))
 
     async def _on_worker_death(self, message: str) -> None:
         log.error("worker died: %s", message)

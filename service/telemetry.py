@@ -22,7 +22,7 @@ def request_telemetry(req: Request, now: float) -> RequestTelemetry:
     return RequestTelemetry(id=req.rid.split("/", 1)[-1], slot=req.slot or 0,
                             state=req.state.value, prompt_len=len(req.prompt_ids),
                             seq_len=req.seq_len, generated=len(req.output_ids),
-                            last_accept_len=0, age_s=now - req.arrival)
+                            last_accept_len=0, age_s=now - req.arrival, key=req.rid)
 
 
 class TelemetryPublisher:
@@ -54,13 +54,15 @@ class TelemetryPublisher:
                    if r.state == RequestState.WAITING]
         acc = core.accounting()
         return TelemetrySnapshot(
-            time=time.time(), model=info.model_name, overlap=False, speculation=False,
+            time=time.time(), model=info.model_name, overlap=svc.cfg.scheduling.overlap,
+            speculation=svc.cfg.scheduling.speculation,
             running=running, waiting=waiting, free_pages=acc["free_pages"],
             total_pages=acc["total_pages"], page_size=info.page_size,
             free_slots=acc["free_slots"], total_slots=acc["total_slots"],
             output_tokens_per_s=rate, total_output_tokens=svc.output_tokens,
             finished_requests=svc.finished_requests, retractions=core.num_retractions,
             recent_steps=list(svc.recent_steps)[-16:],
+            worker_idle_share=svc.worker_idle_ms / max(svc.worker_idle_ms + svc.worker_busy_ms, 1e-9),
             worker=WorkerTelemetry(alive=svc.worker_ok, pid=svc.worker.pid,
                                    restarts=svc.worker_restarts, device=info.device,
                                    dtype=info.dtype, attention_backend=info.attention_backend))

@@ -38,7 +38,7 @@ def test_shipped_config_lists_every_key_with_its_default():
     # the defaults the design and the brief fix
     assert cfg.service.client_endpoint == "tcp://127.0.0.1:5557"
     assert cfg.service.heartbeat_interval_s == 2.0 and cfg.service.client_timeout_s == 10.0
-    assert cfg.runtime.page_size == 16 and cfg.scheduling.overlap is False
+    assert cfg.runtime.page_size == 16 and cfg.scheduling.overlap is True
 
 
 def test_no_file_gives_defaults():

@@ -300,3 +300,45 @@ def test_sigterm_shuts_down_cleanly(model_path):
     for port in (svc.port, svc.tport):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # raises if the service still holds it
+
+
+def test_telemetry_snapshot_and_admin_abort(service):
+    from ipc.client_messages import AdminAbort, Aborted
+    from ipc.telemetry import TelemetrySnapshot
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{service.tport}")
+    admin = ctx.socket(zmq.DEALER)
+    admin.setsockopt(zmq.LINGER, 0)
+    admin.connect(service.endpoint)
+    decoder = msgspec.msgpack.Decoder(TelemetrySnapshot)
+    got: list[object] = []
+    params = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
+
+    def owner() -> None:
+        with Client(service.endpoint) as client:
+            got.extend(client.generate("Tell me everything.", params=params, request_id="owned"))
+
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        key = None
+        deadline = time.monotonic() + 60
+        while key is None and time.monotonic() < deadline:
+            if sub.poll(1000):
+                snap = decoder.decode(sub.recv())
+                assert snap.total_pages > 0 and snap.worker.alive
+                key = next((r.key for r in snap.running if r.id == "owned"), None)
+        assert key is not None, "the running request never showed up in telemetry"
+        admin.send(encode(AdminAbort(key)))
+        assert admin.poll(10000)
+        assert isinstance(decode_service_reply(admin.recv()), Aborted)
+        t.join(timeout=30)
+        assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
+    finally:
+        sub.close()
+        admin.close()
+        ctx.term()

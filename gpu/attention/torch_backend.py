@@ -3,6 +3,10 @@ batch to its longest sequence, and run one masked SDPA call per layer.
 
 Building the gather indices and masks needs the longest lengths on the host, hence
 `needs_cpu_seq_lens = True`. The indices are built once per forward and shared by all layers.
+
+Decode in fp32 on the CPU skips SDPA: with one query per request, two batched products per
+kv head over the gathered (strided, uncopied) keys and values are 2-3x faster than the CPU
+flash kernel at batch 32, and the same arithmetic in the same precision.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ class TorchAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self._key_locs: torch.Tensor | None = None  # [bs, max_seq_len] KV locations
+        self._key_locs: torch.Tensor | None = None  # [bs * max_seq_len] KV locations
         self._mask: torch.Tensor | None = None  # [bs, 1, q_len, max_seq_len] bool
+        self._decode_bias: torch.Tensor | None = None  # [bs, 1, 1, max_seq_len] 0 / -inf
         self._query_index: torch.Tensor | None = None  # [bs, max_extend] token index (EXTEND)
         self._query_valid: torch.Tensor | None = None  # [bs, max_extend] bool (EXTEND)
 
@@ -38,10 +43,13 @@ class TorchAttentionBackend:
         device = batch.seq_lens.device
         max_len = batch.max_seq_len
         key_pos = torch.arange(max_len, device=device)
-        self._key_locs = self.req_to_token.req_to_token[batch.slots, :max_len].long()
+        # Flat, so each layer gathers with index_select (4-5x faster than advanced indexing).
+        self._key_locs = self.req_to_token.req_to_token[batch.slots, :max_len].reshape(-1).long()
         in_seq = key_pos[None, :] < batch.seq_lens[:, None]  # [bs, L]
         if batch.mode == ForwardMode.DECODE:
             self._mask = in_seq[:, None, None, :]
+            self._decode_bias = torch.zeros(in_seq.shape, dtype=torch.float32, device=device
+                                            ).masked_fill_(~in_seq, float("-inf"))[:, None, None, :]
             return
         max_extend = batch.max_extend_len
         assert max_extend is not None
@@ -60,9 +68,16 @@ class TorchAttentionBackend:
         if batch.batch_size == 0:
             return q.new_empty(0, self.num_heads, self.head_dim)
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
-        # [bs, kv_heads, L, D]
-        keys = self.kv_pool.k_buffer[layer_id][self._key_locs].to(q.dtype).transpose(1, 2)
-        values = self.kv_pool.v_buffer[layer_id][self._key_locs].to(q.dtype).transpose(1, 2)
+        bs, max_len = batch.batch_size, batch.max_seq_len
+        # [bs, L, kv_heads, D]
+        keys = self.kv_pool.k_buffer[layer_id].index_select(0, self._key_locs).to(q.dtype).view(
+            bs, max_len, self.num_kv_heads, self.head_dim)
+        values = self.kv_pool.v_buffer[layer_id].index_select(0, self._key_locs).to(q.dtype).view(
+            bs, max_len, self.num_kv_heads, self.head_dim)
+        if (batch.mode == ForwardMode.DECODE and q.device.type == "cpu"
+                and q.dtype == torch.float32):
+            return self._decode_bmm(q, keys, values)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [bs, kv_heads, L, D]
         if batch.mode == ForwardMode.DECODE:
             queries = q[:, :, None, :]  # [bs, H, 1, D]
         else:
@@ -72,3 +87,15 @@ class TorchAttentionBackend:
         if batch.mode == ForwardMode.DECODE:
             return out[:, :, 0, :]
         return out.transpose(1, 2)[self._query_valid]
+
+    def _decode_bmm(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q: [bs, H, D]; keys, values: [bs, L, kv_heads, D]. Returns [bs, H, D]."""
+        bs, kv_heads = q.shape[0], self.num_kv_heads
+        group = self.num_heads // kv_heads
+        q = (q * self.scale).view(bs, kv_heads, group, self.head_dim)
+        # Per kv head, keys[:, :, h] is [bs, L, D] with unit stride in D: bmm reads it in place.
+        scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2))
+                              for h in range(kv_heads)], dim=1)  # [bs, kv_heads, group, L]
+        probs = torch.softmax(scores.add_(self._decode_bias), dim=-1)
+        out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(kv_heads)], dim=1)
+        return out.view(bs, self.num_heads, self.head_dim)

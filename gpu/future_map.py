@@ -1,0 +1,100 @@
+"""The FutureMap: per-slot relay buffers that let plan k+1 run before step k's result is known.
+
+A decode entry in a plan carries only its request slot. After sampling, step k *stashes* each
+request's token into `output_tokens_buf[slot]` and *publishes* its new length into
+`new_seq_lens_buf[slot]`; step k+1 *resolves* its inputs from the same slots before the forward
+reads them. Every buffer is indexed by request slot (slot 0 is padding), and there is one output
+buffer for every mode (the sampled token now; EAGLE's bonus token later).
+
+Debug invariant (FMSERVE_WRWR_CHECK=1 or `runtime.wrwr_check`): each slot of the token buffer
+must alternate write, read, write, read. Empty slots hold -1; a resolve asserts every value it
+gathers is >= 0 and writes -1 back (a read before any write fails), and a stash asserts the
+slots it writes are empty (a double write fails). Resolved lengths must be > 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gpu.device import new_event
+
+EMPTY = -1
+
+
+class FutureMapInvariantError(AssertionError):
+    pass
+
+
+def wrwr_check_from_env() -> bool:
+    return os.environ.get("FMSERVE_WRWR_CHECK", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _check_all(cond: torch.Tensor, message: str) -> None:
+    if cond.device.type == "cpu":  # the value is at hand: raise a readable error
+        if not bool(cond.all()):
+            raise FutureMapInvariantError(message)
+    else:  # no host sync on a GPU: the device raises at the next synchronisation
+        torch._assert_async(cond.all(), message)
+
+
+class FutureMap:
+    def __init__(self, num_slots: int, device: torch.device, wrwr_check: bool | None = None) -> None:
+        self.device = device
+        self.wrwr_check = wrwr_check_from_env() if wrwr_check is None else wrwr_check
+        fill = EMPTY if self.wrwr_check else 0
+        self.output_tokens_buf = torch.full((num_slots,), fill, dtype=torch.long, device=device)
+        self.new_seq_lens_buf = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.publish_ready = None  # created lazily from the device's own module
+
+    # -- written after sampling, in stream order ---------------------------------------------
+
+    def stash(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        if slots.numel() == 0:  # an idle batch stashes nothing
+            return
+        if self.wrwr_check:
+            _check_all(self.output_tokens_buf[slots] == EMPTY,
+                       f"FutureMap WRWR violation: double write (stash into a slot whose token "
+                       f"was never read) at slots {slots.tolist()}")
+        self.output_tokens_buf.index_copy_(0, slots, token_ids.to(torch.long))
+
+    def publish(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        self.new_seq_lens_buf.index_copy_(0, slots, seq_lens.to(torch.long))
+        if self.publish_ready is None:
+            self.publish_ready = new_event(self.device)
+        self.publish_ready.record()
+
+    # -- read before the next forward ---------------------------------------------------------
+
+    def resolve_future(self, slots: torch.Tensor) -> torch.Tensor:
+        """The input token of each decoding slot: the token its previous step stashed."""
+        tokens = self.output_tokens_buf[slots]
+        if self.wrwr_check and slots.numel():
+            _check_all(tokens >= 0, f"FutureMap WRWR violation: read before write (a decode "
+                                    f"read a slot with no stashed token) at slots {slots.tolist()}")
+            self.output_tokens_buf.index_fill_(0, slots, EMPTY)
+        return tokens
+
+    def resolve_seq_lens(self, slots: torch.Tensor) -> torch.Tensor:
+        """Each slot's length in the KV cache as the last step left it."""
+        lens = self.new_seq_lens_buf[slots]
+        if self.wrwr_check and slots.numel():
+            _check_all(lens > 0, f"FutureMap: resolved a sequence length <= 0 at slots "
+                                 f"{slots.tolist()} (a slot decoded before its prefill published)")
+        return lens
+
+    @staticmethod
+    def resolve_seq_lens_cpu(seq_lens: torch.Tensor, needs_cpu: bool
+                             ) -> tuple[torch.Tensor | None, int | None]:
+        """The host copy of the lengths and their sum, only when some backend needs them."""
+        if not needs_cpu:
+            return None, None
+        cpu = seq_lens.cpu()
+        return cpu, int(cpu.sum())
+
+    def release(self, slots: torch.Tensor) -> None:
+        """A request left its slot: whatever it stashed last will never be read."""
+        if slots.numel():
+            self.output_tokens_buf.index_fill_(0, slots, EMPTY if self.wrwr_check else 0)
+            self.new_seq_lens_buf.index_fill_(0, slots, 0)

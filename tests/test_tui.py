@@ -1,0 +1,367 @@
+"""`fmserve top`: the Textual app headless (`App.run_test`) fed by a real ZMQ PUB socket.
+
+Synthetic snapshots check the screen against the values that were published; an end-to-end
+test runs it against a live service with concurrent clients and aborts a request through it.
+Set FMSERVE_TOP_SCREENSHOTS=docs to refresh docs/top-main.svg and docs/top-detail.svg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from textual.widgets import DataTable
+
+from ipc.client import Client
+from ipc.client_messages import Chunk, Finished
+from ipc.sampling import SamplingParams
+from ipc.telemetry import RequestTelemetry, StepTelemetry, TelemetrySnapshot, WorkerTelemetry
+from tests.test_service import ServiceProcess, free_port
+from tui.app import AdminAbort, TopApp, send_admin_abort
+from tui.events import request_key
+from tui.widgets import TEXT_NOTE, RequestDetailScreen
+
+pytestmark = pytest.mark.anyio  # async tests run on anyio's pytest plugin (asyncio backend)
+
+SIZE = (150, 44)
+REFRESH_S = 0.05
+CHAR_WIDTH_PX = 12.2  # Rich's export_svg: one terminal column
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----- synthetic snapshots ------------------------------------------------------------------
+
+def _make(cls, **fields):
+    """Build a telemetry Struct from the fields this version of ipc.telemetry has."""
+    return cls(**{k: v for k, v in fields.items() if k in cls.__struct_fields__})
+
+
+def req(rid: str, slot: int, seq_len: int, generated: int, state: str = "decoding",
+        accept: int = 0, owner: str = "c0ffee") -> RequestTelemetry:
+    return _make(RequestTelemetry, id=rid, slot=slot, state=state,
+                 prompt_len=seq_len - generated, seq_len=seq_len, generated=generated,
+                 last_accept_len=accept, age_s=1.0, key=f"{owner}/{rid}")
+
+
+def snapshot(t: float, running=(), waiting=(), *, retractions=0, restarts=0, alive=True,
+             pid=4242, finished=0, tokens=0, speculation=False) -> TelemetrySnapshot:
+    steps = [_make(StepTelemetry, step_id=100 + i, batch_size=len(running), num_tokens=8,
+                   forward_ms=20.0, wall_ms=25.0, idle_ms=5.0) for i in range(4)]
+    return _make(TelemetrySnapshot, time=t, model="SmolLM2-135M-Instruct", overlap=True,
+                 speculation=speculation, running=list(running), waiting=list(waiting),
+                 free_pages=192, total_pages=256, page_size=16, free_slots=5, total_slots=9,
+                 output_tokens_per_s=123.5, total_output_tokens=tokens,
+                 finished_requests=finished, retractions=retractions, recent_steps=steps,
+                 worker_idle_share=0.25,
+                 worker=WorkerTelemetry(alive=alive, pid=pid, restarts=restarts, device="cpu",
+                                        dtype="fp32", attention_backend="torch"))
+
+
+class Publisher:
+    """A real PUB socket on a free port, like the service's."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = port or free_port()
+        self.sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+
+    def send(self, snap: TelemetrySnapshot) -> None:
+        self.sock.send(msgspec.msgpack.encode(snap))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # Textual runs on asyncio
+
+
+@pytest.fixture
+def pub():
+    p = Publisher()
+    yield p
+    p.close()
+
+
+def make_app(endpoint: str, client_endpoint: str = "tcp://127.0.0.1:1", **kw) -> TopApp:
+    return TopApp(endpoint, client_endpoint, refresh_s=REFRESH_S, **kw)
+
+
+async def until(pilot, cond, timeout_s: float = 10.0, every=None, what: str = "condition"):
+    """Wait (re-publishing with `every()` while waiting: PUB drops frames to late joiners)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if every is not None:
+            every()
+        await pilot.pause(REFRESH_S)
+
+
+async def show(pilot, app: TopApp, p: Publisher, snap: TelemetrySnapshot) -> None:
+    """Publish until the app has applied exactly this snapshot."""
+    await until(pilot, lambda: app.snapshot is not None and app.snapshot.time == snap.time,
+                every=lambda: p.send(snap), what=f"snapshot t={snap.time}")
+
+
+def table_rows(app: TopApp) -> list[list]:
+    table = app.query_one("#batch", DataTable)
+    return [table.get_row_at(i) for i in range(table.row_count)]
+
+
+def events_text(app: TopApp) -> str:
+    return "\n".join(strip.text for strip in app.query_one("#events").lines)
+
+
+def screen_text(svg: str) -> str:
+    """The visible text of an `export_screenshot()` SVG: each <text> run placed at its column
+    (runs of blanks are drawn as background only, so positions, not order, give the spacing)."""
+    rows: dict[int, dict[int, str]] = {}
+    for x, line, content in re.findall(r'<text [^>]*x="([\d.]+)"[^>]*clip-path="url\(#[^)]*-line-'
+                                       r'(\d+)\)"[^>]*>(.*?)</text>', svg):
+        col = round(float(x) / CHAR_WIDTH_PX)
+        for i, ch in enumerate(html.unescape(content).replace("\xa0", " ")):
+            rows.setdefault(int(line), {})[col + i] = ch
+    return "\n".join("".join(cells.get(c, " ") for c in range(max(cells) + 1)).rstrip()
+                     for _, cells in sorted(rows.items()))
+
+
+# ----- synthetic tests ----------------------------------------------------------------------
+
+async def test_rows_appear_update_and_leave(pub):
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        a = [req("alpha", 1, 40, 10), req("bravo", 2, 75, 25), req("charlie", 3, 12, 0, "prefilling")]
+        s1 = snapshot(1000.0, a)
+        await show(pilot, app, pub, s1)
+        assert table_rows(app) == [[r.id, r.slot, {"decoding": "decode", "prefilling": "prefill"}[
+            r.state], r.seq_len, r.generated, r.last_accept_len, table_rows(app)[i][6]]
+            for i, r in enumerate(a)]
+        # Next snapshot: alpha grows by 8 tokens in 0.5 s, bravo leaves, delta arrives.
+        b = [req("alpha", 1, 48, 18), req("charlie", 3, 13, 1), req("delta", 4, 30, 0)]
+        await show(pilot, app, pub, snapshot(1000.5, b, finished=1))
+        rows = {row[0]: row for row in table_rows(app)}
+        assert set(rows) == {"alpha", "charlie", "delta"}
+        assert rows["alpha"][3:5] == [48, 18] and rows["charlie"][2] == "decode"
+        assert rows["alpha"][6].value == pytest.approx((18 - 10) / 0.5)  # tokens/s
+        assert rows["delta"][6].value is None  # seen once: no rate yet
+        assert "1 request(s) ended: bravo (>= 25 tok)" in events_text(app)
+        # The panels show the published numbers.
+        kv = str(app.query_one("#kv").render())
+        assert f"{(256 - 192) * 16}/{256 * 16}" in kv and "64/256 pages" in kv
+        assert "waiting: 0" in str(app.query_one("#queue").render())
+
+
+async def test_sort_cycles_columns_and_keeps_selection(pub):
+    app = make_app(pub.endpoint)
+    running = [req("r1", 3, 90, 5), req("r2", 1, 20, 40), req("r3", 2, 55, 12)]
+    async with app.run_test(size=SIZE) as pilot:
+        await show(pilot, app, pub, snapshot(2000.0, running))
+        assert [r[0] for r in table_rows(app)] == ["r2", "r3", "r1"]  # by slot
+        await pilot.press("down")  # select the second row (r3)
+        await pilot.press("s")
+        assert app.query_one("#header").render().plain.count("sort: seq_len") == 1
+        assert [r[0] for r in table_rows(app)] == [
+            r.id for r in sorted(running, key=lambda r: -r.seq_len)]
+        assert app.selected_key() == request_key(running[2])  # the cursor followed r3
+        await pilot.press("s")
+        assert [r[0] for r in table_rows(app)] == [
+            r.id for r in sorted(running, key=lambda r: -r.generated)]
+
+
+async def test_pause_freezes_the_screen(pub):
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        await show(pilot, app, pub, snapshot(3000.0, [req("p1", 1, 10, 1)]))
+        await pilot.press("p")
+        assert "PAUSED" in app.query_one("#header").render().plain
+        later = snapshot(3001.0, [req("p1", 1, 60, 51)])
+        for _ in range(10):
+            pub.send(later)
+            await pilot.pause(REFRESH_S)
+        assert table_rows(app)[0][3] == 10 and app.snapshot.time == 3000.0
+        await pilot.press("p")
+        await show(pilot, app, pub, later)
+        assert table_rows(app)[0][3] == 60
+
+
+async def test_detail_view_shows_the_request_over_time(pub):
+    app = make_app(pub.endpoint)
+    lengths = [30, 34, 38, 42]
+    async with app.run_test(size=SIZE) as pilot:
+        for i, n in enumerate(lengths):
+            await show(pilot, app, pub, snapshot(4000.0 + i, [req("d1", 2, n, n - 26),
+                                                              req("d2", 1, 5, 1)]))
+        # d2 is in slot 1, so it is the first row: move to d1 and open it.
+        await pilot.press("down", "enter")
+        assert isinstance(app.screen, RequestDetailScreen) and app.screen.key == "c0ffee/d1"
+        hist = app.screen.query_one("#detail-history", DataTable)
+        seq = [hist.get_row_at(i)[3] for i in range(hist.row_count)]
+        assert seq[0] == lengths[-1] and set(lengths) <= set(seq)  # newest first, all there
+        summary = app.screen.query_one("#detail-summary").render().plain
+        assert "request d1" in summary and "seq_len 42" in summary and "tok/s 4.0" in summary
+        assert TEXT_NOTE[:40] in summary
+        # It keeps updating live, and says so when the request ends.
+        await show(pilot, app, pub, snapshot(4010.0, [req("d2", 1, 6, 2)]))
+        assert "ended: ended (last seen at 16 tokens" in app.screen.query_one(
+            "#detail-summary").render().plain
+        await pilot.press("escape")
+        assert not isinstance(app.screen, RequestDetailScreen)
+
+
+async def test_events_from_snapshot_diffs(pub):
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        await show(pilot, app, pub, snapshot(5000.0, [req("e1", 1, 50, 20), req("e2", 2, 9, 3)]))
+        # e1 goes back to the queue (preemption) and the retraction counter rises.
+        await show(pilot, app, pub, snapshot(5001.0, [req("e2", 2, 10, 4)],
+                                             [req("e1", 0, 50, 20, "waiting")], retractions=1))
+        # The worker dies and is restarted: e2 disappears with it.
+        await show(pilot, app, pub, snapshot(5002.0, [], [req("e1", 0, 50, 20, "waiting")],
+                                             retractions=1, restarts=1, pid=5151))
+        await show(pilot, app, pub, snapshot(5003.0, [], retractions=1, restarts=1, alive=False))
+        log = events_text(app)
+        assert "request e1 preempted at seq_len 50" in log
+        assert "1 request(s) retracted" in log
+        assert "worker restarted (restart #1, pid 4242 -> 5151)" in log
+        assert "request e2 failed: the worker died" in log
+        assert "worker down" in log
+        assert "restarts 1" in app.query_one("#header").render().plain
+
+
+async def test_burst_of_snapshots_does_not_queue_up(pub):
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        await show(pilot, app, pub, snapshot(6000.0, [req("b", 1, 10, 1)]))
+        applied_before = app.applied
+        n = 3000
+        start = time.monotonic()
+        for i in range(n):
+            pub.send(snapshot(6001.0 + i, [req("b", 1, 10 + i, 1 + i)]))
+        last = 6000.0 + n
+        await until(pilot, lambda: app.snapshot.time == last, timeout_s=5,
+                    what="the last snapshot of the burst")
+        # The newest arrives promptly and the screen skipped most of the backlog.
+        assert time.monotonic() - start < 5
+        assert app.applied - applied_before < n / 10
+        assert table_rows(app)[0][3] == 10 + n - 1
+
+
+async def test_service_down_then_up():
+    port = free_port()
+    app = make_app(f"tcp://127.0.0.1:{port}", stale_after_s=0.5, reconnect_every_s=0.5)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.3)
+        header = app.query_one("#header").render().plain
+        assert "service down?" in header and f":{port}" in header
+        p = Publisher(port)
+        try:
+            await show(pilot, app, p, snapshot(7000.0, [req("u1", 1, 5, 1)]))
+            assert "connected to" in app.query_one("#header").render().plain
+        finally:
+            p.close()
+        await until(pilot, lambda: "service down?" in app.query_one("#header").render().plain,
+                    timeout_s=5, what="the header to notice the service left")
+        assert "service down?" in events_text(app)
+
+
+async def test_screen_text_and_svg(pub, tmp_path):
+    app = make_app(pub.endpoint)
+    running = [req(f"req-{i}", i + 1, 30 + 17 * i, 3 * i + 1) for i in range(5)]
+    async with app.run_test(size=SIZE) as pilot:
+        await show(pilot, app, pub, snapshot(8000.0, running, [req("queued-1", 0, 44, 0, "waiting")],
+                                             finished=7, tokens=321))
+        await pilot.pause(0.2)
+        text = screen_text(app.export_screenshot())
+        for expected in ["SmolLM2-135M-Instruct", "cpu fp32 attn=torch", "overlap on", "spec off",
+                         "finished 7", "tokens 321", "throughput   123.5 tok/s",
+                         "waiting: 1", "queued-1", "1024/4096 tokens",
+                         "forward    20.0 ms", "overlap efficiency 75%", "uptime n/a"]:
+            assert expected in text, f"{expected!r} not on screen:\n{text}"
+        for r in running:  # table row and bar label per request
+            assert re.search(rf"{r.id}\s+{r.slot}\s+decode\s+{r.seq_len}\s+{r.generated}", text)
+        assert app.save_screenshot("main.svg", str(tmp_path)).endswith("main.svg")
+
+
+# ----- live service -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def live_service(model_path):
+    if not Path(model_path).exists():
+        pytest.skip(f"model file {model_path} is missing; set FMSERVE_MODEL")
+    svc = ServiceProcess(model_path)
+    yield svc
+    svc.stop()
+
+
+def _client(endpoint: str, prompt: str, rid: str, max_new: int, out: dict) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+    with Client(endpoint) as c:
+        got = list(c.generate(prompt, params=params, request_id=rid))
+    out[rid] = got
+
+
+@pytest.mark.skipif(AdminAbort is None, reason="ipc.client_messages has no AdminAbort: `a` "
+                    "cannot abort another client's request (see tui/app.py)")
+async def test_live_service_with_concurrent_clients_and_abort(live_service):
+    svc = live_service
+    app = make_app(f"tcp://127.0.0.1:{svc.tport}", svc.endpoint)
+    results: dict[str, list] = {}
+    short = [f"short-{i}" for i in range(3)]
+    threads = [threading.Thread(target=_client, args=(svc.endpoint, f"Count to {i}.", rid, 24,
+                                                      results)) for i, rid in enumerate(short)]
+    threads.append(threading.Thread(target=_client, args=(svc.endpoint, "Tell me everything.",
+                                                          "victim", 2000, results)))
+    async with app.run_test(size=SIZE) as pilot:
+        for t in threads:
+            t.start()
+        try:
+            ids = lambda: {row[0] for row in table_rows(app)}  # noqa: E731
+            await until(pilot, lambda: "victim" in ids() and len(ids()) >= 2, timeout_s=60,
+                        what="the live requests to show up in the batch")
+            # The rows carry the live values: generated grows between snapshots.
+            first = {r[0]: r[4] for r in table_rows(app)}["victim"]
+            await until(pilot, lambda: {r[0]: r[4] for r in table_rows(app)}.get("victim", 0)
+                        > first, timeout_s=30, what="victim to generate more tokens")
+            # Select the victim and abort it through the monitor.
+            table = app.query_one("#batch", DataTable)
+            table.move_cursor(row=[r[0] for r in table_rows(app)].index("victim"))
+            await pilot.pause(REFRESH_S)
+            assert app.selected_key().endswith("/victim")
+            await pilot.press("a")
+            await until(pilot, lambda: "victim" in results, timeout_s=30,
+                        what="the victim's stream to end")
+            assert isinstance(results["victim"][-1], Finished)
+            assert results["victim"][-1].reason == "abort"
+            await until(pilot, lambda: "accepted by the service" in events_text(app),
+                        timeout_s=10, what="the service's Aborted answer")
+            await until(pilot, lambda: "victim aborted from top" in events_text(app),
+                        timeout_s=10, what="the abort event")
+            # A key that is not in flight is refused, and the monitor says why.
+            refused = await asyncio.to_thread(send_admin_abort, svc.endpoint, "00/none")
+            assert refused.level == "error" and "unknown_request" in refused.text
+            for t in threads:
+                await asyncio.to_thread(t.join, 60)
+            for rid in short:  # the other clients finished normally
+                assert results[rid][-1].reason == "length"
+                assert sum(len(m.token_ids) for m in results[rid] if isinstance(m, Chunk)) == 24
+            await until(pilot, lambda: app.snapshot.finished_requests >= 4 and not table_rows(app),
+                        timeout_s=10, what="the batch to drain")
+            shots = os.environ.get("FMSERVE_TOP_SCREENSHOTS")
+            if shots:
+                app.save_screenshot("top-main.svg", str(ROOT / shots))
+        finally:
+            for t in threads:
+                t.join(timeout=60)

@@ -1,0 +1,5 @@
+"""`fmserve top`: the Textual monitor. Depends on `ipc` only (never `service` or `gpu`)."""
+
+from tui.app import TopApp
+
+__all__ = ["TopApp"]

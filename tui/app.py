@@ -1,0 +1,350 @@
+"""`fmserve top`: a live monitor of the service, fed by its telemetry snapshots.
+
+Telemetry is read in a thread worker that keeps only the newest snapshot (`TelemetryFeed`);
+a timer applies it a few times a second, so a burst of snapshots costs one redraw and the
+keyboard stays responsive under load. `p` freezes the screen, `s` cycles the sort column,
+`enter` opens the selected request, `a` aborts it, `q` quits.
+
+`a` sends the service an `AdminAbort` naming the request by its service-wide key (a plain
+`Abort` only reaches requests of the connection that sent them); the owner's stream ends with
+`Finished(reason="abort")` and the service answers the monitor with `Aborted` or `Error`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import zmq
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.coordinate import Coordinate
+from textual.widgets import DataTable, Footer, Label, Sparkline
+
+from ipc.client_messages import Error
+from ipc.codec import ProtocolError, decode_service_reply, encode
+from ipc.telemetry import RequestTelemetry, TelemetrySnapshot
+from tui.events import ERROR, INFO, WARNING, MonitorEvent, SnapshotTracker, request_key
+from tui.telemetry_feed import DEFAULT_TELEMETRY_ENDPOINT, TelemetryFeed
+from tui.widgets import (
+    NA,
+    STATE_LABEL,
+    EventLog,
+    RequestDetailScreen,
+    SeqLenChart,
+    TextPanel,
+    header_text,
+    kv_gauge_text,
+    queue_text,
+    slots_gauge_text,
+    step_timing_text,
+)
+
+try:
+    from ipc.client_messages import AdminAbort
+except ImportError:  # an ipc without admin abort: `a` explains instead of acting
+    AdminAbort = None
+
+DEFAULT_CLIENT_ENDPOINT = "tcp://127.0.0.1:5557"
+ABORT_REPLY_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class SortColumn:
+    key: str  # DataTable column key
+    label: str
+    descending: bool
+
+
+COLUMNS = [("id", "request", 22), ("slot", "slot", 4), ("state", "state", 7),
+           ("seq_len", "seq_len", 7), ("generated", "generated", 9), ("accept", "accept", 6),
+           ("tok_s", "tok/s", 7)]
+SORTS = [SortColumn("slot", "slot", False), SortColumn("seq_len", "seq_len", True),
+         SortColumn("generated", "generated", True), SortColumn("tok_s", "tok/s", True),
+         SortColumn("accept", "accept", True), SortColumn("id", "request", False),
+         SortColumn("state", "state", False)]
+
+
+class Rate:
+    """A tokens/s cell: sorts by value (unknown first), renders right-aligned or "n/a"."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float | None) -> None:
+        self.value = value
+
+    def sort_value(self) -> float:
+        return float("-inf") if self.value is None else self.value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rate) and self.value == other.value
+
+    def __rich__(self) -> Text:
+        return Text(NA if self.value is None else f"{self.value:.1f}", justify="right")
+
+
+def _row(r: RequestTelemetry, rate: float | None) -> tuple:
+    return (r.id[:22], r.slot, STATE_LABEL.get(r.state, r.state), r.seq_len, r.generated,
+            r.last_accept_len, Rate(rate))
+
+
+def _sort_key(value):
+    return value.sort_value() if isinstance(value, Rate) else value
+
+
+class TopApp(App):
+    TITLE = "fmserve top"
+    CSS = """
+    #header { height: 3; padding: 0 1; background: $boost; }
+    #main { height: 1fr; }
+    #batch { width: 2fr; height: 100%; border: round $primary; }
+    #side { width: 1fr; min-width: 40; border: round $primary; }
+    #lower { height: 10; }
+    #seqlens { width: 2fr; border: round $primary; padding: 0 1; }
+    #queue { width: 1fr; height: 100%; min-width: 40; border: round $primary; padding: 0 1; }
+    #events { height: 7; border: round $primary; }
+    #side { padding: 0 1; }
+    #side Sparkline { height: 1; }
+    #side Label { margin-top: 1; }
+    RequestDetailScreen #detail-summary { height: auto; padding: 0 1; background: $boost; }
+    RequestDetailScreen Sparkline { height: 3; }
+    RequestDetailScreen .caption { color: $text-muted; padding: 0 1; }
+    """
+    BINDINGS = [Binding("p", "toggle_pause", "Pause"), Binding("s", "cycle_sort", "Sort"),
+                Binding("enter", "open_detail", "Detail", show=True),
+                Binding("a", "abort", "Abort"), Binding("q", "quit", "Quit")]
+
+    def __init__(self, telemetry_endpoint: str = DEFAULT_TELEMETRY_ENDPOINT,
+                 client_endpoint: str = DEFAULT_CLIENT_ENDPOINT, *, refresh_s: float = 0.25,
+                 stale_after_s: float = 2.0, reconnect_every_s: float = 3.0) -> None:
+        super().__init__()
+        self.client_endpoint = client_endpoint
+        self.refresh_s = refresh_s
+        self.feed = TelemetryFeed(telemetry_endpoint, stale_after_s=stale_after_s,
+                                  reconnect_every_s=reconnect_every_s)
+        self.tracker = SnapshotTracker()
+        self.snapshot: TelemetrySnapshot | None = None  # the one on screen
+        self.paused = False
+        self.sort_index = 0
+        self.applied = 0  # snapshots applied to the screen (for tests and the curious)
+        self._rows: dict[str, tuple] = {}
+        self._was_connected: bool | None = None
+
+    # ----- layout ----------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        # Kept as attributes: the timer updates them whichever screen is on top.
+        self.header = TextPanel(id="header")
+        self.table = DataTable(id="batch", cursor_type="row", zebra_stripes=True)
+        self.kv = TextPanel(id="kv")
+        self.slots = TextPanel(id="slots")
+        self.throughput_label = Label("throughput", id="throughput-label")
+        self.throughput = Sparkline([], id="throughput")
+        self.accept_label = Label("mean accept length", id="accept-label")
+        self.accept = Sparkline([], id="accept")
+        self.steps = TextPanel(id="steps")
+        self.side = Vertical(id="side")
+        self.seq_lens = SeqLenChart(id="seqlens")
+        self.queue = TextPanel(id="queue")
+        self.events = EventLog(id="events", max_lines=500, wrap=True)
+        yield self.header
+        with Horizontal(id="main"):
+            yield self.table
+            with self.side:
+                yield from (self.kv, self.slots, self.throughput_label, self.throughput,
+                            self.accept_label, self.accept, self.steps)
+        with Horizontal(id="lower"):
+            yield self.seq_lens
+            yield self.queue
+        yield self.events
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.table
+        for key, label, width in COLUMNS:
+            table.add_column(label, width=width, key=key)
+        table.border_title = "running batch"
+        table.border_subtitle = "enter: details  a: abort  s: sort"
+        self.side.border_title = "memory, throughput, steps"
+        self.seq_lens.border_title = "sequence lengths"
+        self.queue.border_title = "queue"
+        self.events.border_title = "events"
+        self._log(MonitorEvent(time.time(), INFO, f"watching telemetry at {self.feed.endpoint}"))
+        self.table.focus()  # the arrow keys and enter belong to the batch
+        self._read_telemetry()
+        self.set_interval(self.refresh_s, self._tick)
+        self._tick()
+
+    def on_unmount(self) -> None:
+        self.feed.stop()
+
+    @work(thread=True, exclusive=True, group="telemetry")
+    def _read_telemetry(self) -> None:
+        self.feed.run()
+
+    # ----- applying snapshots ----------------------------------------------------------------
+
+    def _tick(self) -> None:
+        status = self.feed.status()
+        if status.connected != self._was_connected and self._was_connected is not None:
+            if status.connected:
+                self._log(MonitorEvent(time.time(), INFO, f"connected to {status.endpoint}"))
+            else:
+                self._log(MonitorEvent(time.time(), ERROR, status.explain()))
+        self._was_connected = status.connected
+        if not self.paused:
+            snap = self.feed.take()
+            if snap is not None:
+                self.apply(snap)
+        self.header.show(
+            header_text(self.snapshot, status, self.paused, SORTS[self.sort_index].label))
+        if self.snapshot is not None:
+            stale = "" if status.connected else f", stale: {status.describe()}"
+            self.table.border_title = f"running batch ({len(self._rows)}{stale})"
+
+    def apply(self, snap: TelemetrySnapshot) -> None:
+        """Show one snapshot: table, panels, events, and the detail screen if open."""
+        for event in self.tracker.update(snap):
+            self._log(event)
+        self.snapshot = snap
+        self.applied += 1
+        self._update_table(snap)
+        side_w = max(10, self.kv.size.width)
+        self.kv.show(kv_gauge_text(snap, side_w))
+        self.slots.show(slots_gauge_text(snap, side_w))
+        peak = max(self.tracker.throughput, default=0.0)
+        self.throughput_label.update(
+            f"throughput {snap.output_tokens_per_s:7.1f} tok/s (peak {peak:.1f})")
+        self.throughput.data = list(self.tracker.throughput)
+        if not snap.speculation:
+            accept = f"mean accept length {NA} (speculation off)"
+        elif self.tracker.accept_len:
+            accept = f"mean accept length {self.tracker.accept_len[-1]:.2f}"
+        else:
+            accept = f"mean accept length {NA} (no decoding requests)"
+        self.accept_label.update(accept)
+        self.accept.data = list(self.tracker.accept_len)
+        self.steps.show(step_timing_text(snap, self.tracker))
+        self.seq_lens.show(list(snap.running))
+        self.seq_lens.border_title = f"sequence lengths ({len(snap.running)} running; " \
+                                     f"▒ prompt, █ generated)"
+        self.queue.show(queue_text(snap, limit=max(1, self.queue.size.height - 1)))
+        if isinstance(self.screen, RequestDetailScreen):
+            self.screen.show(self.tracker)
+
+    def _update_table(self, snap: TelemetrySnapshot) -> None:
+        table = self.table
+        selected = self._cursor_key(table)
+        new = {request_key(r): _row(r, self.tracker.rate(request_key(r))) for r in snap.running}
+        for key in [k for k in self._rows if k not in new]:
+            table.remove_row(key)
+            del self._rows[key]
+        for key, values in new.items():
+            old = self._rows.get(key)
+            if old is None:
+                table.add_row(*values, key=key)
+            else:
+                for (col, _, _), before, after in zip(COLUMNS, old, values):
+                    if before != after:
+                        table.update_cell(key, col, after)
+            self._rows[key] = values
+        sort = SORTS[self.sort_index]
+        table.sort(sort.key, key=_sort_key, reverse=sort.descending)
+        if selected in self._rows:  # keep the cursor on the same request after a sort
+            row = table.get_row_index(selected)
+            if row != table.cursor_row:
+                table.move_cursor(row=row, animate=False)
+
+    def _log(self, event: MonitorEvent) -> None:
+        self.events.add(event)
+
+    # ----- keys ------------------------------------------------------------------------------
+
+    def on_data_table_row_selected(self, message: DataTable.RowSelected) -> None:
+        if message.data_table.id == "batch" and message.row_key is not None:
+            self.push_screen(RequestDetailScreen(message.row_key.value))
+
+    def selected_key(self) -> str | None:
+        """The request under the cursor (or shown in the detail screen)."""
+        if isinstance(self.screen, RequestDetailScreen):
+            return self.screen.key
+        return self._cursor_key(self.table)
+
+    @staticmethod
+    def _cursor_key(table: DataTable) -> str | None:
+        if table.row_count == 0:
+            return None
+        return table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0)).row_key.value
+
+    def action_open_detail(self) -> None:
+        key = self.selected_key()
+        if key is not None and not isinstance(self.screen, RequestDetailScreen):
+            self.push_screen(RequestDetailScreen(key))
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self._tick()
+
+    def action_cycle_sort(self) -> None:
+        self.sort_index = (self.sort_index + 1) % len(SORTS)
+        if self.snapshot is not None:
+            self._update_table(self.snapshot)
+        self._tick()
+
+    def action_abort(self) -> None:
+        key = self.selected_key()
+        if key is None:
+            self._log(MonitorEvent(time.time(), WARNING, "abort: no request selected"))
+            return
+        track = self.tracker.tracks.get(key)
+        if track is not None and track.ended_at is not None:
+            self._log(MonitorEvent(time.time(), WARNING, f"abort {key}: it has already ended"))
+            return
+        if AdminAbort is None:
+            self._log(MonitorEvent(
+                time.time(), ERROR, f"cannot abort {key}: this ipc.client_messages has no "
+                                    f"AdminAbort, and a plain Abort only works on the "
+                                    f"connection that sent the request"))
+            return
+        self.tracker.mark_abort_requested(key)
+        self._log(MonitorEvent(time.time(), INFO, f"abort {key}: sent to {self.client_endpoint}"))
+        self._send_abort(key)
+
+    @work(thread=True, group="abort")
+    def _send_abort(self, key: str) -> None:
+        event = send_admin_abort(self.client_endpoint, key)
+        self.call_from_thread(self._abort_answered, key, event)
+
+    def _abort_answered(self, key: str, event: MonitorEvent) -> None:
+        if event.level == ERROR and key in self.tracker.tracks:  # refused: it ends on its own
+            self.tracker.tracks[key].abort_requested = False
+        self._log(event)
+
+
+def send_admin_abort(endpoint: str, key: str,
+                     timeout_s: float = ABORT_REPLY_TIMEOUT_S) -> MonitorEvent:
+    """Send `AdminAbort(key)` on a fresh DEALER socket and describe the answer."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(AdminAbort(key)))  # the request's service-wide key
+        if not sock.poll(int(timeout_s * 1000)):
+            return MonitorEvent(time.time(), WARNING,
+                                f"abort {key}: no answer from {endpoint} within {timeout_s:g} s;"
+                                f" is the service running? (watch the batch: it may still end)")
+        try:
+            reply = decode_service_reply(sock.recv())
+        except ProtocolError as exc:
+            return MonitorEvent(time.time(), WARNING, f"abort {key}: unreadable answer: {exc}")
+        if isinstance(reply, Error):
+            return MonitorEvent(time.time(), ERROR,
+                                f"abort {key} refused: [{reply.code}] {reply.message}")
+        return MonitorEvent(time.time(), INFO, f"abort {key}: accepted by the service")
+    finally:
+        sock.close(linger=0)
+        ctx.term()

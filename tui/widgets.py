@@ -1,0 +1,268 @@
+"""The panels of `fmserve top`. Each panel is a pure `*_text()` function (easy to test) and a
+thin widget that redraws it. Anything the snapshot does not carry is shown as "n/a"."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import DataTable, Footer, RichLog, Sparkline, Static
+
+from ipc.telemetry import RequestTelemetry, TelemetrySnapshot
+from tui.events import ERROR, WARNING, MonitorEvent, RequestTrack, SnapshotTracker
+from tui.telemetry_feed import FeedStatus
+
+NA = "n/a"
+STATE_LABEL = {"waiting": "wait", "prefilling": "prefill", "decoding": "decode"}
+LEVEL_STYLE = {ERROR: "bold red", WARNING: "yellow"}
+
+
+def _opt(snap: TelemetrySnapshot, name: str):
+    """A field newer services may publish; None when this snapshot lacks it."""
+    return getattr(snap, name, None)
+
+
+def _fmt_duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# ----- header -------------------------------------------------------------------------------
+
+def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool,
+                sort_label: str) -> Text:
+    out = Text()
+    if snap is None:
+        out.append("fmserve top  ", style="bold")
+        out.append("waiting for the first snapshot\n", style="yellow")
+    else:
+        w = snap.worker
+        uptime = _opt(snap, "uptime_s")
+        spec = "on" if snap.speculation else "off"
+        spec_cfg = _opt(snap, "spec_config")  # e.g. "steps 3, topk 1, draft 4", when published
+        if snap.speculation:
+            spec += f" ({spec_cfg})" if spec_cfg else " (settings n/a)"
+        out.append(f"{snap.model}", style="bold")
+        out.append(f"  {w.device} {w.dtype} attn={w.attention_backend}"
+                   f"  overlap {'on' if snap.overlap else 'off'}  spec {spec}"
+                   f"  uptime {NA if uptime is None else _fmt_duration(uptime)}  worker ")
+        if w.alive:
+            out.append(f"alive pid {w.pid}", style="green")
+        else:
+            out.append("DOWN", style="bold red")
+        out.append(f" restarts {w.restarts}\n", style="red" if w.restarts else "")
+    if status.connected:
+        out.append(status.describe(), style="green")
+    else:
+        out.append(status.describe(), style="bold red")
+    if snap is not None:
+        out.append(f"  finished {snap.finished_requests}  tokens {snap.total_output_tokens}"
+                   f"  retractions {snap.retractions}")
+    out.append(f"  sort: {sort_label}")
+    if paused:
+        out.append("  PAUSED (p resumes)", style="bold reverse yellow")
+    return out
+
+
+# ----- gauges, queue, step timing -----------------------------------------------------------
+
+def gauge_text(label: str, used: int, total: int, width: int, detail: str = "") -> Text:
+    frac = used / total if total > 0 else 0.0
+    bar_w = max(4, width - len(label) - 2)
+    filled = round(frac * bar_w)
+    style = "red" if frac > 0.9 else "yellow" if frac > 0.7 else "green"
+    out = Text(f"{label} ")
+    out.append("█" * filled, style=style)
+    out.append("░" * (bar_w - filled), style="grey30")
+    out.append(f"\n{used}/{total} {detail}({frac:.0%})")
+    return out
+
+
+def kv_gauge_text(snap: TelemetrySnapshot, width: int) -> Text:
+    used = snap.total_pages - snap.free_pages
+    return gauge_text("KV", used * snap.page_size, snap.total_pages * snap.page_size, width,
+                      f"tokens, {used}/{snap.total_pages} pages ")
+
+
+def slots_gauge_text(snap: TelemetrySnapshot, width: int) -> Text:
+    return gauge_text("slots", snap.total_slots - snap.free_slots, snap.total_slots, width)
+
+
+def queue_text(snap: TelemetrySnapshot, limit: int) -> Text:
+    out = Text(f"waiting: {len(snap.waiting)}", style="bold")
+    out.append("  (request, prompt tokens, waited)\n" if snap.waiting else "\n", style="dim")
+    for r in sorted(snap.waiting, key=lambda r: -r.age_s)[:limit]:
+        out.append(f"{r.id[:18]:<18} {r.prompt_len:>6}  {r.age_s:6.1f}s\n")
+    if len(snap.waiting) > limit:
+        out.append(f"... and {len(snap.waiting) - limit} more\n", style="dim")
+    return out
+
+
+def step_timing_text(snap: TelemetrySnapshot, tracker: SnapshotTracker) -> Text:
+    steps = snap.recent_steps
+    out = Text("step timing", style="bold")
+    out.append(f" (last {len(steps)} steps)\n" if steps else "\n")
+    if not steps:
+        out.append(f"forward {NA}\nno steps yet\n")
+    else:
+        n = len(steps)
+        fwd = sum(s.forward_ms for s in steps) / n
+        wall = sum(s.wall_ms for s in steps) / n
+        idle = [getattr(s, "idle_ms", None) for s in steps]
+        idle_text = NA if None in idle else f"{sum(idle) / n:6.1f} ms"
+        out.append(f"forward {fwd:7.1f} ms  step wall {wall:7.1f} ms\n")
+        out.append(f"outside forward (schedule+ipc) {max(0.0, wall - fwd):6.1f} ms\n")
+        out.append(f"worker idle before a step {idle_text}\n")
+        out.append(f"batch {sum(s.batch_size for s in steps) / n:5.1f} req  "
+                   f"{sum(s.num_tokens for s in steps) / n:6.1f} tok/step\n")
+    if tracker.steps_per_s is not None and tracker.worker_busy is not None:
+        out.append(f"{tracker.steps_per_s:5.1f} steps/s  worker busy ~{tracker.worker_busy:.0%}\n")
+    else:
+        out.append(f"steps/s {NA}\n")
+    idle_share = _opt(snap, "worker_idle_share")
+    if idle_share is None or not steps:
+        why = "no steps yet" if not steps else "snapshot has no worker idle share"
+        out.append(f"overlap efficiency {NA} ({why})", style="dim")
+    else:  # the share of worker time spent computing rather than waiting for the scheduler
+        out.append(f"overlap efficiency {1 - idle_share:.0%} (idle {idle_share:.0%} since start)")
+    return out
+
+
+# ----- sequence lengths ---------------------------------------------------------------------
+
+def seq_len_chart_text(running: Sequence[RequestTelemetry], width: int, height: int) -> Text:
+    """One bar per request (prompt part dim, generated part bright), or a histogram when the
+    batch has more requests than the panel has lines."""
+    if not running:
+        return Text("batch empty", style="dim")
+    out = Text()
+    rows = max(1, height)
+    longest = max(r.seq_len for r in running) or 1
+    if len(running) <= rows:
+        label_w, num_w = 12, 6
+        bar_w = max(4, width - label_w - num_w - 2)
+        for r in sorted(running, key=lambda r: r.slot):
+            prompt = round(min(r.prompt_len, r.seq_len) / longest * bar_w)
+            total = max(1, round(r.seq_len / longest * bar_w))
+            out.append(f"{r.id[:label_w - 1]:<{label_w}}")
+            out.append("▒" * min(prompt, total), style="blue")
+            out.append("█" * max(0, total - prompt), style="cyan")
+            out.append(" " * (bar_w - total) + f" {r.seq_len:>{num_w}}\n")
+    else:
+        bins = max(1, min(rows, 12))
+        step = max(1, -(-longest // bins))  # ceil: the last bin holds the longest
+        counts = [0] * bins
+        for r in running:
+            counts[min(bins - 1, r.seq_len // step)] += 1
+        num_w = len(str(step * bins))
+        bar_w = max(4, width - 2 * num_w - 8)
+        top = max(counts)
+        for i, c in enumerate(counts):
+            out.append(f"{i * step:>{num_w}}-{(i + 1) * step - 1:<{num_w}} ")
+            out.append("█" * round(c / top * bar_w), style="cyan")
+            out.append(f" {c}\n")
+    out.rstrip()
+    return out
+
+
+class TextPanel(Static):
+    """A Static whose text is rebuilt from the panel width on every `show()`."""
+
+    def show(self, text: Text) -> None:
+        self.update(text)
+
+
+class SeqLenChart(Widget):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.running: list[RequestTelemetry] = []
+
+    def show(self, running: list[RequestTelemetry]) -> None:
+        self.running = running
+        self.refresh()
+
+    def render(self) -> Text:
+        return seq_len_chart_text(self.running, self.size.width, self.size.height)
+
+
+class EventLog(RichLog):
+    def add(self, event: MonitorEvent) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        line = Text(f"{stamp} ")
+        line.append(event.text, style=LEVEL_STYLE.get(event.level, ""))
+        self.write(line)
+
+
+# ----- request detail -----------------------------------------------------------------------
+
+TEXT_NOTE = "text: n/a (telemetry snapshots carry no request text, so it cannot stream here)"
+
+
+def detail_summary_text(track: RequestTrack) -> Text:
+    s = track.last
+    out = Text(f"request {track.id}", style="bold")
+    if track.key != track.id:
+        out.append(f"   key {track.key}")
+    out.append(f"\nstate {STATE_LABEL.get(s.state, s.state)}  slot {s.slot}  "
+               f"prompt {track.prompt_len}  seq_len {s.seq_len}  generated {s.generated}  "
+               f"accept {s.last_accept_len}  tok/s "
+               f"{NA if s.tokens_per_s is None else f'{s.tokens_per_s:.1f}'}  "
+               f"seen {s.time - track.first_seen:.1f}s\n")
+    if track.ended_at is not None:
+        out.append(f"ended: {track.end_note}\n", style="yellow")
+    elif track.abort_requested:
+        out.append("abort requested\n", style="yellow")
+    out.append(TEXT_NOTE, style="dim")
+    return out
+
+
+class RequestDetailScreen(Screen):
+    """One request's fields over time; redrawn by the app whenever a snapshot is applied."""
+
+    BINDINGS = [Binding("escape,enter", "app.pop_screen", "Back"),
+                Binding("a", "app.abort", "Abort"), Binding("p", "app.toggle_pause", "Pause"),
+                Binding("q", "app.quit", "Quit")]
+    HISTORY_ROWS = 200
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield TextPanel(id="detail-summary")
+            yield Static("seq_len over time", classes="caption")
+            yield Sparkline([], id="detail-seq")
+            yield Static("tokens/s over time", classes="caption")
+            yield Sparkline([], id="detail-rate")
+            yield DataTable(id="detail-history", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#detail-history", DataTable)
+        table.add_columns("t (s)", "state", "slot", "seq_len", "generated", "accept", "tok/s")
+        table.can_focus = False  # enter and escape belong to the screen (back to the batch)
+        self.show(self.app.tracker)  # type: ignore[attr-defined]
+
+    def show(self, tracker: SnapshotTracker) -> None:
+        track = tracker.tracks.get(self.key)
+        summary = self.query_one("#detail-summary", TextPanel)
+        if track is None:
+            summary.show(Text(f"request {self.key}: no longer tracked", style="yellow"))
+            return
+        summary.show(detail_summary_text(track))
+        samples = list(track.samples)
+        self.query_one("#detail-seq", Sparkline).data = [s.seq_len for s in samples]
+        self.query_one("#detail-rate", Sparkline).data = [s.tokens_per_s or 0.0 for s in samples]
+        table = self.query_one("#detail-history", DataTable)
+        table.clear()
+        for s in reversed(samples[-self.HISTORY_ROWS:]):
+            table.add_row(f"{s.time - track.first_seen:.2f}", STATE_LABEL.get(s.state, s.state),
+                          s.slot, s.seq_len, s.generated, s.last_accept_len,
+                          NA if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}")
