@@ -47,6 +47,7 @@ class RunResult:
     name: str
     timings: list[RequestTiming]
     wall: float
+    idle_share: float | None = None  # worker idle / (idle + busy) during the run
 
     @property
     def output_tps(self) -> float:
@@ -73,6 +74,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
     p.add_argument("--poisson-requests", type=int, default=32)
+    p.add_argument("--overlap", default="on", help="on, off, or on,off to compare in one run")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
 
 
@@ -127,7 +129,7 @@ def offline_baseline(args, path: Path, prompts: list[str], params: SamplingParam
     return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - start)
 
 
-def start_service(args, path: Path) -> tuple[subprocess.Popen, str]:
+def start_service(args, path: Path, overlap: bool) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -135,7 +137,8 @@ def start_service(args, path: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(path), "--dtype",
            args.dtype, "--device", args.device, "--attention-backend", args.attention_backend,
            "--endpoint", endpoint, "--telemetry-endpoint", "tcp://127.0.0.1:0",
-           "--max-running-requests", "32", "--log-level", "WARNING"]
+           "--max-running-requests", "32", "--log-level", "WARNING",
+           "--overlap" if overlap else "--no-overlap"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with Client(endpoint) as c:
         for _ in range(300):
@@ -164,21 +167,34 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     console.print(f"offline baseline: batch 32, {n} requests ...")
     baseline = offline_baseline(args, path, prompts[:n], params)
     console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
-    proc, endpoint = start_service(args, path)
     results: list[RunResult] = []
-    try:
-        asyncio.run(run_closed_loop(endpoint, prompts[:2], 1, SamplingParams(max_new_tokens=4)))
-        for c in levels:
-            console.print(f"concurrency {c} ...")
-            results.append(asyncio.run(run_closed_loop(endpoint, prompts[:max(n, c)], c, params)))
-        console.print(f"poisson {args.rate} req/s ...")
-        results.append(asyncio.run(run_poisson(endpoint, prompts[:args.poisson_requests],
-                                               args.rate, params)))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    for overlap in [o.strip() == "on" for o in args.overlap.split(",")]:
+        tag = "overlap " + ("on" if overlap else "off")
+        console.print(f"starting fmserve serve ({tag}) ...")
+        proc, endpoint = start_service(args, path, overlap)
+        try:
+            asyncio.run(run_closed_loop(endpoint, prompts[:2], 1, SamplingParams(max_new_tokens=4)))
+            runs = [(f"{tag}, concurrency {c}",
+                     lambda c=c: run_closed_loop(endpoint, prompts[:max(n, c)], c, params))
+                    for c in levels]
+            runs.append((f"{tag}, poisson {args.rate:g}/s", lambda: run_poisson(
+                endpoint, prompts[:args.poisson_requests], args.rate, params)))
+            for name, make in runs:
+                console.print(f"{name} ...")
+                with Client(endpoint) as client:
+                    before = client.health()
+                    result = asyncio.run(make())
+                    after = client.health()
+                idle = after.worker_idle_ms - before.worker_idle_ms
+                busy = after.worker_busy_ms - before.worker_busy_ms
+                result.name, result.idle_share = name, idle / max(idle + busy, 1e-9)
+                results.append(result)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     header = ["run", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-              "E2E p50 ms", "E2E p99 ms", "output tok/s", "vs offline b32"]
+              "E2E p50 ms", "E2E p99 ms", "output tok/s", "vs offline b32",
+              "worker idle %"]
     table = Table(title=f"serve: {args.dtype}, {args.max_new_tokens} new tokens/request, "
                         f"offline batch-32 baseline {baseline:.1f} tok/s")
     for h in header:
@@ -190,7 +206,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         e2e = [t.e2e for t in r.timings]
         row = [r.name, str(len(r.timings)), pct(ttft, 50), pct(ttft, 99), pct(itl, 50),
                pct(itl, 99), pct(e2e, 50), pct(e2e, 99), f"{r.output_tps:.1f}",
-               f"{r.output_tps / baseline:.2f}"]
+               f"{r.output_tps / baseline:.2f}",
+               "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}"]
         table.add_row(*row)
         lines.append("| " + " | ".join(row) + " |")
     console.print(table)

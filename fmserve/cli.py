@@ -5,6 +5,7 @@
     fmserve generate --file prompts.jsonl      a batch; one JSON line out per prompt
     fmserve serve                              the service (config.toml + flags)
     fmserve client --prompt "Hello"            ask a running service
+    fmserve top                                live monitor of a running service
     fmserve bench offline                      prefill/decode tokens/s vs transformers
 """
 
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_args(client)
     add_sampling_args(client)
 
+    top = sub.add_parser("top", help="live monitor of a running service")
+    from fmserve.top_cmd import add_top_args
+    add_top_args(top)
+
     bench = sub.add_parser("bench", help="measure throughput")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="prefill and decode tokens/s vs transformers")
@@ -97,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from fmserve.serve_cmd import run_serve
             return run_serve(args)
+        if args.command == "top":
+            from fmserve.top_cmd import run_top
+            return run_top(args)
         if args.command == "client":
             from fmserve.client_cmd import run_client
             return run_client(args)

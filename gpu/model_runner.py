@@ -42,6 +42,7 @@ class RunnerConfig:
     max_context_len: int | None = None  # None: the model's own
     progress: bool = True
     wrwr_check: bool | None = None  # None: from FMSERVE_WRWR_CHECK
+    cpu_threads: int = 0  # torch threads when running on the CPU; 0 = torch's default
 
 
 def make_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool,
@@ -61,6 +62,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype)
+        if self.device.type == "cpu" and cfg.cpu_threads > 0:
+            torch.set_num_threads(cfg.cpu_threads)
         loaded = load_model(cfg.model_path, dtype=self.dtype, progress=cfg.progress)
         self.model_config = mc = loaded.config
         self.model_name = Path(cfg.model_path).name

@@ -96,6 +96,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     total_slots: int
     steps: int
     output_tokens: int
+    worker_busy_ms: float = 0.0  # summed step time in the worker since start
+    worker_idle_ms: float = 0.0  # summed worker idle between steps while work was queued
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):

@@ -41,6 +41,7 @@ class WorkerTelemetry(msgspec.Struct, frozen=True):
 
 class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     time: float  # unix seconds
+    uptime_s: float  # since the service started
     model: str
     overlap: bool
     speculation: bool

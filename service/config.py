@@ -142,6 +142,7 @@ class RuntimeSection:
     max_tokens_per_step: int = _key(2048, IntIn(1, 1 << 20))
     max_context_len: int = _key(0, IntIn(0, 1 << 24))  # 0 = the model's own limit
     wrwr_check: bool = _key(False, Boolean())  # FutureMap write/read invariant checks (debug)
+    worker_cpu_threads: int = _key(0, IntIn(0, 1024))  # 0 = auto (see server.py)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ get an Error, it is restarted, and serving continues.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections import deque
@@ -35,6 +36,16 @@ from service.worker_supervisor import WorkerDied, WorkerHandle, WorkerStartError
 log = logging.getLogger("fmserve.service")
 
 
+def worker_cpu_threads(cfg: ServiceConfig) -> int:
+    """Torch threads for a CPU worker. With overlap this process works while the worker runs;
+    on a small machine a worker using every core would have an OpenMP thread descheduled
+    at each of its barriers, so leave one core to the scheduler."""
+    if cfg.runtime.worker_cpu_threads:
+        return cfg.runtime.worker_cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1) if cfg.scheduling.overlap and cores <= 8 else 0
+
+
 class Service:
     def __init__(self, cfg: ServiceConfig, model_path: str) -> None:
         self.cfg = cfg
@@ -47,13 +58,15 @@ class Service:
                                page_size=rt.page_size, max_kv_tokens=rt.max_kv_tokens,
                                max_running_requests=rt.max_running_requests,
                                max_context_len=rt.max_context_len or None, progress=False,
-                               wrwr_check=rt.wrwr_check or None),
+                               wrwr_check=rt.wrwr_check or None,
+                               cpu_threads=worker_cpu_threads(cfg)),
             ready_timeout_s=cfg.worker.ready_timeout_s, step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
         self.core: SchedulerCore | None = None
         self.info: WorkerInfo | None = None
         self.worker_restarts = 0
         self.worker_ok = False
+        self.started = time.monotonic()
         self.steps = 0
         self.output_tokens = 0
         self.finished_requests = 0
@@ -334,4 +347,5 @@ class Service:
                      waiting=acc["waiting"], free_pages=acc["free_pages"],
                      total_pages=acc["total_pages"], free_slots=acc["free_slots"],
                      total_slots=acc["total_slots"], steps=self.steps,
-                     output_tokens=self.output_tokens)
+                     output_tokens=self.output_tokens, worker_busy_ms=self.worker_busy_ms,
+                     worker_idle_ms=self.worker_idle_ms)

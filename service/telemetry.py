@@ -19,8 +19,11 @@ THROUGHPUT_WINDOW_S = 5.0
 
 
 def request_telemetry(req: Request, now: float) -> RequestTelemetry:
-    return RequestTelemetry(id=req.rid.split("/", 1)[-1], slot=req.slot or 0,
-                            state=req.state.value, prompt_len=len(req.prompt_ids),
+    # A request whose last prompt chunk is planned counts as decoding for the scheduler;
+    # until its first token arrives, people would call it prefilling.
+    state = "prefilling" if req.state == RequestState.DECODING and not req.output_ids else \
+        req.state.value
+    return RequestTelemetry(id=req.rid.split("/", 1)[-1], slot=req.slot or 0, state=state, prompt_len=len(req.prompt_ids),
                             seq_len=req.seq_len, generated=len(req.output_ids),
                             last_accept_len=0, age_s=now - req.arrival, key=req.rid)
 
@@ -54,7 +57,7 @@ class TelemetryPublisher:
                    if r.state == RequestState.WAITING]
         acc = core.accounting()
         return TelemetrySnapshot(
-            time=time.time(), model=info.model_name, overlap=svc.cfg.scheduling.overlap,
+            time=time.time(), uptime_s=now_m - svc.started, model=info.model_name, overlap=svc.cfg.scheduling.overlap,
             speculation=svc.cfg.scheduling.speculation,
             running=running, waiting=waiting, free_pages=acc["free_pages"],
             total_pages=acc["total_pages"], page_size=info.page_size,

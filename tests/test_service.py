@@ -47,7 +47,7 @@ class ServiceProcess:
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"fmserve-svc-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model_path),
-             "--dtype", "fp32", "--endpoint", self.endpoint, "--no-overlap",
+             "--dtype", "fp32", "--endpoint", self.endpoint,
              "--telemetry-endpoint", f"tcp://127.0.0.1:{self.tport}", "--max-kv-tokens", "4096",
              "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)

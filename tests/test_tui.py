@@ -143,12 +143,13 @@ def screen_text(svg: str) -> str:
 async def test_rows_appear_update_and_leave(pub):
     app = make_app(pub.endpoint)
     async with app.run_test(size=SIZE) as pilot:
-        a = [req("alpha", 1, 40, 10), req("bravo", 2, 75, 25), req("charlie", 3, 12, 0, "prefilling")]
+        a = [req("alpha", 1, 40, 10), req("bravo", 2, 75, 25),
+             req("charlie", 3, 12, 0, "prefilling")]
         s1 = snapshot(1000.0, a)
         await show(pilot, app, pub, s1)
-        assert table_rows(app) == [[r.id, r.slot, {"decoding": "decode", "prefilling": "prefill"}[
-            r.state], r.seq_len, r.generated, r.last_accept_len, table_rows(app)[i][6]]
-            for i, r in enumerate(a)]
+        label = {"decoding": "decode", "prefilling": "prefill"}
+        assert [row[:6] for row in table_rows(app)] == [
+            [r.id, r.slot, label[r.state], r.seq_len, r.generated, r.last_accept_len] for r in a]
         # Next snapshot: alpha grows by 8 tokens in 0.5 s, bravo leaves, delta arrives.
         b = [req("alpha", 1, 48, 18), req("charlie", 3, 13, 1), req("delta", 4, 30, 0)]
         await show(pilot, app, pub, snapshot(1000.5, b, finished=1))
@@ -223,22 +224,28 @@ async def test_detail_view_shows_the_request_over_time(pub):
 
 async def test_events_from_snapshot_diffs(pub):
     app = make_app(pub.endpoint)
+    c = dict(finished=5, tokens=100)  # counters of a service that has been up a while
     async with app.run_test(size=SIZE) as pilot:
-        await show(pilot, app, pub, snapshot(5000.0, [req("e1", 1, 50, 20), req("e2", 2, 9, 3)]))
+        await show(pilot, app, pub, snapshot(5000.0, [req("e1", 1, 50, 20), req("e2", 2, 9, 3)],
+                                             **c))
         # e1 goes back to the queue (preemption) and the retraction counter rises.
         await show(pilot, app, pub, snapshot(5001.0, [req("e2", 2, 10, 4)],
-                                             [req("e1", 0, 50, 20, "waiting")], retractions=1))
+                                             [req("e1", 0, 50, 20, "waiting")], retractions=1, **c))
         # The worker dies and is restarted: e2 disappears with it.
         await show(pilot, app, pub, snapshot(5002.0, [], [req("e1", 0, 50, 20, "waiting")],
-                                             retractions=1, restarts=1, pid=5151))
-        await show(pilot, app, pub, snapshot(5003.0, [], retractions=1, restarts=1, alive=False))
+                                             retractions=1, restarts=1, pid=5151, **c))
+        await show(pilot, app, pub, snapshot(5003.0, [req("z1", 1, 7, 2)], retractions=1,
+                                             restarts=1, alive=False, **c))
+        # The whole service restarts: counters go back to zero, z1 is gone with it.
+        await show(pilot, app, pub, snapshot(5004.0, []))
         log = events_text(app)
         assert "request e1 preempted at seq_len 50" in log
         assert "1 request(s) retracted" in log
         assert "worker restarted (restart #1, pid 4242 -> 5151)" in log
         assert "request e2 failed: the worker died" in log
         assert "worker down" in log
-        assert "restarts 1" in app.query_one("#header").render().plain
+        assert "the service restarted" in log and "request z1 lost: the service restarted" in log
+        assert "request e1 failed: the worker died" in log  # it was queued when the worker went
 
 
 async def test_burst_of_snapshots_does_not_queue_up(pub):
@@ -281,8 +288,8 @@ async def test_screen_text_and_svg(pub, tmp_path):
     app = make_app(pub.endpoint)
     running = [req(f"req-{i}", i + 1, 30 + 17 * i, 3 * i + 1) for i in range(5)]
     async with app.run_test(size=SIZE) as pilot:
-        await show(pilot, app, pub, snapshot(8000.0, running, [req("queued-1", 0, 44, 0, "waiting")],
-                                             finished=7, tokens=321))
+        queued = [req("queued-1", 0, 44, 0, "waiting")]
+        await show(pilot, app, pub, snapshot(8000.0, running, queued, finished=7, tokens=321))
         await pilot.pause(0.2)
         text = screen_text(app.export_screenshot())
         for expected in ["SmolLM2-135M-Instruct", "cpu fp32 attn=torch", "overlap on", "spec off",
@@ -304,6 +311,15 @@ def live_service(model_path):
     svc = ServiceProcess(model_path)
     yield svc
     svc.stop()
+
+
+async def save_screenshots(pilot, app: TopApp, folder: Path) -> None:
+    """docs/top-main.svg and docs/top-detail.svg (the selected request), from a live screen."""
+    (folder / "top-main.svg").write_text(app.export_screenshot(simplify=True))
+    await pilot.press("enter")
+    await pilot.pause(0.5)
+    (folder / "top-detail.svg").write_text(app.export_screenshot(simplify=True))
+    await pilot.press("escape")
 
 
 def _client(endpoint: str, prompt: str, rid: str, max_new: int, out: dict) -> None:
@@ -340,6 +356,8 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
             table.move_cursor(row=[r[0] for r in table_rows(app)].index("victim"))
             await pilot.pause(REFRESH_S)
             assert app.selected_key().endswith("/victim")
+            if shots := os.environ.get("FMSERVE_TOP_SCREENSHOTS"):
+                await save_screenshots(pilot, app, ROOT / shots)
             await pilot.press("a")
             await until(pilot, lambda: "victim" in results, timeout_s=30,
                         what="the victim's stream to end")
@@ -359,9 +377,6 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
                 assert sum(len(m.token_ids) for m in results[rid] if isinstance(m, Chunk)) == 24
             await until(pilot, lambda: app.snapshot.finished_requests >= 4 and not table_rows(app),
                         timeout_s=10, what="the batch to drain")
-            shots = os.environ.get("FMSERVE_TOP_SCREENSHOTS")
-            if shots:
-                app.save_screenshot("top-main.svg", str(ROOT / shots))
         finally:
             for t in threads:
                 t.join(timeout=60)

@@ -101,12 +101,11 @@ class TopApp(App):
     #header { height: 3; padding: 0 1; background: $boost; }
     #main { height: 1fr; }
     #batch { width: 2fr; height: 100%; border: round $primary; }
-    #side { width: 1fr; min-width: 40; border: round $primary; }
+    #side { width: 1fr; min-width: 40; border: round $primary; padding: 0 1; }
     #lower { height: 10; }
     #seqlens { width: 2fr; border: round $primary; padding: 0 1; }
     #queue { width: 1fr; height: 100%; min-width: 40; border: round $primary; padding: 0 1; }
     #events { height: 7; border: round $primary; }
-    #side { padding: 0 1; }
     #side Sparkline { height: 1; }
     #side Label { margin-top: 1; }
     RequestDetailScreen #detail-summary { height: auto; padding: 0 1; background: $boost; }

@@ -192,7 +192,8 @@ class SnapshotTracker:
             elif r.state == "waiting":
                 note, level = "left the queue before running (aborted or failed)", WARNING
             else:
-                note, level = f"ended (last seen at {r.generated} tokens, seq_len {r.seq_len})", INFO
+                note = f"ended (last seen at {r.generated} tokens, seq_len {r.seq_len})"
+                level = INFO
             self._end(key, t, note)
             if level == INFO:
                 ended.append(f"{r.id} (>= {r.generated} tok)")
