@@ -1,24 +1,22 @@
 """A Llama-family decoder over a paged KV cache.
 
 The model holds weights only; everything per-forward (token locations, lengths) arrives in a
-`ForwardBatch` and the attention backend reads and writes the KV pool.
+`ForwardBatch` and the attention backend reads and writes the KV pool. Projections are linear
+layer objects from `make_linear`: dense in the model dtype, or compressed (`weight_quant`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch
-from gpu.layers import DenseLinear, RotaryEmbedding, apply_rope, rms_norm, swiglu
+from gpu.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
 from gpu.model_config import ModelConfig
-from gpu.quantized_linear import WEIGHT_QUANT_MODES, make_linear
-
-Linear = Callable[[torch.Tensor], torch.Tensor]
+from gpu.quantized_linear import WEIGHT_QUANT_MODES, Linear, make_linear
 
 
 @dataclass

@@ -43,6 +43,7 @@ class RunnerConfig:
     progress: bool = True
     wrwr_check: bool | None = None  # None: from FMSERVE_WRWR_CHECK
     cpu_threads: int = 0  # torch threads when running on the CPU; 0 = torch's default
+    weight_quant: str = "none"  # "none", "int8" or "fp16": see gpu/quantized_linear.py
 
 
 def make_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool,
@@ -61,13 +62,14 @@ class ModelRunner:
     def __init__(self, cfg: RunnerConfig) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)
         loaded = load_model(cfg.model_path, dtype=self.dtype, progress=cfg.progress)
         self.model_config = mc = loaded.config
         self.model_name = Path(cfg.model_path).name
-        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype)
+        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
+                                weight_quant=cfg.weight_quant)
         del loaded
         self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)
         self.num_slots = cfg.max_running_requests + 1  # slot 0 is padding

@@ -55,7 +55,8 @@ def snapshot(t: float, running=(), waiting=(), *, retractions=0, restarts=0, ali
              pid=4242, finished=0, tokens=0, speculation=False) -> TelemetrySnapshot:
     steps = [_make(StepTelemetry, step_id=100 + i, batch_size=len(running), num_tokens=8,
                    forward_ms=20.0, wall_ms=25.0, idle_ms=5.0) for i in range(4)]
-    return _make(TelemetrySnapshot, time=t, model="SmolLM2-135M-Instruct", overlap=True,
+    return _make(TelemetrySnapshot, time=t, uptime_s=3725.0, model="SmolLM2-135M-Instruct",
+                 overlap=True,
                  speculation=speculation, running=list(running), waiting=list(waiting),
                  free_pages=192, total_pages=256, page_size=16, free_slots=5, total_slots=9,
                  output_tokens_per_s=123.5, total_output_tokens=tokens,
@@ -295,7 +296,7 @@ async def test_screen_text_and_svg(pub, tmp_path):
         for expected in ["SmolLM2-135M-Instruct", "cpu fp32 attn=torch", "overlap on", "spec off",
                          "finished 7", "tokens 321", "throughput   123.5 tok/s",
                          "waiting: 1", "queued-1", "1024/4096 tokens",
-                         "forward    20.0 ms", "overlap efficiency 75%", "uptime n/a"]:
+                         "forward    20.0 ms", "overlap efficiency 75%", "uptime 1h02m"]:
             assert expected in text, f"{expected!r} not on screen:\n{text}"
         for r in running:  # table row and bar label per request
             assert re.search(rf"{r.id}\s+{r.slot}\s+decode\s+{r.seq_len}\s+{r.generated}", text)

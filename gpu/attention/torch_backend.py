@@ -31,7 +31,7 @@ class TorchAttentionBackend:
         self.scale = scale
         self._key_locs: torch.Tensor | None = None  # [bs * max_seq_len] KV locations
         self._mask: torch.Tensor | None = None  # [bs, 1, q_len, max_seq_len] bool
-        self._decode_bias: torch.Tensor | None = None  # [bs, 1, 1, max_seq_len] 0 / -inf
+        self._decode_bias: torch.Tensor | None = None  # [bs, 1, max_seq_len] 0 / -inf
         self._query_index: torch.Tensor | None = None  # [bs, max_extend] token index (EXTEND)
         self._query_valid: torch.Tensor | None = None  # [bs, max_extend] bool (EXTEND)
 
@@ -49,7 +49,7 @@ class TorchAttentionBackend:
         if batch.mode == ForwardMode.DECODE:
             self._mask = in_seq[:, None, None, :]
             self._decode_bias = torch.zeros(in_seq.shape, dtype=torch.float32, device=device
-                                            ).masked_fill_(~in_seq, float("-inf"))[:, None, None, :]
+                                            ).masked_fill_(~in_seq, float("-inf"))[:, None, :]
             return
         max_extend = batch.max_extend_len
         assert max_extend is not None
@@ -90,12 +90,17 @@ class TorchAttentionBackend:
 
     def _decode_bmm(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q: [bs, H, D]; keys, values: [bs, L, kv_heads, D]. Returns [bs, H, D]."""
-        bs, kv_heads = q.shape[0], self.num_kv_heads
-        group = self.num_heads // kv_heads
-        q = (q * self.scale).view(bs, kv_heads, group, self.head_dim)
-        # Per kv head, keys[:, :, h] is [bs, L, D] with unit stride in D: bmm reads it in place.
-        scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2))
-                              for h in range(kv_heads)], dim=1)  # [bs, kv_heads, group, L]
-        probs = torch.softmax(scores.add_(self._decode_bias), dim=-1)
+        bs, kv_heads, d = q.shape[0], self.num_kv_heads, self.head_dim
+        q = q.view(bs, kv_heads, self.num_heads // kv_heads, d)
+        bias = self._decode_bias  # [bs, 1, L]: 0 inside the sequence, -inf in the padding
+        if bs == 1:
+            # One request: its kv heads are the batch of one bmm, keys and values read in place.
+            scores = torch.baddbmm(bias, q[0], keys[0].permute(1, 2, 0), alpha=self.scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1), values[0].transpose(0, 1))
+            return out.view(1, self.num_heads, d)
+        # keys[:, :, h] is [bs, L, D] with unit stride in D: bmm reads it in place.
+        scores = torch.stack([torch.baddbmm(bias, q[:, h], keys[:, :, h].transpose(1, 2),
+                                            alpha=self.scale) for h in range(kv_heads)], dim=1)
+        probs = torch.softmax(scores, dim=-1)  # [bs, kv_heads, group, L]
         out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(kv_heads)], dim=1)
-        return out.view(bs, self.num_heads, self.head_dim)
+        return out.view(bs, self.num_heads, d)
