@@ -21,7 +21,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file, a Hugging Face model directory, or 'default' "
                         "(SmolLM2-135M-Instruct, fetched on first use)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="auto: bf16 on a GPU or a CPU with native bf16 (AMX, AVX512-BF16), else fp32")
     g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (>= 1)")
     g.add_argument("--max-kv-tokens", type=int, default=65536, help="KV cache size in tokens")

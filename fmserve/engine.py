@@ -1,6 +1,6 @@
 """The offline engine: the service's scheduler core and the worker's ModelRunner in one process.
 
-    engine = Engine(model="default", dtype="bf16")
+    engine = Engine(model="default", dtype="auto")
     for out in engine.stream(["Hello"], SamplingParams(max_new_tokens=32)):
         print(out.text, end="")
 
@@ -36,7 +36,7 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, model: str | None = "default", device: str = "auto", dtype: str = "bf16",
+    def __init__(self, model: str | None = "default", device: str = "auto", dtype: str = "auto",
                  attention_backend: str = "torch", page_size: int = 16,
                  max_kv_tokens: int = 65536, max_running_requests: int = 64,
                  max_tokens_per_step: int = 2048, max_context_len: int | None = None,

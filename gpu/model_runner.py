@@ -34,7 +34,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 class RunnerConfig:
     model_path: str
     device: str = "auto"
-    dtype: str = "bf16"
+    dtype: str = "auto"
     attention_backend: str = "torch"
     page_size: int = 16
     max_kv_tokens: int = 65536

@@ -130,7 +130,7 @@ class ModelSection:
                                         'model directory or "default"'))
     device: str = _key("auto", Matches(r"auto|cpu|cuda(:\d+)?",
                                        'must be "auto", "cpu", "cuda" or "cuda:N"'))
-    dtype: str = _key("bf16", OneOf(("bf16", "fp16", "fp32")))
+    dtype: str = _key("auto", OneOf(("auto", "bf16", "fp16", "fp32")))
 
 
 @dataclass(frozen=True)
