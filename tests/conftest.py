@@ -22,3 +22,12 @@ def model_path() -> Path:
     from fmserve.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gguf_path(model_path) -> Path:
+    """The test model as a .gguf, for tests that compare with transformers' GGUF loader."""
+    if model_path.suffix != ".gguf":
+        pytest.skip("these tests compare against transformers' GGUF loader, and "
+                    "FMSERVE_MODEL names a model that is not a .gguf")
+    return model_path

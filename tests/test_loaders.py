@@ -22,14 +22,6 @@ from gpu.loader import ModelLoadError, load_model
 from gpu.model_config import RopeScaling
 
 @pytest.fixture(scope="module")
-def gguf_path(model_path) -> Path:
-    if model_path.suffix != ".gguf":
-        pytest.skip("these tests compare against transformers' GGUF loader, and "
-                    "FMSERVE_MODEL names a model that is not a .gguf")
-    return model_path
-
-
-@pytest.fixture(scope="module")
 def ours(gguf_path):
     return load_model(gguf_path, dtype=torch.float32, progress=False)
 

@@ -45,14 +45,6 @@ STREAM_TEXT = ("Streaming 😀🎉 test: 中文测试，日本語のテキスト
 
 
 @pytest.fixture(scope="module")
-def gguf_path(model_path) -> Path:
-    if model_path.suffix != ".gguf":
-        pytest.skip("these tests compare against transformers' GGUF loader, and "
-                    "FMSERVE_MODEL names a model that is not a .gguf")
-    return model_path
-
-
-@pytest.fixture(scope="module")
 def ours(gguf_path) -> TextTokenizer:
     return TextTokenizer.from_model_path(gguf_path)
 
