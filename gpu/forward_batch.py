@@ -38,6 +38,13 @@ class ForwardBatch:
     seq_lens_sum: int | None = None
     max_seq_len: int | None = None
     max_extend_len: int | None = None
+    # EXTEND only (ignored otherwise): tree attention for speculative decoding. [bs, Q, K]
+    # bool; every request has extend_lens == Q new tokens and Q <= K <= seq_len. Keys
+    # 0 .. seq_len-K-1 of request i (its prefix; prefix_lens == seq_lens - K) are visible to
+    # all its queries; key seq_len-K+k is visible to query j iff tree_mask[i, j, k]. The new
+    # tokens (written at out_cache_loc) are among those last K keys, anywhere among them.
+    # None: the ordinary causal extend.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

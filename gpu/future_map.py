@@ -47,6 +47,16 @@ class FutureMap:
         self.output_tokens_buf = torch.full((num_slots,), fill, dtype=torch.long, device=device)
         self.new_seq_lens_buf = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.publish_ready = None  # created lazily from the device's own module
+        # EAGLE's relay (enable_spec): the draft's top-k for the next root and its hidden state.
+        self.topk_p_buf: torch.Tensor | None = None
+        self.topk_index_buf: torch.Tensor | None = None
+        self.hidden_buf: torch.Tensor | None = None
+
+    def enable_spec(self, topk: int, hidden_size: int, dtype: torch.dtype) -> None:
+        n = self.output_tokens_buf.shape[0]
+        self.topk_p_buf = torch.zeros(n, topk, dtype=torch.float32, device=self.device)
+        self.topk_index_buf = torch.zeros(n, topk, dtype=torch.long, device=self.device)
+        self.hidden_buf = torch.zeros(n, hidden_size, dtype=dtype, device=self.device)
 
     # -- written after sampling, in stream order ---------------------------------------------
 
@@ -58,6 +68,15 @@ class FutureMap:
                        f"FutureMap WRWR violation: double write (stash into a slot whose token "
                        f"was never read) at slots {slots.tolist()}")
         self.output_tokens_buf.index_copy_(0, slots, token_ids.to(torch.long))
+
+    def stash_spec(self, slots: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor,
+                   hidden: torch.Tensor) -> None:
+        """The draft state the next step starts from (written with the bonus token)."""
+        if slots.numel() == 0:
+            return
+        self.topk_p_buf.index_copy_(0, slots, topk_p.float())
+        self.topk_index_buf.index_copy_(0, slots, topk_index.long())
+        self.hidden_buf.index_copy_(0, slots, hidden.to(self.hidden_buf.dtype))
 
     def publish(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
         self.new_seq_lens_buf.index_copy_(0, slots, seq_lens.to(torch.long))
@@ -75,6 +94,10 @@ class FutureMap:
                                     f"read a slot with no stashed token) at slots {slots.tolist()}")
             self.output_tokens_buf.index_fill_(0, slots, EMPTY)
         return tokens
+
+    def resolve_spec(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The relayed draft state of each decoding slot: (top-k probs, top-k ids, hidden)."""
+        return self.topk_p_buf[slots], self.topk_index_buf[slots], self.hidden_buf[slots]
 
     def resolve_seq_lens(self, slots: torch.Tensor) -> torch.Tensor:
         """Each slot's length in the KV cache as the last step left it."""

@@ -24,6 +24,7 @@ from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
 from gpu.sampler import Sampler, SamplingState
+from ipc.spec_settings import SpecSettings
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, StepPlan, StepResult, WorkerInfo,
                                  pack_f32, pack_i32, unpack_i32)
 
@@ -44,6 +45,7 @@ class RunnerConfig:
     wrwr_check: bool | None = None  # None: from FMSERVE_WRWR_CHECK
     cpu_threads: int = 0  # torch threads when running on the CPU; 0 = torch's default
     weight_quant: str = "none"  # "none", "int8" or "fp16": see gpu/quantized_linear.py
+    spec: SpecSettings = SpecSettings()  # speculative decoding (EAGLE); off by default
 
 
 def make_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool,
@@ -76,8 +78,11 @@ class ModelRunner:
         num_pages = -(-cfg.max_kv_tokens // cfg.page_size) + 1  # page 0 is padding
         self.kv_pool = KVPool(mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads,
                               mc.head_dim, self.dtype, self.device)
-        self.req_to_token = ReqToTokenPool(self.num_slots, self.max_context_len, cfg.page_size,
-                                           self.device)
+        # Under speculation a request near the context limit still drafts and verifies a few
+        # positions past it (the scheduler discards those tokens): its row has room for them.
+        self.req_to_token = ReqToTokenPool(self.num_slots,
+                                           self.max_context_len + cfg.spec.reserve_tokens,
+                                           cfg.page_size, self.device)
         self.attn = make_attention_backend(cfg.attention_backend, self.kv_pool, self.req_to_token,
                                            mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.needs_cpu_seq_lens = self.attn.needs_cpu_seq_lens
@@ -87,6 +92,10 @@ class ModelRunner:
         # Per-slot relay buffers (see module docstring).
         self.future_map = FutureMap(self.num_slots, self.device, cfg.wrwr_check)
         self._last_step_end: float | None = None
+        self.eagle = None
+        if cfg.spec.enabled:
+            from gpu.eagle.spec_worker import EagleWorker
+            self.eagle = EagleWorker(self, cfg.spec)
 
     def info(self) -> WorkerInfo:
         mc = self.model_config
@@ -96,7 +105,9 @@ class ModelRunner:
             attention_backend=self.cfg.attention_backend, num_layers=mc.num_layers,
             vocab_size=mc.vocab_size, max_context_len=self.max_context_len,
             page_size=self.cfg.page_size, num_pages=self.kv_pool.num_pages,
-            num_slots=self.num_slots, eos_token_ids=list(mc.eos_token_ids))
+            num_slots=self.num_slots, eos_token_ids=list(mc.eos_token_ids),
+            spec_algorithm=self.cfg.spec.algorithm, spec_num_steps=self.cfg.spec.num_steps
+            if self.cfg.spec.enabled else 0, spec_reserve_tokens=self.cfg.spec.reserve_tokens)
 
     # -- plan application -------------------------------------------------------------------
 
@@ -173,6 +184,35 @@ class ModelRunner:
              unpack_i32(plan.decode_slots).astype(np.int64)])
         return batch, torch.tensor(sample_rows, dtype=torch.long, device=dev)
 
+    @torch.inference_mode()
+    def capture_hidden_states(self, token_ids: list[int], capture_layers: tuple[int, ...]
+                              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A teacher-forced prefill of one sequence, returning the final-normed hidden state of
+        every position and the input residual of each layer in `capture_layers` ([n, H] each).
+
+        For draft-head training data. It borrows slot 1 and the first pages of the pool, so call
+        it only while the runner has no requests (e.g. between offline engine runs)."""
+        n = len(token_ids)
+        if not 0 < n <= self.max_context_len:
+            raise ValueError(f"capture needs 1..{self.max_context_len} tokens, got {n}")
+        page = self.cfg.page_size
+        num_pages = -(-n // page)
+        if num_pages >= self.kv_pool.num_pages:
+            raise ValueError(f"{n} tokens do not fit the KV pool of {self.kv_pool.num_pages - 1} pages")
+        dev = self.device
+        self.req_to_token.grant_pages(1, 0, torch.arange(1, num_pages + 1, device=dev))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        positions = torch.arange(n, device=dev)
+        one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
+        batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=positions,
+                             slots=one(1), seq_lens=one(n), prefix_lens=one(0), extend_lens=one(n),
+                             out_cache_loc=self.req_to_token.req_to_token[1, :n].long())
+        batch.seq_lens_cpu, batch.seq_lens_sum = batch.seq_lens.cpu(), n
+        batch.prefix_lens_cpu, batch.extend_lens_cpu = batch.prefix_lens.cpu(), batch.extend_lens.cpu()
+        batch.max_seq_len = batch.max_extend_len = n
+        self.attn.init_forward_metadata(batch)
+        return self.model.hidden_states(batch, self.attn, capture_layers)
+
     # -- the step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -197,6 +237,8 @@ class ModelRunner:
         return msgspec.structs.replace(result, idle_ms=idle_ms)
 
     def _step(self, plan: StepPlan, start: float) -> StepResult:
+        if self.eagle is not None:
+            return self.eagle.step(plan, start)
         batch, hidden, sample_rows = self.forward(plan)
         if hidden is None or sample_rows.numel() == 0:  # idle, or only non-final prefill chunks
             synchronize(self.device)

@@ -356,6 +356,48 @@ class Sampler:
             tokens = torch.where(ip[:, _I_GREEDY].bool(), logits.argmax(-1), tokens)
         return self._with_logprobs(tokens, scaled, flags.max_logprobs)
 
+    @torch.no_grad()
+    def target_probs(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     slots_host: np.ndarray | Sequence[int] | None = None) -> torch.Tensor:
+        """The exact distribution `sample` draws from for these rows, float32 [n, vocab]:
+        penalties and min-token bans, temperature, then the top-k / top-p / min-p cut with the
+        sampler's own thresholds and candidate list (so ties at a cut resolve the same way),
+        renormalised. Greedy rows get a one-hot at the argmax. For speculative acceptance
+        (`gpu.eagle.accept.accept_sampling`), whose residual draw uses the same noise.
+        positions is unused (the distribution does not depend on it); it keeps the signature
+        parallel to `sample`."""
+        del positions
+        n, vocab = logits.shape
+        if n == 0:
+            return torch.empty(0, vocab, dtype=torch.float32, device=logits.device)
+        flags = self.batch_flags(slots, slots_host)
+        logits = self.process_logits(logits, slots, flags)
+        argmax = logits.argmax(-1)
+        one_hot = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
+        one_hot.scatter_(1, argmax[:, None], 1.0)
+        if flags.all_greedy:
+            return one_hot
+        st = self.state
+        fp, ip = st.float_params[slots], st.int_params[slots]
+        scaled = (logits / fp[:, _F_TEMP, None]).float()
+        threshold, vals, ids = None, scaled, None
+        if flags.any_top_k or flags.any_top_p:
+            threshold, vals, ids = self._truncate(scaled, fp, ip, flags)
+        if flags.any_min_p:
+            row_max = scaled.amax(-1) if ids is None else vals[:, 0]
+            floor = row_max + fp[:, _F_LOG_MIN_P]
+            threshold = floor if threshold is None else torch.maximum(threshold, floor)
+        if threshold is None:
+            probs = torch.softmax(scaled, dim=-1)
+        elif ids is None:
+            probs = torch.softmax(scaled.masked_fill(scaled < threshold[:, None], -math.inf), -1)
+        else:  # the draw runs over the candidate list: exactly its allowed members
+            kept = vals.masked_fill(vals < threshold[:, None], -math.inf)
+            probs = torch.zeros_like(scaled).scatter_(1, ids, torch.softmax(kept, dim=-1))
+        if flags.any_greedy:
+            probs = torch.where(ip[:, _I_GREEDY].bool()[:, None], one_hot, probs)
+        return probs
+
     def _draw(self, scaled: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor,
               positions: torch.Tensor, flags: BatchFlags) -> torch.Tensor:
         """Gumbel-max over the tokens that top-k, top-p and min-p leave in each row.

@@ -83,6 +83,11 @@ def parse_runner_config(text: str):
     if "model_path" not in fields:
         raise ValueError("--config lacks model_path")
     fields["progress"] = False
+    if isinstance(fields.get("spec"), dict):
+        import msgspec
+
+        from ipc.spec_settings import SpecSettings
+        fields["spec"] = msgspec.convert(fields["spec"], SpecSettings)
     return RunnerConfig(**fields)
 
 

@@ -53,6 +53,8 @@ class ExtendEntry(msgspec.Struct, array_like=True, frozen=True):
     prefix_len: int
     token_ids: bytes  # int32
     sample: bool  # the chunk ends the prompt: sample the first output token from it
+    next_token: int = -1  # the prompt token after the chunk (-1 when sample): EAGLE's draft
+    # extend pairs position t with token t + 1, so a non-final chunk needs one token lookahead
 
 
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, frozen=True):
@@ -68,17 +70,23 @@ class StepPlan(msgspec.Struct, tag="plan", array_like=True, frozen=True):
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, frozen=True):
-    """Sampled tokens, in plan order: extends that sample, then decodes."""
+    """Sampled tokens, in plan order: extends that sample, then decodes.
+
+    Without speculation every row emits one token. With it, `accept_lens[row]` is the number of
+    accepted draft tokens of a verify row (-1 for a prefill row), and the row emits
+    accept_lens + 1 tokens (the accepted drafts, then the bonus token), concatenated in
+    `token_ids` row after row."""
 
     step_id: int
-    slots: bytes  # int32
-    token_ids: bytes  # int32
+    slots: bytes  # int32, one per row
+    token_ids: bytes  # int32, one per emitted token
     logprobs: bytes  # float32, empty when no request in the step asked for logprobs
     top_logprobs_n: int  # columns of the two arrays below (0 = none)
     top_logprob_ids: bytes  # int32 [len(slots) * top_logprobs_n]
     top_logprobs: bytes  # float32 [len(slots) * top_logprobs_n]
     forward_ms: float  # plan received to result ready
     idle_ms: float = 0.0  # end of the previous step to the start of this one (worker idle)
+    accept_lens: bytes = b""  # int32 per row; empty when the worker does not speculate
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -96,6 +104,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     num_pages: int  # including the reserved page 0
     num_slots: int  # including the reserved slot 0
     eos_token_ids: list[int]
+    spec_algorithm: str = "none"
+    spec_num_steps: int = 0
+    spec_reserve_tokens: int = 0  # KV room to grant beyond a running request's known length
 
 
 class WorkerReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):

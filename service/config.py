@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc.client_messages import MAX_MESSAGE_BYTES
+from ipc.spec_settings import SpecSettings
 
 
 class ConfigError(ValueError):
@@ -148,7 +149,15 @@ class RuntimeSection:
 @dataclass(frozen=True)
 class SchedulingSection:
     overlap: bool = _key(True, Boolean())
-    speculation: bool = _key(False, Boolean())
+
+
+@dataclass(frozen=True)
+class SpecSection:
+    algorithm: str = _key("none", OneOf(("none", "eagle3", "eagle")))
+    draft_model: str = _key("", Matches(r".*", "must be a head directory, or empty"))
+    num_steps: int = _key(4, IntIn(1, 16))
+    topk: int = _key(1, IntIn(1, 8))
+    num_draft_tokens: int = _key(5, IntIn(2, 64))
 
 
 @dataclass(frozen=True)
@@ -165,12 +174,13 @@ class ServiceConfig:
     model: ModelSection = field(default_factory=ModelSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     scheduling: SchedulingSection = field(default_factory=SchedulingSection)
+    spec: SpecSection = field(default_factory=SpecSection)
     worker: WorkerSection = field(default_factory=WorkerSection)
 
 
 SECTIONS: dict[str, type] = {
     "service": ServiceSection, "model": ModelSection, "runtime": RuntimeSection,
-    "scheduling": SchedulingSection, "worker": WorkerSection,
+    "scheduling": SchedulingSection, "spec": SpecSection, "worker": WorkerSection,
 }
 
 
@@ -271,6 +281,12 @@ def _check_consistency(config: ServiceConfig, source: str) -> None:
     if r.max_kv_tokens < r.page_size:
         raise ConfigError(f"{source}: runtime.max_kv_tokens = {r.max_kv_tokens} must be at "
                           f"least runtime.page_size = {r.page_size} (one page)")
+    sp = config.spec
+    try:
+        SpecSettings(sp.algorithm, sp.draft_model, sp.num_steps, sp.topk,
+                     sp.num_draft_tokens).validate()
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     if s.client_endpoint == s.telemetry_endpoint:
         raise ConfigError(f"{source}: service.client_endpoint and service.telemetry_endpoint "
                           f"are both {s.client_endpoint!r}; they must differ")
@@ -288,3 +304,8 @@ def _show(value: Any) -> str:
     if isinstance(value, str):
         return f'"{value}"'
     return repr(value)
+
+
+def spec_settings(config: ServiceConfig) -> SpecSettings:
+    sp = config.spec
+    return SpecSettings(sp.algorithm, sp.draft_model, sp.num_steps, sp.topk, sp.num_draft_tokens)

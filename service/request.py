@@ -38,6 +38,25 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_inflight: int = 0  # planned samples whose result has not been processed yet
+    # Speculative decoding: verify steps, accepted drafts, and acceptance per draft position.
+    spec_verify_steps: int = 0
+    spec_accepted_drafts: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_accept(self, accepted: int) -> None:
+        self.spec_verify_steps += 1
+        self.spec_accepted_drafts += accepted
+        if len(self.spec_accepted_per_position) < accepted:
+            self.spec_accepted_per_position += [0] * (accepted - len(self.spec_accepted_per_position))
+        for i in range(accepted):
+            self.spec_accepted_per_position[i] += 1
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Mean tokens per verify step (accepted drafts + the bonus token)."""
+        if not self.spec_verify_steps:
+            return None
+        return (self.spec_accepted_drafts + self.spec_verify_steps) / self.spec_verify_steps
 
     @property
     def all_ids(self) -> list[int]:
@@ -66,7 +85,22 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    spec_verify_steps: int = 0  # set on the terminal output when the request speculated
+    spec_accepted_drafts: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """One output for several tokens of the same step (speculative decoding)."""
+        self.token_ids += later.token_ids
+        self.text += later.text
+        if later.logprobs:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.finished:
+            self.finish_reason, self.error = later.finish_reason, later.error
+            self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+            self.spec_verify_steps = later.spec_verify_steps
+            self.spec_accepted_drafts = later.spec_accepted_drafts
+        return self

@@ -13,6 +13,8 @@ the plans to the same `ModelRunner`. Policy, in the spirit of SGLang's scheduler
 from __future__ import annotations
 
 import time
+
+import numpy as np
 from collections import deque
 from dataclasses import dataclass
 
@@ -137,12 +139,16 @@ class SchedulerCore:
                 continue  # retracted to make room for an older request this very step
             if self._will_finish_by_length(req):
                 continue  # its in-flight step hits the limit: a decode now would be wasted
-            # The request's last output token enters the cache at position num_cached.
-            if not self._grow(req, req.num_cached + 1, grants):
+            # Without speculation the request's last output token enters the cache at position
+            # num_cached. With it the length is known only up to the last processed result:
+            # grant the room a verify tree and its drafts may need, twice (one step in flight).
+            reserve = self.info.spec_reserve_tokens
+            need = req.num_cached + 1 if not reserve else req.seq_len + reserve
+            if not self._grow(req, need, grants):
                 continue  # req itself was retracted to make room
             decode_slots.append(req.slot)
             self._mark_sampling(req)
-            req.num_cached += 1
+            req.num_cached = req.num_cached + 1 if not reserve else req.seq_len
         budget = self.cfg.max_tokens_per_step - len(decode_slots)
 
         for req in [r for r in self.running.values() if r.state == RequestState.PREFILLING]:
@@ -196,7 +202,8 @@ class SchedulerCore:
         end = req.num_cached + chunk
         self._grow(req, end, grants)
         done = end == len(ids)
-        extends.append(ExtendEntry(req.slot, req.num_cached, pack_i32(ids[req.num_cached:end]), done))
+        extends.append(ExtendEntry(req.slot, req.num_cached, pack_i32(ids[req.num_cached:end]),
+                                   done, -1 if done else ids[end]))
         if done:
             self._mark_sampling(req)
             req.state = RequestState.DECODING  # the next plan may decode it before this result
@@ -247,10 +254,14 @@ class SchedulerCore:
         n_top = result.top_logprobs_n
         top_ids = unpack_i32(result.top_logprob_ids).reshape(-1, n_top) if n_top else None
         top_lps = unpack_f32(result.top_logprobs).reshape(-1, n_top) if n_top else None
+        # Under speculation a verify row emits accept_len + 1 tokens, a prefill row one.
+        accept = unpack_i32(result.accept_lens) if result.accept_lens else None
+        counts = np.ones(len(slots), dtype=np.int64) if accept is None else np.maximum(accept + 1, 1)
+        starts = np.cumsum(counts) - counts
         planned = self._inflight.pop(result.step_id, {})
         outputs = []
         now = time.monotonic()
-        for row, (slot, token) in enumerate(zip(slots.tolist(), tokens.tolist())):
+        for row, slot in enumerate(slots.tolist()):
             entry = planned.get(slot)
             if entry is None:
                 continue
@@ -260,13 +271,21 @@ class SchedulerCore:
                     req.num_preemptions != epoch:
                 self.num_stale_results += 1
                 continue  # finished, aborted or retracted after this step was planned: drop
-            lp = None
-            if req.params.logprobs is not None and logprobs is not None:
-                k = req.params.logprobs
-                top = [] if top_ids is None or k == 0 else list(
-                    zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist()))
-                lp = [TokenLogprob(float(logprobs[row]), top)]
-            outputs.append(self._on_token(req, int(token), lp, now))
+            if accept is not None and accept[row] >= 0:
+                req.record_accept(int(accept[row]))
+            row_out = None
+            for i in range(int(starts[row]), int(starts[row] + counts[row])):
+                lp = None
+                if req.params.logprobs is not None and logprobs is not None:
+                    k = req.params.logprobs
+                    top = [] if top_ids is None or k == 0 else list(
+                        zip(top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
+                    lp = [TokenLogprob(float(logprobs[i]), top)]
+                out = self._on_token(req, int(tokens[i]), lp, now)
+                row_out = out if row_out is None else row_out.merge(out)
+                if out.finished:
+                    break  # tokens past a stop are dropped
+            outputs.append(row_out)
         return outputs
 
     def _on_token(self, req: Request, token: int, lp: list[TokenLogprob] | None,
@@ -305,7 +324,8 @@ class SchedulerCore:
         self.requests.pop(req.rid, None)
         self._streams.pop(req.rid, None)
         return RequestOutput(req.rid, [], "", None, reason, len(req.prompt_ids),
-                             len(req.output_ids), error)
+                             len(req.output_ids), error, req.spec_verify_steps,
+                             req.spec_accepted_drafts)
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 import anyio
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -26,7 +27,7 @@ from ipc.codec import ProtocolError, decode_client_request, encode
 from ipc.telemetry import StepTelemetry
 from ipc.worker_messages import WorkerInfo, unpack_i32
 from service.client_registry import ClientRegistry
-from service.config import ServiceConfig
+from service.config import ServiceConfig, spec_settings
 from service.request import FinishReason, RequestOutput
 from service.scheduler_core import RequestRejected, SchedulerConfig, SchedulerCore
 from service.telemetry import TelemetryPublisher
@@ -59,7 +60,8 @@ class Service:
                                max_running_requests=rt.max_running_requests,
                                max_context_len=rt.max_context_len or None, progress=False,
                                wrwr_check=rt.wrwr_check or None,
-                               cpu_threads=worker_cpu_threads(cfg)),
+                               cpu_threads=worker_cpu_threads(cfg),
+                               spec=msgspec.to_builtins(spec_settings(cfg))),
             ready_timeout_s=cfg.worker.ready_timeout_s, step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
         self.core: SchedulerCore | None = None

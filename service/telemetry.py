@@ -58,7 +58,7 @@ class TelemetryPublisher:
         acc = core.accounting()
         return TelemetrySnapshot(
             time=time.time(), uptime_s=now_m - svc.started, model=info.model_name, overlap=svc.cfg.scheduling.overlap,
-            speculation=svc.cfg.scheduling.speculation,
+            speculation=svc.cfg.spec.algorithm != "none",
             running=running, waiting=waiting, free_pages=acc["free_pages"],
             total_pages=acc["total_pages"], page_size=info.page_size,
             free_slots=acc["free_slots"], total_slots=acc["total_slots"],

@@ -109,11 +109,11 @@ def test_keys_that_depend_on_each_other(tmp_path):
 
 def test_overrides_win(tmp_path):
     path = write(tmp_path, "[runtime]\npage_size = 32\nattention_backend = \"triton\"\n")
-    cfg = load_config(path, {"runtime.page_size": 8, "scheduling.speculation": True,
+    cfg = load_config(path, {"runtime.page_size": 8, "spec.algorithm": "eagle3",
                              "model.device": None})  # None = flag not given
     assert cfg.runtime.page_size == 8
     assert cfg.runtime.attention_backend == "triton"  # from the file
-    assert cfg.scheduling.speculation is True
+    assert cfg.spec.algorithm == "eagle3"
     assert cfg.model.device == "auto"
 
 
@@ -141,3 +141,12 @@ def test_file_errors(tmp_path):
     assert "my.toml" in msg and "not valid TOML" in msg
     msg = refused(write(tmp_path, "runtime = 3\n"))
     assert "runtime must be a table" in msg
+
+
+def test_spec_settings_are_checked_together(tmp_path):
+    path = write(tmp_path, "[spec]\nalgorithm = \"eagle3\"\nnum_steps = 4\ntopk = 1\n"
+                           "num_draft_tokens = 8\n")
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="spec.algorithm"):
+        load_config(None, {"spec.algorithm": "medusa"})

@@ -17,7 +17,9 @@ class AttentionBackend(Protocol):
     ``forward`` runs once per layer. ``forward`` first writes the new tokens' k/v into the pool
     at ``batch.out_cache_loc``, then attends each new query to its request's whole sequence
     (cached prefix + new tokens, causal within the new tokens), reading the request's token
-    locations from ``req_to_token[slot, :seq_len]``.
+    locations from ``req_to_token[slot, :seq_len]``. An EXTEND batch with ``tree_mask`` set
+    replaces "causal within the new tokens" by the tree mask over each request's last K keys
+    (see ``ForwardBatch.tree_mask``).
     """
 
     needs_cpu_seq_lens: bool

@@ -57,11 +57,31 @@ class TorchAttentionBackend:
         cu_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         self._query_valid = j[None, :] < batch.extend_lens[:, None]  # [bs, Lq]
         self._query_index = torch.where(self._query_valid, cu_start[:, None] + j[None, :], 0)
-        query_pos = batch.prefix_lens[:, None] + j[None, :]  # [bs, Lq]
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
+        if batch.tree_mask is not None:
+            mask = self._tree_mask(batch, key_pos, in_seq)
+        else:
+            query_pos = batch.prefix_lens[:, None] + j[None, :]  # [bs, Lq]
+            mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
         # Padded query rows attend to key 0 only, so softmax never sees an all-masked row.
         mask[:, :, 0] |= ~self._query_valid
         self._mask = mask[:, None, :, :]
+
+    @staticmethod
+    def _tree_mask(batch: ForwardBatch, key_pos: torch.Tensor,
+                   in_seq: torch.Tensor) -> torch.Tensor:
+        """[bs, Q, L]: keys before seq_len - K visible to all queries, the last K keys looked
+        up in ``batch.tree_mask`` [bs, Q, K], keys past seq_len masked."""
+        tree_mask = batch.tree_mask.to(torch.bool)
+        bs, num_q, num_k = tree_mask.shape
+        if bs != batch.batch_size or num_q != batch.max_extend_len or num_q > num_k:
+            raise ValueError(f"tree_mask {tuple(tree_mask.shape)} does not fit a batch of "
+                             f"{batch.batch_size} requests with {batch.max_extend_len} new "
+                             f"tokens each (needs [bs, Q, K] with Q <= K)")
+        rel = key_pos[None, :] - (batch.seq_lens[:, None] - num_k)  # [bs, L], tree key index
+        in_tree = (rel >= 0) & in_seq
+        tree_bits = torch.gather(tree_mask, 2,
+                                 rel.clamp(0, num_k - 1)[:, None, :].expand(bs, num_q, -1))
+        return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_bits)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -4,7 +4,9 @@ Everything the kernels need stays on the device: grid sizes come from tensor sha
 (``batch_size``, ``num_tokens``) and the kernels read lengths from device tensors, so this
 backend never needs host copies of the sequence lengths (``needs_cpu_seq_lens = False``).
 Per-forward metadata (query offsets, extend block schedule, decode scratch) is built once in
-``init_forward_metadata`` and shared by all layers. On CPU the kernels run under the Triton
+``init_forward_metadata`` and shared by all layers. An EXTEND batch's ``tree_mask`` goes to
+the extend kernel as is (its K comes from the mask's shape, the tree's start from
+``seq_lens - K`` on the device). On CPU the kernels run under the Triton
 interpreter only; see ``gpu.attention.triton_kernels`` for how to enable it.
 """
 
@@ -67,6 +69,8 @@ class TritonAttentionBackend:
             meta.mid_lse = torch.empty(bs, self.num_heads, self.num_kv_splits,
                                        dtype=torch.float32, device=device)
         else:
+            if batch.tree_mask is not None:
+                _check_tree_mask(batch)
             meta.query_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             meta.block_req, meta.block_m = triton_kernels.extend_block_schedule(
                 batch.extend_lens, batch.num_tokens)
@@ -97,5 +101,18 @@ class TritonAttentionBackend:
             triton_kernels.extend_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.prefix_lens, batch.extend_lens,
                                             meta.query_start, meta.block_req, meta.block_m,
-                                            self.scale)
+                                            self.scale, seq_lens=batch.seq_lens,
+                                            tree_mask=batch.tree_mask)
         return out
+
+
+def _check_tree_mask(batch: ForwardBatch) -> None:
+    """Shape checks only (no host sync): [bs, Q, K] with Q <= K and bs * Q new tokens."""
+    tree_mask = batch.tree_mask
+    if tree_mask.dim() != 3 or tree_mask.shape[0] != batch.batch_size:
+        raise ValueError(f"tree_mask must be [bs={batch.batch_size}, Q, K] "
+                         f"(got {tuple(tree_mask.shape)})")
+    bs, num_q, num_k = tree_mask.shape
+    if num_q > num_k or bs * num_q != batch.num_tokens:
+        raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs Q <= K and Q new tokens "
+                         f"per request (the batch has {batch.num_tokens} for {bs} requests)")

@@ -1,0 +1,50 @@
+"""Speculative decoding settings, shared by the config, the scheduler and the worker.
+
+`reserve_tokens` is the KV room the scheduler grants each running request beyond the length it
+knows: the verify tree and the draft nodes of the step in flight plus those of the step after it
+(the one-step lag of overlap scheduling), hence 2 x max(num_steps x topk, num_draft_tokens).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SPEC_ALGORITHMS = ("none", "eagle3", "eagle")
+
+
+class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    algorithm: str = "none"  # "none" | "eagle3" | "eagle"
+    draft_model: str = ""  # HF-style head directory; "" = the shipped head for the default model
+    num_steps: int = 4  # draft depth
+    topk: int = 1  # children per draft node; 1 = a chain
+    num_draft_tokens: int = 5  # tree nodes verified per step, the root included
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "none"
+
+    @property
+    def reserve_tokens(self) -> int:
+        if not self.enabled:
+            return 0
+        return 2 * max(self.num_steps * self.topk, self.num_draft_tokens)
+
+    def validate(self) -> "SpecSettings":
+        if self.algorithm not in SPEC_ALGORITHMS:
+            raise ValueError(f"spec.algorithm '{self.algorithm}' is unknown; choose one of "
+                             f"{', '.join(SPEC_ALGORITHMS)}")
+        if not self.enabled:
+            return self
+        if self.num_steps < 1:
+            raise ValueError(f"spec.num_steps must be >= 1 (got {self.num_steps})")
+        if not 1 <= self.topk <= 8:
+            raise ValueError(f"spec.topk must be 1..8 (got {self.topk})")
+        most = self.topk + (self.num_steps - 1) * self.topk ** 2  # candidates the draft makes
+        if not 2 <= self.num_draft_tokens <= most + 1:
+            raise ValueError(f"spec.num_draft_tokens must be 2..{most + 1} for num_steps="
+                             f"{self.num_steps}, topk={self.topk} (got {self.num_draft_tokens}); "
+                             f"a chain uses num_steps + 1")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"with spec.topk = 1 (a chain) spec.num_draft_tokens must be "
+                             f"num_steps + 1 = {self.num_steps + 1} (got {self.num_draft_tokens})")
+        return self
