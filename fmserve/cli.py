@@ -7,6 +7,8 @@
     fmserve client --prompt "Hello"            ask a running service
     fmserve top                                live monitor of a running service
     fmserve bench offline                      prefill/decode tokens/s vs transformers
+    fmserve bench offline --spec chain,tree    EAGLE speculative decoding vs the plain engine
+    fmserve train-eagle                        train an EAGLE-3 draft head (self-distilled)
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-tokens-per-step", type=int, default=2048,
                    help="token budget of one forward (decodes + prefill chunk)")
+    s = p.add_argument_group("speculative decoding (EAGLE)")
+    s.add_argument("--spec-algorithm", default="none", choices=["none", "eagle3", "eagle"])
+    s.add_argument("--draft-model", default="",
+                   help="EAGLE head directory (default: the head shipped for the default model)")
+    s.add_argument("--spec-num-steps", type=int, default=4)
+    s.add_argument("--spec-topk", type=int, default=1)
+    s.add_argument("--spec-num-draft-tokens", type=int, default=5)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -88,15 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--baseline-max-batch", type=int, default=32,
                      help="largest batch to run transformers at (it is slow)")
     off.add_argument("--markdown", default=None, help="also write the table to this file")
+    from fmserve.bench_spec import add_bench_spec_args
+    add_bench_spec_args(off)
     srv = bench_sub.add_parser("serve", help="the service under load vs the offline engine")
     from fmserve.bench_serve import add_bench_serve_args
     add_bench_serve_args(srv)
+
+    from fmserve.train_eagle.cli import add_parser as add_train_eagle_parser
+    add_train_eagle_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "train-eagle":
+            return args.func(args)
         if args.command == "generate":
             from fmserve.generate_cmd import run_generate
             return run_generate(args)
@@ -112,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "serve":
             from fmserve.bench_serve import run_bench_serve
             return run_bench_serve(args)
+        if args.command == "bench" and args.bench_command == "offline" and args.spec:
+            from fmserve.bench_spec import run_bench_spec
+            return run_bench_spec(args)
         if args.command == "bench" and args.bench_command == "offline":
             from fmserve.bench_offline import run_bench_offline
             return run_bench_offline(args)

@@ -8,6 +8,7 @@ import sys
 
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -24,7 +25,9 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     return Engine(model=args.model, device=args.device, dtype=args.dtype,
                   attention_backend=args.attention_backend, page_size=args.page_size,
                   max_kv_tokens=args.max_kv_tokens, max_running_requests=args.max_running_requests,
-                  max_tokens_per_step=args.max_tokens_per_step)
+                  max_tokens_per_step=args.max_tokens_per_step,
+                  spec=SpecSettings(args.spec_algorithm, args.draft_model, args.spec_num_steps,
+                                    args.spec_topk, args.spec_num_draft_tokens))
 
 
 def _stream_one(engine: Engine, prompt, params: SamplingParams) -> str:

@@ -1,4 +1,4 @@
-"""EAGLE draft heads: one decoder layer that predicts the target's next token from its hidden states.
+"""EAGLE draft heads: one decoder layer predicting the target's next token from its hidden states.
 
 Two layouts, with the tensor names public checkpoints use so people can bring their own heads:
 
@@ -126,7 +126,8 @@ class RMSNorm(nn.Module):
 class _Attention(nn.Module):
     def __init__(self, cfg: DraftHeadConfig, in_features: int, device, dtype) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = _linear(in_features, q_size, False, device, dtype)
         self.k_proj = _linear(in_features, kv_size, False, device, dtype)

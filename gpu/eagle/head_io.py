@@ -148,7 +148,8 @@ def draft_head_config(raw: dict, target: ModelConfig, algorithm: str,
         eagle_cfg = raw.get("eagle_config") or {}
         ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids",
                             raw.get("eagle_aux_hidden_state_layer_ids"))
-        aux = default_aux_layer_ids(target.num_layers) if ids is None else tuple(int(i) for i in ids)
+        aux = default_aux_layer_ids(target.num_layers) if ids is None else \
+            tuple(int(i) for i in ids)
         source = "eagle_config.eagle_aux_hidden_state_layer_ids" if ids is not None else \
             f"the default (1, L/2-1, L-4) for L={target.num_layers} target layers"
         bad = [i for i in aux if not 0 <= i <= target.num_layers - 2]
@@ -206,7 +207,7 @@ def _expected_shapes(cfg: DraftHeadConfig, layer0_input_norm: bool) -> dict[str,
 
 
 def _vocab_maps(cfg: DraftHeadConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Fill in / check d2t and t2d (eagle3); t2d is always rebuilt from d2t, the map decoding uses."""
+    """Fill in / check d2t and t2d (eagle3). t2d is rebuilt from d2t, the map decoding uses."""
     dv, vocab = cfg.draft_vocab_size, cfg.vocab_size
     if "d2t" not in tensors:
         if dv != vocab:
@@ -233,24 +234,28 @@ def _vocab_maps(cfg: DraftHeadConfig, tensors: dict[str, torch.Tensor], where: s
     tensors["d2t"], tensors["t2d"] = d2t, t2d
 
 
+def _check_head_widths(cfg: DraftHeadConfig, tensors: dict[str, torch.Tensor],
+                       where: str) -> None:
+    """The two EAGLE-3 mismatches people actually hit, told apart before the generic checks."""
+    lm_head = tensors.get("lm_head.weight")
+    if lm_head is not None and lm_head.dim() == 2 and lm_head.shape[0] != cfg.draft_vocab_size:
+        raise DraftHeadError(f"{where}: 'lm_head.weight' has {lm_head.shape[0]} rows but "
+                             f"config.json says draft_vocab_size {cfg.draft_vocab_size}; set "
+                             f"draft_vocab_size to the lm_head's rows, or use matching files")
+    fc = tensors.get("fc.weight")
+    if fc is not None and fc.dim() == 2 and fc.shape[1] != cfg.input_hidden_size \
+            and fc.shape[1] % cfg.hidden_size == 0:
+        raise DraftHeadError(f"{where}: 'fc.weight' reads {fc.shape[1] // cfg.hidden_size} "
+                             f"concatenated hidden states but the aux layer ids "
+                             f"{list(cfg.aux_layer_ids)} give {len(cfg.aux_layer_ids)}; set "
+                             f"eagle_config.eagle_aux_hidden_state_layer_ids in config.json")
+
+
 def _check_tensors(cfg: DraftHeadConfig, tensors: dict[str, torch.Tensor], own_embed: bool,
                    layer0_input_norm: bool, where: str) -> None:
     expected = _expected_shapes(cfg, layer0_input_norm)
     if own_embed:
         expected["embed_tokens.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    if cfg.algorithm == "eagle3":
-        lm_head = tensors.get("lm_head.weight")
-        if lm_head is not None and lm_head.dim() == 2 and lm_head.shape[0] != cfg.draft_vocab_size:
-            raise DraftHeadError(f"{where}: 'lm_head.weight' has {lm_head.shape[0]} rows but "
-                                 f"config.json says draft_vocab_size {cfg.draft_vocab_size}; set "
-                                 f"draft_vocab_size to the lm_head's rows, or use matching files")
-        fc = tensors.get("fc.weight")
-        if fc is not None and fc.dim() == 2 and fc.shape[1] != cfg.input_hidden_size \
-                and fc.shape[1] % cfg.hidden_size == 0:
-            raise DraftHeadError(f"{where}: 'fc.weight' reads {fc.shape[1] // cfg.hidden_size} "
-                                 f"concatenated hidden states but the aux layer ids "
-                                 f"{list(cfg.aux_layer_ids)} give {len(cfg.aux_layer_ids)}; set "
-                                 f"eagle_config.eagle_aux_hidden_state_layer_ids in config.json")
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise DraftHeadError(f"{where}: the {cfg.algorithm} head lacks the tensor(s) "
@@ -291,6 +296,7 @@ def load_draft_head(path: str | Path, target: ModelConfig, target_embed: torch.T
     own_embed = "embed_tokens.weight" in tensors
     layer0_input_norm = algorithm == "eagle" and "layers.0.input_layernorm.weight" in tensors
     if algorithm == "eagle3":
+        _check_head_widths(cfg, tensors, where)
         _vocab_maps(cfg, tensors, where)
     _check_tensors(cfg, tensors, own_embed, layer0_input_norm, where)
     embed = target_embed.to(device=device, dtype=dtype) if target_embed is not None else None
@@ -303,7 +309,7 @@ def load_draft_head(path: str | Path, target: ModelConfig, target_embed: torch.T
 
 
 def save_draft_head(head: DraftHead, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
-    """Write config.json and model.safetensors (floating tensors in ``dtype``), public names only."""
+    """Write config.json and model.safetensors (floats in ``dtype``), public tensor names only."""
     from safetensors.torch import save_file
 
     cfg = head.config

@@ -68,6 +68,9 @@ class EagleWorker:
         model = runner.model
         lm_head = model.embed_tokens if mc.tie_word_embeddings else getattr(
             model.lm_head, "weight", None)
+        if lm_head is None and settings.algorithm == "eagle":
+            raise ValueError("an EAGLE-1 head scores with the target's lm_head, which this "
+                             "runner keeps only in compressed form: use weight_quant = none")
         self.head: DraftHead = load_draft_head(settings.draft_model, mc, model.embed_tokens,
                                                lm_head, runner.device, runner.dtype)
         self.head.eval()

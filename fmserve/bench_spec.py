@@ -1,0 +1,158 @@
+"""`fmserve bench offline --spec chain,tree`: EAGLE speculative decoding against the plain
+engine, in the same run, on the dev prompts (chat template, greedy, natural stops).
+
+For each batch size the same prompts run through the non-speculative engine and through each
+speculative setting; reported are decode tokens/s (output tokens after every request of a
+group has its first token, over the time since), the ratio to the plain engine, the mean
+accept length (tokens per verify step: accepted drafts + the bonus token) and the acceptance
+rate per draft position. Greedy outputs are also compared token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fmserve.engine import Engine
+from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
+
+DEV_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "dev.jsonl"
+
+
+@dataclass
+class SpecRun:
+    name: str
+    batch: int
+    decode_tps: float
+    output_tokens: int
+    verify_steps: int = 0
+    accepted: int = 0
+    per_position: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> float | None:
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None
+
+
+def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (with --spec)")
+    g.add_argument("--spec", default=None,
+                   help="compare speculative settings against the plain engine: chain, tree or "
+                        "chain,tree (runs on the dev prompts instead of the throughput sweep)")
+    g.add_argument("--spec-algorithm", default="eagle3", choices=["eagle3", "eagle"])
+    g.add_argument("--draft-model", default="", help="EAGLE head directory (default: the "
+                                                     "shipped head of the default model)")
+    g.add_argument("--spec-num-steps", type=int, default=4)
+    g.add_argument("--tree-topk", type=int, default=4)
+    g.add_argument("--tree-draft-tokens", type=int, default=8)
+    g.add_argument("--num-prompts", type=int, default=16, help="dev prompts per batch size")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--prompts", default=str(DEV_PROMPTS), help="JSONL with a 'prompt' field")
+
+
+def spec_settings_for(name: str, args: argparse.Namespace) -> SpecSettings:
+    steps = args.spec_num_steps
+    if name == "chain":
+        return SpecSettings(args.spec_algorithm, args.draft_model, steps, 1, steps + 1)
+    if name == "tree":
+        return SpecSettings(args.spec_algorithm, args.draft_model, steps, args.tree_topk,
+                            args.tree_draft_tokens)
+    raise ValueError(f"--spec {name!r}: choose chain, tree or chain,tree")
+
+
+def load_chats(path: str, n: int) -> list[list[dict]]:
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return [[{"role": "user", "content": rows[i % len(rows)]["prompt"]}] for i in range(n)]
+
+
+def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) -> SpecRun:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    engine.generate([chats[0]], SamplingParams(max_new_tokens=4))  # warm-up
+    run = SpecRun(name, batch, 0.0, 0)
+    decode_time, decode_tokens = 0.0, 0
+    positions: list[int] = []
+    for g in range(0, len(chats), batch):
+        group = chats[g:g + batch]
+        submitted = engine.submit(group, params)
+        tokens = {rid: [] for rid, _ in submitted}
+        start_decode = None
+        for out in engine.run():
+            tokens[out.rid] += out.token_ids
+            if start_decode is None and all(tokens.values()):
+                start_decode = time.perf_counter()
+            if out.finished:
+                run.verify_steps += out.spec_verify_steps
+                run.accepted += out.spec_accepted_drafts
+        decode_time += time.perf_counter() - start_decode
+        produced = sum(len(t) for t in tokens.values())
+        decode_tokens += produced - len(group)
+        run.output_tokens += produced
+        run.outputs += [tokens[rid] for rid, _ in submitted]
+    eagle = engine.runner.eagle
+    if eagle is not None and eagle.num_verify_rows:
+        run.per_position = (eagle.accepted_per_position / eagle.num_verify_rows).tolist()
+    run.decode_tps = decode_tokens / max(decode_time, 1e-9)
+    return run
+
+
+def run_bench_spec(args: argparse.Namespace) -> int:
+    console = Console()
+    names = [n.strip() for n in args.spec.split(",") if n.strip()]
+    settings = {n: spec_settings_for(n, args).validate() for n in names}
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    chats = load_chats(args.prompts, args.num_prompts)
+    runs: list[SpecRun] = []
+    common = dict(model=args.model, device=args.device, dtype="fp32",
+                  attention_backend=args.attention_backend, progress=False,
+                  max_running_requests=max(batches))
+    with Progress(console=console) as progress:
+        task = progress.add_task("spec benchmark", total=(1 + len(names)) * len(batches))
+        for name, spec in [("plain", None)] + list(settings.items()):
+            engine = Engine(**common, spec=spec)
+            for b in batches:
+                progress.update(task, description=f"{name} batch {b}")
+                runs.append(measure(engine, name, chats, b, args.max_new_tokens))
+                progress.advance(task)
+            del engine
+    lines = render(runs, args, settings, console)
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def render(runs: list[SpecRun], args, settings: dict, console: Console) -> list[str]:
+    plain = {r.batch: r for r in runs if r.name == "plain"}
+    title = (f"speculative decoding on {args.num_prompts} dev prompts, greedy, up to "
+             f"{args.max_new_tokens} new tokens, threads {torch.get_num_threads()}; "
+             + "; ".join(f"{n}: steps {s.num_steps} topk {s.topk} tokens {s.num_draft_tokens}"
+                         for n, s in settings.items()))
+    header = ["setting", "batch", "decode tok/s", "vs plain", "mean accept length",
+              "acceptance per position", "same output as plain"]
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h, justify="right")
+    lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in runs:
+        base = plain[r.batch]
+        same = sum(a == b for a, b in zip(r.outputs, base.outputs))
+        row = [r.name, str(r.batch), f"{r.decode_tps:.1f}", f"{r.decode_tps / base.decode_tps:.2f}x",
+               "-" if r.accept_length is None else f"{r.accept_length:.2f}",
+               " ".join(f"{p:.2f}" for p in r.per_position) or "-",
+               f"{same}/{len(base.outputs)}"]
+        table.add_row(*row)
+        lines.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    return lines

@@ -1,0 +1,168 @@
+"""`fmserve train-eagle`: make data, train an EAGLE-3 head, measure its accept length.
+
+    fmserve train-eagle                               all stages, the default model
+    fmserve train-eagle --stage data --num-prompts 800
+    fmserve train-eagle --stage train --resume        continue from the latest checkpoint
+    fmserve train-eagle --stage eval --out heads/x    accept length on held-out prompts
+
+Every stage is resumable: data shards and checkpoints on disk are never redone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_TRAIN_PROMPTS = "/work/shared/data/prompts/train.jsonl"
+DEFAULT_EVAL_PROMPTS = "/work/shared/data/prompts/dev.jsonl"
+STAGES = ("data", "train", "eval", "all")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="a .gguf file, a Hugging Face model directory, or 'default'")
+    p.add_argument("--stage", default="all", choices=STAGES)
+    p.add_argument("--work-dir", default=None,
+                   help="data shards and checkpoints "
+                        "(default ~/.cache/fmserve/train-eagle/<model>)")
+    p.add_argument("--out", default=None,
+                   help="where the trained head goes (default ./heads/<model>-eagle3)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: all cores); fewer are used while other processes "
+                        "keep cores busy, unless --fixed-threads")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="keep --threads even when other processes keep cores busy")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--seed", type=int, default=0)
+
+    d = p.add_argument_group("data")
+    d.add_argument("--prompts", default=DEFAULT_TRAIN_PROMPTS, help="JSONL rows with \"prompt\"")
+    d.add_argument("--num-prompts", type=int, default=2000)
+    d.add_argument("--max-prompt-tokens", type=int, default=384,
+                   help="prompts longer than this (chat template included) are skipped")
+    d.add_argument("--max-new-tokens", type=int, default=192)
+    d.add_argument("--sampled-fraction", type=float, default=0.25,
+                   help="share of responses sampled at temperature 0.7-1.0 (the rest greedy)")
+    d.add_argument("--shard-size", type=int, default=200, help="sequences per data shard")
+    d.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="the target's dtype while making data (as when serving)")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll depth")
+    t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warmup (default: 5%% of the steps, at most 50)")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="the cosine decays to lr * this")
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--grad-clip", type=float, default=0.5)
+    t.add_argument("--epochs", type=float, default=2.0)
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="fit the run (its LR schedule included) to this much wall time: the "
+                        "speed of the first steps sets the number of steps")
+    t.add_argument("--max-batch-tokens", type=int, default=2048,
+                   help="padded tokens per batch (sequences of similar length batched)")
+    t.add_argument("--max-train-sequences", type=int, default=None,
+                   help="train on the first N captured sequences only")
+    t.add_argument("--prompt-loss-weight", type=float, default=0.0,
+                   help="also train draft chains rooted in the prompt, their loss weighted by "
+                        "this (0: response only, as SpecForge; more data when data is scarce)")
+    t.add_argument("--no-vocab-prior", action="store_true",
+                   help="pick the draft vocabulary from response counts alone (default: also "
+                        "count the tokens of --prompts' prompts and references)")
+    t.add_argument("--val-sequences", type=int, default=64,
+                   help="hold out the last N captured sequences; at each checkpoint the head "
+                        "ships only if their estimated accept length is the best so far")
+    t.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
+    t.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
+    t.add_argument("--keep-checkpoints", type=int, default=2)
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --work-dir")
+    t.add_argument("--ship-dtype", default="fp16", choices=["fp16", "bf16", "fp32"],
+                   help="weight dtype of the written head")
+
+    e = p.add_argument_group("evaluation")
+    e.add_argument("--eval-prompts", default=DEFAULT_EVAL_PROMPTS,
+                   help="held-out JSONL prompts (never trained on)")
+    e.add_argument("--eval-num-prompts", type=int, default=64)
+    e.add_argument("--eval-max-new-tokens", type=int, default=128)
+    e.add_argument("--eval-mode", default="spec", choices=["spec", "estimate", "both"],
+                   help="spec: the Engine's real speculative path; estimate: a teacher-forced "
+                        "offline estimate (no speculative runtime needed)")
+    e.add_argument("--num-steps", type=int, default=4, help="draft chain length at eval")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train-eagle", help="train an EAGLE-3 draft head for a model (self-distilled, resumable)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def model_slug(model_path: Path) -> str:
+    name = model_path.name
+    for suffix in (".gguf",):
+        if name.lower().endswith(suffix):
+            name = name[: -len(suffix)]
+    return name.lower()
+
+
+def run(args: argparse.Namespace) -> int:
+    from fmserve.default_model import resolve_model_path
+    from fmserve.train_eagle.data import log
+    from fmserve.train_eagle.threads import ThreadGovernor
+
+    governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads)
+    model_path = resolve_model_path(args.model, progress=not args.no_progress)
+    default = args.model in (None, "", "default")
+    slug = "smollm2-135m-instruct" if default else model_slug(model_path)
+    work_dir = Path(args.work_dir or Path.home() / ".cache" / "fmserve" / "train-eagle" / slug)
+    work_dir = work_dir.expanduser()
+    out = Path(args.out or Path("heads") / f"{slug}-eagle3").expanduser()
+    log(f"train-eagle: model {model_path}, work dir {work_dir}, head -> {out}, "
+        f"{governor.current} threads")
+    stages = ("data", "train", "eval") if args.stage == "all" else (args.stage,)
+    if "data" in stages:
+        make_data(args, model_path, slug, work_dir / "data", governor)
+    if "train" in stages:
+        from fmserve.train_eagle.trainer import TrainConfig, train
+        train(TrainConfig.from_args(args, work_dir, out), model_path, governor,
+              progress=not args.no_progress)
+    if "eval" in stages:
+        from fmserve.train_eagle.evaluate import evaluate_from_args
+        evaluate_from_args(args, model_path, out, work_dir / "eval-data", governor)
+    return 0
+
+
+def make_data(args, model_path: Path, slug: str, data_dir: Path, governor) -> None:
+    from fmserve.engine import Engine
+    from fmserve.train_eagle.data import DataConfig, build_dataset
+    from gpu.eagle.draft_head import default_aux_layer_ids
+
+    engine = Engine(str(model_path), dtype=args.dtype, progress=not args.no_progress)
+    mc = engine.runner.model_config
+    capture_layers = tuple(i + 1 for i in default_aux_layer_ids(mc.num_layers))
+    cfg = DataConfig(prompts=args.prompts, num_prompts=args.num_prompts,
+                     max_prompt_tokens=args.max_prompt_tokens,
+                     max_new_tokens=args.max_new_tokens,
+                     sampled_fraction=args.sampled_fraction, shard_size=args.shard_size,
+                     seed=args.seed)
+    build_dataset(engine, cfg, data_dir, capture_layers, slug, progress=not args.no_progress,
+                  governor=governor)
+    del engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fmserve train-eagle", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Self-distilled training data for an EAGLE-3 head, in resumable fp16 shards.
+
+1. Prompts come from a JSONL file (rows {"prompt": ...}), shuffled by a seed, rendered with the
+   chat template; prompts longer than ``max_prompt_tokens`` are skipped (cutting a chat prompt
+   would cut its template).
+2. The target answers them with fmserve's own offline Engine, batched: greedy for most, seeded
+   sampling (temperature 0.7-1.0) for a ``sampled_fraction`` of them, so the head also sees
+   text off the greedy path.
+3. A teacher-forced prefill of prompt + response captures, per position, the input residual of
+   the head's capture layers (concatenated: the head's first-step input), the target's
+   final-normed hidden state (target logits over the draft vocabulary are computed from it at
+   train time) and the target's argmax over the full vocabulary (for accuracy).
+
+Shard ``i`` holds the sequences of selected prompts ``[i * shard_size, (i + 1) * shard_size)``
+as one safetensors file of concatenated rows plus offsets. A shard on disk is never redone, and
+the prompt order does not depend on ``num_prompts``, so a larger count later only adds shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompts: str
+    num_prompts: int = 2000
+    max_prompt_tokens: int = 384
+    max_new_tokens: int = 192
+    sampled_fraction: float = 0.25
+    shard_size: int = 200
+    seed: int = 0
+
+    def selection_key(self) -> dict:
+        """What fixes the contents of shard i (everything but how many prompts are wanted)."""
+        key = asdict(self)
+        key.pop("num_prompts")
+        key["prompts"] = str(Path(self.prompts).expanduser().resolve())
+        return key
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    index: int  # position in the selection: fixes the shard and the sampling seed
+    prompt_ids: list[int]
+
+
+@dataclass
+class CapturedData:
+    """Every captured sequence, rows of all shards concatenated per shard.
+
+    Sequence j lives in shard ``shard[j]`` at rows ``start[j]:end[j]``; its response starts
+    ``prompt_len[j]`` rows in.
+    """
+
+    shards: list[dict[str, torch.Tensor]]
+    shard: list[int]
+    start: list[int]
+    end: list[int]
+    prompt_len: list[int]
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def length(self, j: int) -> int:
+        return self.end[j] - self.start[j]
+
+    def rows(self, j: int, key: str) -> torch.Tensor:
+        return self.shards[self.shard[j]][key][self.start[j]:self.end[j]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e - s for s, e in zip(self.start, self.end))
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(e - s - p for s, e, p in zip(self.start, self.end, self.prompt_len))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The "prompt" field of every JSONL row (plain strings per line are accepted too)."""
+    out = []
+    with open(Path(path).expanduser(), encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            row = json.loads(line)
+            prompt = row.get("prompt") if isinstance(row, dict) else row
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{path}:{n}: no \"prompt\" string in this row")
+            out.append(prompt)
+    return out
+
+
+def select_prompts(prompts: list[str], tokenizer, num: int, max_prompt_tokens: int,
+                   seed: int, shuffle: bool = True) -> list[PromptItem]:
+    """The first ``num`` prompts (in a seeded shuffle) whose chat rendering fits."""
+    order = list(range(len(prompts)))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    items: list[PromptItem] = []
+    for i in order:
+        if len(items) >= num:
+            break
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompts[i]}],
+                                    add_generation_prompt=True)
+        if len(ids) <= max_prompt_tokens:
+            items.append(PromptItem(len(items), ids))
+    return items
+
+
+def sampling_for(item: PromptItem, cfg: DataConfig):
+    """Greedy, or (for about ``sampled_fraction`` of prompts) seeded sampling at 0.7-1.0."""
+    from ipc.sampling import SamplingParams
+
+    rng = random.Random(f"{cfg.seed}:{item.index}")
+    if rng.random() < cfg.sampled_fraction:
+        return SamplingParams(temperature=round(rng.uniform(0.7, 1.0), 3),
+                              seed=rng.getrandbits(62), max_new_tokens=cfg.max_new_tokens)
+    return SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens)
+
+
+@torch.inference_mode()
+def capture_sequence(runner, token_ids: list[int], capture_layers: tuple[int, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(aux hidden [n, k*H] fp16, final-normed hidden [n, H] fp16, target argmax [n] int32)."""
+    final, captured = runner.capture_hidden_states(token_ids, tuple(capture_layers))
+    aux = torch.cat(captured, dim=-1)
+    argmax = runner.model.logits(final).argmax(-1).to(torch.int32)
+    aux16, final16 = aux.to("cpu", torch.float16), final.to("cpu", torch.float16)
+    if not (torch.isfinite(aux16).all() and torch.isfinite(final16).all()):
+        raise ValueError("captured hidden states overflow fp16; this model needs bf16 shards")
+    return aux16, final16, argmax.cpu()
+
+
+def generate_responses(engine, items: list[PromptItem], params: list, governor=None,
+                       check_every: int = 2000) -> list[list[int]]:
+    """One batched Engine run; re-checks the thread count every ``check_every`` tokens."""
+    submitted = engine.submit([it.prompt_ids for it in items], params)
+    out: dict[str, list[int]] = {rid: [] for rid, _ in submitted}
+    for n, o in enumerate(engine.run(), 1):
+        out[o.rid] += o.token_ids
+        if governor is not None and n % check_every == 0:
+            governor.update()
+    return [out[rid] for rid, _ in submitted]
+
+
+def generate_shard(engine, items: list[PromptItem], cfg: DataConfig,
+                   capture_layers: tuple[int, ...], governor=None) -> dict[str, torch.Tensor]:
+    """Responses for ``items`` (one batched Engine run), then one capture per sequence."""
+    params = [sampling_for(it, cfg) for it in items]
+    responses = generate_responses(engine, items, params, governor)
+    ids, aux, final, argmax, offsets, prompt_lens, sampled = [], [], [], [], [0], [], []
+    for n, (it, resp, p) in enumerate(zip(items, responses, params)):
+        if governor is not None and n % 20 == 0:
+            governor.update()
+        seq = list(it.prompt_ids) + list(resp)
+        if len(resp) < 2:  # nothing to draft
+            continue
+        a, f, m = capture_sequence(engine.runner, seq, capture_layers)
+        ids.append(torch.tensor(seq, dtype=torch.int32))
+        aux.append(a)
+        final.append(f)
+        argmax.append(m)
+        offsets.append(offsets[-1] + len(seq))
+        prompt_lens.append(len(it.prompt_ids))
+        sampled.append(int(not p.greedy))
+    return {
+        "input_ids": torch.cat(ids), "aux_hidden": torch.cat(aux),
+        "final_hidden": torch.cat(final), "target_argmax": torch.cat(argmax),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),
+        "sampled": torch.tensor(sampled, dtype=torch.int8),
+    }
+
+
+def shard_path(work_dir: Path, i: int) -> Path:
+    return work_dir / f"shard-{i:05d}.safetensors"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _check_manifest(work_dir: Path, header: dict) -> None:
+    path = work_dir / MANIFEST
+    if not path.exists():
+        return
+    old = json.loads(path.read_text(encoding="utf-8"))
+    for key in ("format", "model", "capture_layers", "selection"):
+        if old.get(key) != header[key]:
+            raise SystemExit(f"train-eagle: {work_dir} holds data made with another {key} "
+                             f"({old.get(key)!r}, now {header[key]!r}); give another "
+                             f"--work-dir or delete that one")
+
+
+def build_dataset(engine, cfg: DataConfig, work_dir: str | Path, capture_layers: tuple[int, ...],
+                  model_name: str, progress: bool = True, governor=None) -> Path:
+    """Make every shard that is not on disk yet; returns the manifest's path."""
+    from tqdm import tqdm
+
+    work_dir = Path(work_dir).expanduser()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    header = {"format": FORMAT_VERSION, "model": model_name,
+              "capture_layers": list(capture_layers), "selection": cfg.selection_key()}
+    _check_manifest(work_dir, header)
+    items = select_prompts(read_prompts(cfg.prompts), engine.tokenizer, cfg.num_prompts,
+                           cfg.max_prompt_tokens, cfg.seed)
+    if len(items) < cfg.num_prompts:
+        log(f"only {len(items)} prompts of {cfg.prompts} fit {cfg.max_prompt_tokens} tokens "
+            f"(asked for {cfg.num_prompts})")
+    chunks = [items[i:i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
+    todo = [i for i, chunk in enumerate(chunks) if not _shard_done(work_dir, i, len(chunk))]
+    log(f"data: {len(items)} prompts in {len(chunks)} shards, {len(chunks) - len(todo)} already "
+        f"on disk in {work_dir}")
+    bar = tqdm(total=len(items), initial=sum(len(c) for i, c in enumerate(chunks) if i not in todo),
+               desc="data", unit="seq", disable=not progress or not sys.stderr.isatty(),
+               dynamic_ncols=True)  # in a log file the per-shard lines say the same
+    for i in todo:
+        t0 = time.perf_counter()
+        shard = generate_shard(engine, chunks[i], cfg, capture_layers, governor)
+        tmp = shard_path(work_dir, i).with_suffix(".tmp")
+        from safetensors.torch import save_file
+        save_file(shard, str(tmp), metadata={"num_prompts": str(len(chunks[i])),
+                                             "first_index": str(chunks[i][0].index)})
+        os.replace(tmp, shard_path(work_dir, i))
+        dt = time.perf_counter() - t0
+        n_seq = int(shard["prompt_lens"].numel())
+        n_resp = int(shard["input_ids"].numel() - shard["prompt_lens"].sum())
+        bar.update(len(chunks[i]))
+        log(f"shard {i}: {n_seq} sequences, {int(shard['input_ids'].numel())} tokens "
+            f"({n_resp} response) in {dt:.0f} s: {n_seq / dt:.2f} seq/s, "
+            f"{n_resp / dt:.0f} response tok/s"
+            + (f", {governor.current} threads" if governor is not None else ""))
+        _write_manifest(work_dir, header, chunks)
+    bar.close()
+    _write_manifest(work_dir, header, chunks)
+    return work_dir / MANIFEST
+
+
+def _shard_done(work_dir: Path, i: int, num_prompts: int) -> bool:
+    path = shard_path(work_dir, i)
+    if not path.exists():
+        return False
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            return int((f.metadata() or {}).get("num_prompts", -1)) == num_prompts
+    except Exception:
+        return False
+
+
+def _write_manifest(work_dir: Path, header: dict, chunks: list) -> None:
+    shards = [{"file": shard_path(work_dir, i).name, "num_prompts": len(c)}
+              for i, c in enumerate(chunks) if _shard_done(work_dir, i, len(c))]
+    _write_json(work_dir / MANIFEST, {**header, "shards": shards,
+                                      "complete": len(shards) == len(chunks)})
+
+
+def load_dataset(work_dir: str | Path, max_sequences: int | None = None) -> CapturedData:
+    """Every shard listed in the manifest (the complete ones), in memory."""
+    from safetensors.torch import load_file
+
+    work_dir = Path(work_dir).expanduser()
+    path = work_dir / MANIFEST
+    if not path.exists():
+        raise SystemExit(f"train-eagle: no training data in {work_dir} (no {MANIFEST}); run "
+                         f"the data stage first (--stage data)")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    data = CapturedData([], [], [], [], [])
+    for entry in manifest["shards"]:
+        if max_sequences is not None and len(data) >= max_sequences:
+            break
+        shard = load_file(str(work_dir / entry["file"]))
+        k = len(data.shards)
+        data.shards.append(shard)
+        offsets = shard["offsets"].tolist()
+        for j, p in enumerate(shard["prompt_lens"].tolist()):
+            if max_sequences is not None and len(data) >= max_sequences:
+                break
+            data.shard.append(k)
+            data.start.append(offsets[j])
+            data.end.append(offsets[j + 1])
+            data.prompt_len.append(p)
+    if not len(data):
+        raise SystemExit(f"train-eagle: {work_dir} has no complete shard yet")
+    return data
+
+
+def response_token_counts(data: CapturedData, vocab_size: int) -> torch.Tensor:
+    """How often each target id occurs in the responses (for the draft vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for j in range(len(data)):
+        ids = data.rows(j, "input_ids")[data.prompt_len[j]:].long()
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts

@@ -1,0 +1,429 @@
+"""The training loop: batches, AdamW with warmup + cosine, checkpoints, --resume, the shipped head.
+
+The head starts from ``random_draft_head`` (HF init) with the draft vocabulary of the responses'
+most frequent tokens.
+
+Every ``save_every`` steps a checkpoint (head, optimizer, scheduler, step, data position, RNG)
+goes to ``<work-dir>/checkpoints`` (the last few kept) and the head in its shipping form (HF-style
+directory, fp16 by default) to ``--out``, so a run cut short still leaves a usable head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from fmserve.train_eagle.data import CapturedData, load_dataset, log, response_token_counts
+from fmserve.train_eagle.ttt import collate, expected_accept_length, ttt_forward
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclass
+class TrainConfig:
+    data_dir: str
+    ckpt_dir: str
+    out: str
+    ttt_steps: int = 4
+    draft_vocab_size: int = 8192
+    lr: float = 1e-3
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    epochs: float = 2.0
+    max_steps: int | None = None
+    max_minutes: float | None = None  # fit the schedule to this much wall time (from here)
+    max_batch_tokens: int = 2048
+    max_train_sequences: int | None = None
+    val_sequences: int = 0  # held out (the last N captured) to pick the head that ships
+    save_every: int = 50
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    resume: bool = False
+    ship_dtype: str = "fp16"
+    seed: int = 0
+    decay: float = 0.8
+    prompt_loss_weight: float = 0.0  # > 0: also train chains rooted in the prompt
+    vocab_prior: str | None = None  # JSONL whose prompts/references refine the draft vocabulary
+
+    @classmethod
+    def from_args(cls, args, work_dir: Path, out: Path) -> "TrainConfig":
+        return cls(data_dir=str(work_dir / "data"), ckpt_dir=str(work_dir / CHECKPOINT_DIR),
+                   out=str(out), ttt_steps=args.ttt_steps,
+                   draft_vocab_size=args.draft_vocab_size, lr=args.lr,
+                   warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+                   weight_decay=args.weight_decay, grad_clip=args.grad_clip, epochs=args.epochs,
+                   max_steps=args.max_steps, max_minutes=args.max_minutes,
+                   max_batch_tokens=args.max_batch_tokens,
+                   max_train_sequences=args.max_train_sequences,
+                   val_sequences=args.val_sequences, save_every=args.save_every,
+                   log_every=args.log_every, keep_checkpoints=args.keep_checkpoints,
+                   resume=args.resume, ship_dtype=args.ship_dtype, seed=args.seed,
+                   prompt_loss_weight=args.prompt_loss_weight,
+                   vocab_prior=None if args.no_vocab_prior else args.prompts)
+
+
+# -- batches and schedule -----------------------------------------------------------------------
+
+def epoch_batches(lengths: list[int], max_batch_tokens: int, seed: int, epoch: int
+                  ) -> list[list[int]]:
+    """Sequences of similar length together (B * longest <= max_batch_tokens), in an order fixed
+    by (seed, epoch) so a resumed run sees the same batches."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    window = 512
+    for w in range(0, len(order), window):
+        cur: list[int] = []
+        longest = 0
+        for j in sorted(order[w:w + window], key=lambda j: lengths[j]):
+            if cur and max(longest, lengths[j]) * (len(cur) + 1) > max_batch_tokens:
+                batches.append(cur)
+                cur, longest = [], 0
+            cur.append(j)
+            longest = max(longest, lengths[j])
+        if cur:
+            batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+@dataclass
+class Schedule:
+    """Linear warmup, then cosine decay to min_ratio at total_steps. Mutable: a time budget
+    sets total_steps once the speed is known."""
+
+    total_steps: int
+    warmup: int
+    min_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        t = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def default_warmup(total_steps: int) -> int:
+    return min(50, max(1, total_steps // 20))
+
+
+CALIBRATION_STEPS = 8  # steps timed before a --max-minutes budget fixes the schedule
+
+
+# -- the head -----------------------------------------------------------------------------------
+
+def build_head(model_cfg, embed: torch.Tensor, final_norm: torch.Tensor,
+               token_counts: torch.Tensor, draft_vocab_size: int, seed: int,
+               init_lm_head_from_target: bool = False):
+    """A fresh head (HF-style random init, as SpecForge starts) with the draft vocabulary of the
+    most frequent response tokens. ``init_lm_head_from_target`` starts lm_head and the final
+    norm from the target's instead: measured worse here (the random first steps make the
+    borrowed logits wildly overconfident, loss ~70 against ~27 from random)."""
+    from gpu.eagle.head_io import build_vocab_map, random_draft_head
+
+    dv = min(draft_vocab_size, model_cfg.vocab_size)
+    head = random_draft_head(model_cfg, embed, None, algorithm="eagle3", draft_vocab_size=dv,
+                             seed=seed, dtype=torch.float32)
+    d2t, t2d = build_vocab_map(token_counts, dv)
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        if init_lm_head_from_target:
+            head.lm_head.weight.copy_(embed[torch.arange(dv) + d2t])
+            head.norm.weight.copy_(final_norm)
+    return head
+
+
+def vocab_counts_with_prior(response_counts: torch.Tensor, prior_file: str,
+                            model_path: Path) -> torch.Tensor:
+    """Response counts (weighted 10x) plus token counts of the prompts and references of a JSONL
+    file: a steadier frequency estimate than a few hundred responses give (+1.5 points of
+    held-out coverage at 8192 measured). Ties still go to the lower (more common BPE) id."""
+    from service.tokenizer import TextTokenizer
+
+    texts = []
+    with open(Path(prior_file).expanduser(), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                if isinstance(row, dict):
+                    texts += [str(row.get("prompt") or ""), str(row.get("reference") or "")]
+    tok = TextTokenizer.from_model_path(model_path)
+    vocab = response_counts.shape[0]
+    prior = torch.zeros(vocab, dtype=torch.int64)
+    for i in range(0, len(texts), 1024):
+        for ids in (tok.encode(t) for t in texts[i:i + 1024] if t):
+            if ids:
+                prior += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab)
+    scale = max(1, int(prior.sum()) // max(1, int(response_counts.sum())))
+    return 10 * scale * response_counts + prior
+
+
+def draft_embed(head, embed: torch.Tensor) -> torch.Tensor:
+    """The target's lm_head rows (tied: the embedding) of the draft vocabulary."""
+    dv = head.config.draft_vocab_size
+    return embed[torch.arange(dv) + head.d2t.cpu()].contiguous()
+
+
+def ship_head(head, out: Path, dtype: torch.dtype, record: dict) -> None:
+    """Write the head (config.json + model.safetensors) file by file atomically, plus a record."""
+    from gpu.eagle.head_io import save_draft_head
+
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_draft_head(head, tmp, dtype=dtype)
+    (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "config.json", "training.json"):
+        os.chmod(tmp / name, 0o644)
+        os.replace(tmp / name, out / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    found = sorted(ckpt_dir.glob("step-*.pt"))
+    return found[-1] if found else None
+
+
+def save_checkpoint(ckpt_dir: Path, state: dict, keep: int) -> Path:
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"step-{state['step']:07d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    for old in sorted(ckpt_dir.glob("step-*.pt"))[:-max(1, keep)]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+def load_target(model_path: Path):
+    """The target's config, embedding (= lm_head, tied) and final norm, fp32."""
+    from gpu.loader.load import load_model
+
+    loaded = load_model(model_path, dtype=torch.float32, progress=False)
+    w = loaded.weights
+    if not loaded.config.tie_word_embeddings and "lm_head" in w:
+        lm_head = w["lm_head"]
+    else:
+        lm_head = w["embed_tokens"]
+    return loaded.config, w["embed_tokens"], lm_head, w["final_norm"]
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    history: list[tuple[int, float, list[float]]]  # (step, loss, per-step accuracy) per step
+
+
+def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = True,
+          data: CapturedData | None = None, target=None) -> TrainResult:
+    """Train (or resume) and write the head to cfg.out. ``target``: load_target's result, when
+    the caller has it already."""
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    ckpt_dir = Path(cfg.ckpt_dir).expanduser()
+    out = Path(cfg.out).expanduser()
+    resume_from = latest_checkpoint(ckpt_dir) if ckpt_dir.exists() else None
+    if resume_from is not None and not cfg.resume:
+        raise SystemExit(f"train-eagle: {ckpt_dir} already holds checkpoints; pass --resume to "
+                         f"continue from {resume_from.name}, or delete them to start over")
+
+    model_cfg, embed, lm_head, final_norm = target if target is not None else \
+        load_target(model_path)
+    if lm_head is not embed:
+        raise SystemExit("train-eagle: only targets with tied embeddings are supported for now")
+    if data is None:
+        data = load_dataset(cfg.data_dir, cfg.max_train_sequences)
+    response_counts = counts = response_token_counts(data, model_cfg.vocab_size)
+    if cfg.vocab_prior:
+        counts = vocab_counts_with_prior(counts, cfg.vocab_prior, model_path)
+    head = build_head(model_cfg, embed, final_norm, counts, cfg.draft_vocab_size, cfg.seed)
+    coverage = float(response_counts[head.t2d].sum() / response_counts.sum().clamp(min=1))
+    n_val = min(cfg.val_sequences, len(data) // 5)
+    train_ids = list(range(len(data) - n_val))
+    val_ids = list(range(len(data) - n_val, len(data)))
+    lengths = [data.length(j) for j in train_ids]
+    per_epoch = len(epoch_batches(lengths, cfg.max_batch_tokens, cfg.seed, 0))
+    total_steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    schedule = Schedule(total_steps, cfg.warmup_steps if cfg.warmup_steps is not None
+                        else default_warmup(total_steps), cfg.min_lr_ratio)
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    fresh_warmup = schedule.warmup
+    step, epoch, pos_in_epoch = 0, 0, 0
+    best = {"accept": -1.0, "step": 0, "acc": []}  # the validation score of the shipped head
+    if resume_from is not None:
+        state = torch.load(resume_from, map_location="cpu", weights_only=False)
+        for key in ("ttt_steps", "draft_vocab_size"):
+            if state["config"][key] != getattr(cfg, key):
+                raise SystemExit(f"train-eagle: {resume_from.name} was trained with {key}="
+                                 f"{state['config'][key]}, now {getattr(cfg, key)}")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step, epoch, pos_in_epoch = state["step"], state["epoch"], state["pos_in_epoch"]
+        best = state.get("best", best)
+        # (LambdaLR's state carries the Schedule's fields: set them as this run wants.)
+        if cfg.max_steps is None and cfg.max_minutes is None and "schedule" in state:
+            # The schedule the run was started with (a time budget fixed it then).
+            schedule.total_steps, schedule.warmup = state["schedule"]
+        else:
+            schedule.total_steps, schedule.warmup = total_steps, fresh_warmup
+        total_steps = schedule.total_steps
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        log(f"resumed from {resume_from} (step {step}, epoch {epoch}, batch {pos_in_epoch})")
+    dembed = draft_embed(head, embed)
+    head.train()
+
+    n_params = sum(p.numel() for p in params)
+    train_tokens = sum(lengths)
+    train_response = sum(lengths[i] - data.prompt_len[j] for i, j in enumerate(train_ids))
+    log(f"train: {len(train_ids)} sequences (+{n_val} held out), {train_tokens} tokens "
+        f"({train_response} response), {per_epoch} batches/epoch of <= "
+        f"{cfg.max_batch_tokens} tokens; "
+        f"{total_steps} steps (warmup {schedule.warmup})"
+        + (f" or what fits {cfg.max_minutes:g} min" if cfg.max_minutes else "")
+        + f", lr {cfg.lr}, TTT {cfg.ttt_steps} steps; "
+        f"draft vocab {head.config.draft_vocab_size} covers {coverage:.1%} of response tokens; "
+        f"{n_params / 1e6:.1f}M trainable parameters")
+
+    def record(acc: list[float]) -> dict:
+        return {"step": step, "total_steps": total_steps, "sequences": len(data),
+                "tokens": data.num_tokens, "ttt_steps": cfg.ttt_steps,
+                "draft_vocab_size": head.config.draft_vocab_size,
+                "draft_vocab_coverage": round(coverage, 4),
+                "train_acc_per_position": [round(a, 4) for a in acc],
+                "train_est_accept_length": round(expected_accept_length(acc), 3),
+                **({"val_sequences": n_val, "val_acc_per_position": [round(a, 4) for a in
+                                                                     best["acc"]],
+                    "val_est_accept_length": round(best["accept"], 3)} if n_val else {})}
+
+    def checkpoint(acc: list[float]) -> None:
+        ship = True
+        if n_val:
+            from fmserve.train_eagle.evaluate import estimate_accept_length
+            val_accept, val_acc, _ = estimate_accept_length(head, data, embed, K, seqs=val_ids,
+                                                            draft_embed_=dembed)
+            head.train()
+            ship = val_accept >= best["accept"]
+            log(f"validation ({n_val} held-out sequences): est. accept length {val_accept:.3f}, "
+                f"acc " + " ".join(f"{a:.3f}" for a in val_acc)
+                + (" (best so far: shipping)" if ship else
+                   f" (best {best['accept']:.3f} at step {best['step']}: not shipped)"))
+            if ship:
+                best.update(accept=val_accept, step=step, acc=val_acc)
+        state = {"step": step, "epoch": epoch, "pos_in_epoch": pos_in_epoch, "best": best,
+                 "head": head.state_dict(), "optimizer": opt.state_dict(),
+                 "scheduler": sched.state_dict(), "config": asdict(cfg),
+                 "schedule": (schedule.total_steps, schedule.warmup),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        path = save_checkpoint(ckpt_dir, state, cfg.keep_checkpoints)
+        if ship:
+            ship_head(head, out, DTYPES[cfg.ship_dtype], record(acc))
+        log(f"checkpoint {path.name}" + (f"; head written to {out}" if ship else ""))
+
+    step_cap = total_steps  # what --epochs / --max-steps allow
+
+    def fit_time_budget(margin: float) -> None:
+        """Set total_steps to what fits the rest of --max-minutes at the speed so far."""
+        nonlocal total_steps
+        elapsed = time.perf_counter() - t_start
+        rate = (step - start_step) / elapsed
+        fit = step + int(rate * (cfg.max_minutes * 60 - elapsed) * margin)
+        fit = max(step + 1, min(step_cap, fit))
+        if abs(fit - total_steps) <= 0.01 * total_steps:
+            return
+        total_steps = schedule.total_steps = fit
+        if cfg.warmup_steps is None:
+            schedule.warmup = min(schedule.warmup, default_warmup(total_steps))
+        bar.total = total_steps
+        bar.refresh()
+        log(f"time budget {cfg.max_minutes:g} min at {rate:.3f} steps/s: {total_steps} steps "
+            f"(warmup {schedule.warmup})")
+
+    # A bar on a terminal; in a log file the periodic lines say the same.
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step",
+               disable=not progress or not sys.stderr.isatty(), dynamic_ncols=True)
+    K = cfg.ttt_steps
+    win = {"loss": 0.0, "n": 0, "correct": [0] * K, "count": [0] * K, "tokens": 0,
+           "t0": time.perf_counter(), "steps": 0}
+    last_acc: list[float] = [0.0] * K
+    t_start, start_step = time.perf_counter(), step
+    history: list[tuple[int, float, list[float]]] = []
+    while step < total_steps:
+        batches = epoch_batches(lengths, cfg.max_batch_tokens, cfg.seed, epoch)
+        while pos_in_epoch < len(batches) and step < total_steps:
+            if governor is not None and step % 10 == 0:
+                governor.update()
+            batch = collate(data, [train_ids[p] for p in batches[pos_in_epoch]])
+            stats = ttt_forward(head, batch, dembed, K, cfg.decay,
+                                prompt_weight=cfg.prompt_loss_weight)
+            opt.zero_grad(set_to_none=True)
+            stats.loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            pos_in_epoch += 1
+            if cfg.max_minutes and step - start_step == CALIBRATION_STEPS:
+                fit_time_budget(0.95)
+            win["loss"] += float(stats.loss.detach())
+            win["n"] += 1
+            win["tokens"] += batch.num_tokens
+            for k in range(len(stats.counts)):
+                win["correct"][k] += stats.correct[k]
+                win["count"][k] += stats.counts[k]
+            acc_now = [c / max(1, n) for c, n in zip(stats.correct, stats.counts)]
+            history.append((step, float(stats.loss.detach()), acc_now))
+            bar.set_postfix_str(f"loss {float(stats.loss.detach()):.3f} acc "
+                                + "/".join(f"{a:.2f}" for a in acc_now), refresh=False)
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total_steps:
+                dt = time.perf_counter() - win["t0"]
+                last_acc = [c / max(1, n) for c, n in zip(win["correct"], win["count"])]
+                done = step - start_step
+                eta = (total_steps - step) * (time.perf_counter() - t_start) / max(1, done)
+                log(f"step {step}/{total_steps} epoch {epoch} lr {sched.get_last_lr()[0]:.2e} "
+                    f"loss {win['loss'] / win['n']:.3f} acc "
+                    + " ".join(f"{a:.3f}" for a in last_acc)
+                    + f" est.accept {expected_accept_length(last_acc):.2f} | "
+                    f"{win['n'] / dt:.3f} steps/s {win['tokens'] / dt:.0f} tok/s "
+                    f"({governor.current if governor else torch.get_num_threads()} threads) "
+                    f"eta {eta / 60:.0f} min")
+                win = {"loss": 0.0, "n": 0, "correct": [0] * K, "count": [0] * K, "tokens": 0,
+                       "t0": time.perf_counter(), "steps": 0}
+            if step % cfg.save_every == 0 and step < total_steps:
+                checkpoint(last_acc)
+                if cfg.max_minutes and step - start_step > CALIBRATION_STEPS:
+                    fit_time_budget(1.0)  # the measured rate now includes checkpoints
+        if pos_in_epoch >= len(batches):
+            epoch, pos_in_epoch = epoch + 1, 0
+    bar.close()
+    checkpoint(last_acc)
+    log(f"done: {step} steps; head in {out}")
+    return TrainResult(out, step, history)

@@ -1,0 +1,238 @@
+"""`fmserve train-eagle`: TTT against a step-by-step chain, and a tiny real run with resume.
+
+The first test uses a small random head and checks that every TTT step computes what serving
+computes for a draft chain (same inputs, positions and visible keys). The others make data with
+the real default model (4 prompts, 8 new tokens), train a few steps, and load the written head.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fmserve.train_eagle.data import CapturedData
+from fmserve.train_eagle.ttt import collate, ttt_forward
+from gpu.eagle.head_io import load_draft_head, random_draft_head
+from gpu.model_config import ModelConfig
+
+H, NH, NKV, HD, VOCAB, INTER, LAYERS = 32, 4, 2, 8, 96, 64, 8
+
+
+def _tiny_target() -> ModelConfig:
+    return ModelConfig(architecture="llama", num_layers=LAYERS, hidden_size=H,
+                       intermediate_size=INTER, num_heads=NH, num_kv_heads=NKV, head_dim=HD,
+                       vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_context_len=256, tie_word_embeddings=True)
+
+
+def _chain_logits(head, ids, aux, root: int, steps: int) -> list[torch.Tensor]:
+    """Draft logits of the chain rooted at ``root``, the way serving runs it: one extend over
+    positions 0..root (target state at t, token t+1), then one position per step on top of the
+    cached keys, teacher-forced on the true tokens."""
+    cache_k, cache_v = [], []
+
+    def attend(q, k, v):
+        m = q.shape[0]
+        cache_k.append(k)
+        cache_v.append(v)
+        K, V = torch.cat(cache_k), torch.cat(cache_v)
+        g = NH // NKV
+        K, V = K.repeat_interleave(g, 1), V.repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", q, K) * HD ** -0.5
+        past = K.shape[0] - m
+        mask = torch.arange(K.shape[0])[None, :] > (past + torch.arange(m))[:, None]
+        return torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), V)
+
+    out, lh = head(ids[1:root + 2], aux[:root + 1], torch.arange(root + 1), attend)
+    hidden, logits = out[-1:], [head.logits(lh[-1:])[0]]
+    for k in range(1, steps):
+        out, lh = head(ids[root + 1 + k:root + 2 + k], hidden, torch.tensor([root + k]), attend)
+        hidden = out
+        logits.append(head.logits(lh)[0])
+    return logits
+
+
+def test_ttt_matches_a_serving_chain():
+    torch.manual_seed(0)
+    target = _tiny_target()
+    embed = torch.randn(VOCAB, H) * 0.5
+    head = random_draft_head(target, embed, None, draft_vocab_size=48, seed=1)
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(48) * 1)  # draft id d -> target id 2d
+        head.t2d.zero_()
+        head.t2d[torch.arange(48) * 2] = True
+    lengths, prompt_lens = [14, 10], [5, 3]
+    rows = sum(lengths)
+    shard = {"input_ids": torch.randint(0, VOCAB, (rows,), dtype=torch.int32),
+             "aux_hidden": torch.randn(rows, 3 * H).half(),
+             "final_hidden": torch.randn(rows, H).half(),
+             "target_argmax": torch.randint(0, VOCAB, (rows,), dtype=torch.int32)}
+    data = CapturedData([shard], [0, 0], [0, lengths[0]], [lengths[0], rows], prompt_lens)
+    dembed = embed[torch.arange(48) * 2]
+    steps = 3
+    stats = ttt_forward(head, collate(data, [0, 1]), dembed, steps, keep_logits=True)
+    L = max(lengths)
+    checked = 0
+    for r, flat in enumerate(stats.rows.tolist()):
+        b, root = divmod(flat, L)
+        start = 0 if b == 0 else lengths[0]
+        ids = shard["input_ids"][start:start + lengths[b]].long()
+        aux = shard["aux_hidden"][start:start + lengths[b]].float()
+        n_steps = min(steps, lengths[b] - 2 - root)
+        with torch.no_grad():
+            chain = _chain_logits(head, ids, aux, root, n_steps)
+        for k in range(n_steps):
+            torch.testing.assert_close(stats.row_logits[k][r], chain[k], atol=2e-5, rtol=1e-4)
+            checked += 1
+    assert checked > 20
+    # Loss rows are exactly the chain roots from the last prompt position on.
+    assert sorted(stats.rows.tolist()) == [4 + i for i in range(14 - 2 - 4)] + \
+        [L + 2 + i for i in range(10 - 2 - 2)]
+
+
+# -- the real model --------------------------------------------------------------------------
+
+PROMPTS = ["Name three colours.", "What is 2 + 2?", "Write a short greeting.",
+           "Give one word that rhymes with cat."]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(model_path, tmp_path_factory):
+    """Data for 4 prompts (8 new tokens each) and the target's weights, made once."""
+    from fmserve.engine import Engine
+    from fmserve.train_eagle.data import DataConfig, build_dataset, load_dataset
+    from fmserve.train_eagle.trainer import load_target
+    from gpu.eagle.draft_head import default_aux_layer_ids
+
+    work = tmp_path_factory.mktemp("train_eagle")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    engine = Engine(str(model_path), max_kv_tokens=2048, max_running_requests=4,
+                    progress=False)
+    layers = engine.runner.model_config.num_layers
+    capture = tuple(i + 1 for i in default_aux_layer_ids(layers))
+    cfg = DataConfig(prompts=str(prompts), num_prompts=4, max_new_tokens=8,
+                     sampled_fraction=0.25, shard_size=2)
+    build_dataset(engine, cfg, work / "data", capture, "test", progress=False)
+    del engine
+    return work, load_dataset(work / "data"), load_target(model_path)
+
+
+def _config(work, **changes):
+    from fmserve.train_eagle.trainer import TrainConfig
+
+    fields = dict(data_dir=str(work / "data"), ckpt_dir=str(work / "ckpt"), out=str(work / "head"),
+                  draft_vocab_size=512, lr=1e-3, warmup_steps=0, min_lr_ratio=1.0,
+                  max_batch_tokens=4096, epochs=100.0, max_steps=6, save_every=100,
+                  log_every=100)
+    fields.update(changes)
+    return TrainConfig(**fields)
+
+
+def test_data_shards_are_resumable(tiny_run, model_path):
+    work, data, _ = tiny_run
+    assert len(data) == 4 and len(data.shards) == 2
+    manifest = json.loads((work / "data" / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["shards"]) == 2
+    for j in range(len(data)):
+        n = data.length(j)
+        assert data.rows(j, "aux_hidden").shape == (n, 3 * 576)
+        assert data.rows(j, "final_hidden").dtype == torch.float16
+        assert n - data.prompt_len[j] >= 2
+    # Everything is on disk: a second build does no work (no Engine needed).
+    from fmserve.train_eagle.data import DataConfig, build_dataset
+
+    class NoEngine:
+        tokenizer = __import__("service.tokenizer", fromlist=["TextTokenizer"]) \
+            .TextTokenizer.from_model_path(model_path)
+
+        def generate(self, *a, **k):
+            raise AssertionError("a shard on disk was made again")
+
+    cfg = DataConfig(prompts=str(work / "prompts.jsonl"), num_prompts=4, max_new_tokens=8,
+                     sampled_fraction=0.25, shard_size=2)
+    build_dataset(NoEngine(), cfg, work / "data", tuple(manifest["capture_layers"]), "test",
+                  progress=False)
+
+
+def test_training_lowers_the_loss_and_writes_a_loadable_head(tiny_run, model_path):
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    result = train(_config(work, ckpt_dir=str(work / "ckpt-a"), out=str(work / "head-a")),
+                   model_path, progress=False, data=data, target=target)
+    losses = [loss for _, loss, _ in result.history]
+    assert len(losses) == 6
+    assert losses[-1] < losses[0] * 0.9, losses
+    model_cfg, embed, _, _ = target
+    head = load_draft_head(work / "head-a", model_cfg, embed, None, "cpu", torch.float32)
+    assert head.config.draft_vocab_size == 512
+    assert head.config.capture_layers == tuple(json.loads(
+        (work / "data" / "manifest.json").read_text())["capture_layers"])
+    weights = work / "head-a" / "model.safetensors"
+    assert weights.stat().st_size < 25e6
+    record = json.loads((work / "head-a" / "training.json").read_text())
+    assert record["step"] == 6 and len(record["train_acc_per_position"]) == 4
+
+
+def test_resume_continues_where_it_stopped(tiny_run, model_path):
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    straight = train(_config(work, ckpt_dir=str(work / "ckpt-s"), out=str(work / "head-s"),
+                             max_steps=4), model_path, progress=False, data=data, target=target)
+    first = train(_config(work, ckpt_dir=str(work / "ckpt-r"), out=str(work / "head-r"),
+                          max_steps=2, save_every=1), model_path, progress=False, data=data,
+                  target=target)
+    assert first.steps == 2
+    with pytest.raises(SystemExit, match="--resume"):
+        train(_config(work, ckpt_dir=str(work / "ckpt-r"), out=str(work / "head-r"),
+                      max_steps=4), model_path, progress=False, data=data, target=target)
+    resumed = train(_config(work, ckpt_dir=str(work / "ckpt-r"), out=str(work / "head-r"),
+                            max_steps=4, resume=True), model_path, progress=False, data=data,
+                    target=target)
+    assert [s for s, _, _ in resumed.history] == [3, 4]
+    assert sorted(p.name for p in (work / "ckpt-r").glob("*.pt"))[-1] == "step-0000004.pt"
+    for (_, a, _), (_, b, _) in zip(straight.history[2:], resumed.history):
+        assert a == pytest.approx(b, rel=1e-4)
+    model_cfg, embed, _, _ = target
+    heads = [load_draft_head(work / d, model_cfg, embed, None, "cpu", torch.float32)
+             for d in ("head-s", "head-r")]
+    for (name, a), b in zip(heads[0].state_dict().items(), heads[1].state_dict().values()):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=name)
+
+
+def test_prompt_rows_train_but_do_not_count():
+    torch.manual_seed(0)
+    target = _tiny_target()
+    embed = torch.randn(VOCAB, H) * 0.5
+    head = random_draft_head(target, embed, None, draft_vocab_size=VOCAB, seed=1)
+    lengths, prompt_lens = [12, 9], [6, 4]
+    rows = sum(lengths)
+    shard = {"input_ids": torch.randint(0, VOCAB, (rows,), dtype=torch.int32),
+             "aux_hidden": torch.randn(rows, 3 * H).half(),
+             "final_hidden": torch.randn(rows, H).half(),
+             "target_argmax": torch.randint(0, VOCAB, (rows,), dtype=torch.int32)}
+    data = CapturedData([shard], [0, 0], [0, lengths[0]], [lengths[0], rows], prompt_lens)
+    batch = collate(data, [0, 1])
+    only = ttt_forward(head, batch, embed, 3)
+    both = ttt_forward(head, batch, embed, 3, prompt_weight=0.5)
+    assert only.counts == both.counts  # accuracy counts response-rooted chains only
+    assert only.correct == both.correct
+    assert float(both.loss.detach()) != pytest.approx(float(only.loss.detach()))
+    for a, b in zip(only.row_valid, both.row_valid):
+        assert int(a.sum()) == int(b.sum())
+
+
+def test_time_budget_sets_the_number_of_steps(tiny_run, model_path):
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    result = train(_config(work, ckpt_dir=str(work / "ckpt-t"), out=str(work / "head-t"),
+                           max_steps=500, max_minutes=0.08), model_path, progress=False,
+                   data=data, target=target)
+    assert 8 < result.steps < 500
+    record = json.loads((work / "head-t" / "training.json").read_text())
+    assert record["step"] == record["total_steps"] == result.steps
