@@ -38,6 +38,8 @@ class Completion:
     logprobs: list = field(default_factory=list)
     spec_verify_steps: int = 0  # speculative decoding: verify steps and accepted drafts
     spec_accepted_drafts: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # verify steps that
+    # accepted the draft at depth i+1, one entry per draft position
 
     @property
     def spec_accept_length(self) -> float | None:
@@ -134,4 +136,5 @@ class Engine:
                 c.finish_reason = out.finish_reason
                 c.spec_verify_steps = out.spec_verify_steps
                 c.spec_accepted_drafts = out.spec_accepted_drafts
+                c.spec_accepted_per_position = out.spec_accepted_per_position
         return [done[rid] for rid, _ in submitted]

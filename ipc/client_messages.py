@@ -68,6 +68,13 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int
     ttft_ms: float | None = None  # arrival to first token
     e2e_ms: float | None = None  # arrival to finish
+    # Speculative decoding; zero, None and [] when the request did not speculate. A verify step
+    # is one target forward over the request's draft tree: it accepts 0..depth draft tokens and
+    # adds one token of its own (the bonus).
+    spec_verify_steps: int = 0
+    spec_accepted_drafts: int = 0
+    spec_accept_length: float | None = None  # tokens per verify step: (accepted + steps) / steps
+    spec_accepted_per_position: list[int] = []  # verify steps that accepted draft depth i+1
 
 
 class Finished(msgspec.Struct, tag="finished", frozen=True):

@@ -16,9 +16,11 @@ class RequestTelemetry(msgspec.Struct, array_like=True, frozen=True):
     prompt_len: int
     seq_len: int  # prompt + generated tokens
     generated: int
-    last_accept_len: int  # draft tokens accepted in the last step (0 without speculation)
+    last_accept_len: int  # draft tokens accepted by its last verify step (0 without speculation)
     age_s: float
     key: str  # service-wide request key ("<client hex>/<client id>"), for AdminAbort
+    accept_length: float | None = None  # its mean tokens per verify step (accepted drafts + the
+    # bonus token) so far; None without speculation or before its first verify step
 
 
 class StepTelemetry(msgspec.Struct, array_like=True, frozen=True):
@@ -59,3 +61,9 @@ class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     recent_steps: list[StepTelemetry]  # newest last
     worker_idle_share: float  # worker idle / (idle + busy) since start: overlap efficiency
     worker: WorkerTelemetry
+    # Speculative decoding, over all requests (defaults when speculation is off). A verify row
+    # is one request in one step; its accept length is accepted drafts + 1 (the bonus token).
+    spec_accept_length: float | None = None  # mean over the last 64 steps that verified drafts
+    spec_verify_steps: int = 0  # verify rows since start
+    spec_accept_rate_per_position: list[float] = []  # since start: share of verify rows that
+    # accepted the draft token at depth i+1 (one entry per draft position; never increasing)

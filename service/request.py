@@ -42,8 +42,10 @@ class Request:
     spec_verify_steps: int = 0
     spec_accepted_drafts: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    last_accept_len: int = 0  # draft tokens accepted by the last verify step
 
     def record_accept(self, accepted: int) -> None:
+        self.last_accept_len = accepted
         self.spec_verify_steps += 1
         self.spec_accepted_drafts += accepted
         if len(self.spec_accepted_per_position) < accepted:
@@ -87,6 +89,15 @@ class RequestOutput:
     error: str | None = None
     spec_verify_steps: int = 0  # set on the terminal output when the request speculated
     spec_accepted_drafts: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # verify steps that
+    # accepted the draft at depth i+1, one entry per draft position
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Mean tokens per verify step (accepted drafts + the bonus token)."""
+        if not self.spec_verify_steps:
+            return None
+        return (self.spec_accepted_drafts + self.spec_verify_steps) / self.spec_verify_steps
 
     @property
     def finished(self) -> bool:
@@ -103,4 +114,5 @@ class RequestOutput:
             self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
             self.spec_verify_steps = later.spec_verify_steps
             self.spec_accepted_drafts = later.spec_accepted_drafts
+            self.spec_accepted_per_position = later.spec_accepted_per_position
         return self

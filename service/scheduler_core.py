@@ -24,6 +24,7 @@ from ipc.worker_messages import (ExtendEntry, NewRequest, PageGrant, StepPlan, S
 from service.kv_accounting import PageAllocator, SlotAllocator
 from service.request import (FinishReason, Request, RequestOutput, RequestState,
                              TokenLogprob)
+from service.spec_stats import SpecAcceptStats
 from service.stop_strings import StopStringMatcher
 from service.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -72,6 +73,7 @@ class SchedulerCore:
         self.step_id = 0
         self.num_retractions = 0  # lifetime count, for telemetry and tests
         self.num_stale_results = 0  # results dropped one step late (finished/aborted/retracted)
+        self.spec_stats = SpecAcceptStats(num_positions=info.spec_num_steps)  # all requests
 
     # -- requests in ------------------------------------------------------------------------
 
@@ -260,6 +262,7 @@ class SchedulerCore:
         starts = np.cumsum(counts) - counts
         planned = self._inflight.pop(result.step_id, {})
         outputs = []
+        accepted: list[int] = []  # this step's verify rows, for the service-wide statistics
         now = time.monotonic()
         for row, slot in enumerate(slots.tolist()):
             entry = planned.get(slot)
@@ -273,6 +276,7 @@ class SchedulerCore:
                 continue  # finished, aborted or retracted after this step was planned: drop
             if accept is not None and accept[row] >= 0:
                 req.record_accept(int(accept[row]))
+                accepted.append(int(accept[row]))
             row_out = None
             for i in range(int(starts[row]), int(starts[row] + counts[row])):
                 lp = None
@@ -286,6 +290,7 @@ class SchedulerCore:
                 if out.finished:
                     break  # tokens past a stop are dropped
             outputs.append(row_out)
+        self.spec_stats.record_step(accepted)
         return outputs
 
     def _on_token(self, req: Request, token: int, lp: list[TokenLogprob] | None,
@@ -323,9 +328,12 @@ class SchedulerCore:
         req.finish_reason = reason
         self.requests.pop(req.rid, None)
         self._streams.pop(req.rid, None)
+        per_position = list(req.spec_accepted_per_position)
+        if req.spec_verify_steps:  # one entry per draft position, depths never accepted too
+            per_position += [0] * (self.info.spec_num_steps - len(per_position))
         return RequestOutput(req.rid, [], "", None, reason, len(req.prompt_ids),
                              len(req.output_ids), error, req.spec_verify_steps,
-                             req.spec_accepted_drafts)
+                             req.spec_accepted_drafts, per_position)
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -47,6 +47,16 @@ def worker_cpu_threads(cfg: ServiceConfig) -> int:
     return max(1, cores - 1) if cfg.scheduling.overlap and cores <= 8 else 0
 
 
+def usage_of(out: RequestOutput, arrival: float, first_token: float | None, now: float) -> Usage:
+    """The `Usage` of a terminal output; times are `time.monotonic()` readings."""
+    ttft = None if first_token is None else (first_token - arrival) * 1000.0
+    return Usage(out.prompt_tokens, out.completion_tokens, ttft, (now - arrival) * 1000.0,
+                 spec_verify_steps=out.spec_verify_steps,
+                 spec_accepted_drafts=out.spec_accepted_drafts,
+                 spec_accept_length=out.spec_accept_length,
+                 spec_accepted_per_position=out.spec_accepted_per_position)
+
+
 class Service:
     def __init__(self, cfg: ServiceConfig, model_path: str) -> None:
         self.cfg = cfg
@@ -319,9 +329,7 @@ class Service:
             await self._send(info.identity, Chunk(
                 info.client_id, info.tokens, "".join(info.text),
                 info.logprobs or None, info.top_logprobs or None))
-        now = time.monotonic()
-        ttft = None if info.first_token is None else (info.first_token - info.arrival) * 1000.0
-        usage = Usage(out.prompt_tokens, out.completion_tokens, ttft, (now - info.arrival) * 1000.0)
+        usage = usage_of(out, info.arrival, info.first_token, time.monotonic())
         await self._send(info.identity, Finished(info.client_id, out.finish_reason.value, usage))
 
     # -- housekeeping -----------------------------------------------------------------------

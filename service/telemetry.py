@@ -25,7 +25,8 @@ def request_telemetry(req: Request, now: float) -> RequestTelemetry:
         req.state.value
     return RequestTelemetry(id=req.rid.split("/", 1)[-1], slot=req.slot or 0, state=state, prompt_len=len(req.prompt_ids),
                             seq_len=req.seq_len, generated=len(req.output_ids),
-                            last_accept_len=0, age_s=now - req.arrival, key=req.rid)
+                            last_accept_len=req.last_accept_len, age_s=now - req.arrival,
+                            key=req.rid, accept_length=req.spec_accept_length)
 
 
 class TelemetryPublisher:
@@ -56,6 +57,7 @@ class TelemetryPublisher:
         waiting = [request_telemetry(r, now_m) for r in core.waiting
                    if r.state == RequestState.WAITING]
         acc = core.accounting()
+        spec = core.spec_stats
         return TelemetrySnapshot(
             time=time.time(), uptime_s=now_m - svc.started, model=info.model_name, overlap=svc.cfg.scheduling.overlap,
             speculation=svc.cfg.spec.algorithm != "none",
@@ -68,7 +70,9 @@ class TelemetryPublisher:
             worker_idle_share=svc.worker_idle_ms / max(svc.worker_idle_ms + svc.worker_busy_ms, 1e-9),
             worker=WorkerTelemetry(alive=svc.worker_ok, pid=svc.worker.pid,
                                    restarts=svc.worker_restarts, device=info.device,
-                                   dtype=info.dtype, attention_backend=info.attention_backend))
+                                   dtype=info.dtype, attention_backend=info.attention_backend),
+            spec_accept_length=spec.recent_accept_length, spec_verify_steps=spec.verify_steps,
+            spec_accept_rate_per_position=spec.accept_rate_per_position)
 
     def publish(self) -> None:
         if self.endpoint is None or self.service.core is None:

@@ -285,6 +285,30 @@ async def test_service_down_then_up():
         assert "service down?" in events_text(app)
 
 
+async def test_speculation_panel_shows_the_published_accept_length(pub):
+    app = make_app(pub.endpoint)
+    running = [req("s1", 1, 40, 10, accept=3), req("s2", 2, 30, 5, accept=1)]
+    async with app.run_test(size=SIZE) as pilot:
+        # A snapshot without the service-wide figures: the batch's last steps (drafts + bonus).
+        await show(pilot, app, pub, snapshot(9000.0, running, speculation=True))
+        assert app.tracker.accept_len[-1] == pytest.approx(3.0)  # mean of 3 + 1 and 1 + 1
+        label = str(app.query_one("#accept-label").render())
+        assert "mean accept length 3.00" in label and "position" not in label
+        if "spec_accept_length" not in TelemetrySnapshot.__struct_fields__:
+            return  # an ipc without the service-wide figures
+        snap = msgspec.structs.replace(snapshot(9001.0, running, speculation=True),
+                                       spec_accept_length=2.25, spec_verify_steps=40,
+                                       spec_accept_rate_per_position=[0.8, 0.35, 0.1])
+        await show(pilot, app, pub, snap)
+        assert app.tracker.accept_len[-1] == pytest.approx(2.25)
+        assert app.query_one("#accept").data[-1] == pytest.approx(2.25)
+        label = str(app.query_one("#accept-label").render())
+        assert "mean accept length 2.25" in label
+        assert "accepted by draft position 80% 35% 10%" in label
+        await show(pilot, app, pub, snapshot(9002.0, running))  # speculation off
+        assert "speculation off" in str(app.query_one("#accept-label").render())
+
+
 async def test_screen_text_and_svg(pub, tmp_path):
     app = make_app(pub.endpoint)
     running = [req(f"req-{i}", i + 1, 30 + 17 * i, 3 * i + 1) for i in range(5)]

@@ -36,6 +36,7 @@ from tui.widgets import (
     RequestDetailScreen,
     SeqLenChart,
     TextPanel,
+    accept_label_text,
     header_text,
     kv_gauge_text,
     queue_text,
@@ -218,13 +219,7 @@ class TopApp(App):
         self.throughput_label.update(
             f"throughput {snap.output_tokens_per_s:7.1f} tok/s (peak {peak:.1f})")
         self.throughput.data = list(self.tracker.throughput)
-        if not snap.speculation:
-            accept = f"mean accept length {NA} (speculation off)"
-        elif self.tracker.accept_len:
-            accept = f"mean accept length {self.tracker.accept_len[-1]:.2f}"
-        else:
-            accept = f"mean accept length {NA} (no decoding requests)"
-        self.accept_label.update(accept)
+        self.accept_label.update(accept_label_text(snap, self.tracker))
         self.accept.data = list(self.tracker.accept_len)
         self.steps.show(step_timing_text(snap, self.tracker))
         self.seq_lens.show(list(snap.running))

@@ -42,6 +42,7 @@ class RequestSample:
     generated: int
     last_accept_len: int
     tokens_per_s: float | None
+    accept_length: float | None = None  # mean tokens per verify step, when published
 
 
 @dataclass
@@ -101,9 +102,13 @@ class SnapshotTracker:
 
     def _push_series(self, snap: TelemetrySnapshot) -> None:
         self.throughput.append(snap.output_tokens_per_s)
-        decoding = [r.last_accept_len for r in snap.running if r.state == "decoding"]
-        if snap.speculation and decoding:
-            self.accept_len.append(sum(decoding) / len(decoding))
+        if snap.speculation:
+            mean = getattr(snap, "spec_accept_length", None)  # the service's recent window
+            if mean is None:  # a service that does not publish it: this snapshot's batch
+                decoding = [r.last_accept_len + 1 for r in snap.running if r.state == "decoding"]
+                mean = sum(decoding) / len(decoding) if decoding else None
+            if mean is not None:
+                self.accept_len.append(mean)
         for series in (self.throughput, self.accept_len):
             while len(series) > self.series_len:
                 series.popleft()
@@ -135,7 +140,8 @@ class SnapshotTracker:
         if base is not None and now > base.time:
             rate = (r.generated - base.generated) / (now - base.time)
         track.samples.append(RequestSample(now, r.state, r.slot, r.seq_len, r.generated,
-                                           r.last_accept_len, rate))
+                                           r.last_accept_len, rate,
+                                           getattr(r, "accept_length", None)))
 
     def _end(self, key: str, when: float, note: str) -> None:
         track = self.tracks[key]

@@ -204,6 +204,24 @@ class EventLog(RichLog):
 TEXT_NOTE = "text: n/a (telemetry snapshots carry no request text, so it cannot stream here)"
 
 
+def _mean_accept(value: float | None) -> str:
+    return "" if value is None else f" (mean {value:.2f})"
+
+
+def accept_label_text(snap: TelemetrySnapshot, tracker: SnapshotTracker) -> str:
+    """The speculation line of the side panel: mean accept length (tokens per verify step),
+    and when published, the share of verify steps that accepted each draft position."""
+    if not snap.speculation:
+        return f"mean accept length {NA} (speculation off)"
+    if not tracker.accept_len:
+        return f"mean accept length {NA} (no verify steps yet)"
+    out = f"mean accept length {tracker.accept_len[-1]:.2f}"
+    rates = _opt(snap, "spec_accept_rate_per_position")
+    if rates:
+        out += "\naccepted by draft position " + " ".join(f"{r:.0%}" for r in rates)
+    return out
+
+
 def detail_summary_text(track: RequestTrack) -> Text:
     s = track.last
     out = Text(f"request {track.id}", style="bold")
@@ -211,7 +229,7 @@ def detail_summary_text(track: RequestTrack) -> Text:
         out.append(f"   key {track.key}")
     out.append(f"\nstate {STATE_LABEL.get(s.state, s.state)}  slot {s.slot}  "
                f"prompt {track.prompt_len}  seq_len {s.seq_len}  generated {s.generated}  "
-               f"accept {s.last_accept_len}  tok/s "
+               f"accept {s.last_accept_len}{_mean_accept(s.accept_length)}  tok/s "
                f"{NA if s.tokens_per_s is None else f'{s.tokens_per_s:.1f}'}  "
                f"seen {s.time - track.first_seen:.1f}s\n")
     if track.ended_at is not None:
