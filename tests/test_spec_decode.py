@@ -1,0 +1,297 @@
+"""EAGLE speculative decoding end to end through the offline Engine (the real spec path).
+
+Greedy output with speculation must be token-identical to the plain engine's, whatever the
+head drafts: chain and tree, overlap on and off, torch and Triton attention, the shipped
+EAGLE-3 head (which gets drafts accepted, so multi-token steps and tree KV compaction run) and
+random EAGLE-3 / EAGLE-1 heads. Sampling must follow the target's distribution, and idle plans
+must run the spec path. Accounting returns to its initial state after every scenario.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import gpu.eagle.accept as accept_mod
+from fmserve.engine import Engine
+from gpu.eagle.head_io import random_draft_head, save_draft_head
+from gpu.eagle.spec_worker import EagleWorker, hidden_size_for
+from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
+from ipc.worker_messages import StepPlan, pack_i32, unpack_i32
+
+QUESTIONS = ["What is 2+2?", "Name three colors.", "Write a haiku about rain.",
+             "Explain gravity to a child in two sentences.", "Say hi.",
+             "List the planets of the solar system in order, with one fact about each."]
+CHAIN = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
+TREE = SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6)
+
+
+def make_engine(model_path, spec: SpecSettings | None = None, **kw) -> Engine:
+    # Small pages and a small step budget: prompts cross pages and prefill in chunks mixed
+    # with decodes (the spec prefill then needs its one token of lookahead).
+    opts = dict(dtype="fp32", page_size=4, max_kv_tokens=4096, max_running_requests=4,
+                max_tokens_per_step=48, progress=False, spec=spec)
+    opts.update(kw)
+    return Engine(model=str(model_path), **opts)
+
+
+def scenario() -> list[SamplingParams]:
+    """Mixed stops: stop strings, max-token stops of many lengths, eos."""
+    params = []
+    for i, _ in enumerate(QUESTIONS):
+        stop = [" the"] if i % 3 == 0 else []
+        params.append(SamplingParams(temperature=0.0, max_new_tokens=3 + 4 * i, stop=stop))
+    return params
+
+
+def run(engine: Engine, overlap: bool, abort_rid_index: int | None = None
+        ) -> tuple[list[tuple], list]:
+    """Run QUESTIONS; returns per request (tokens, text, finish reason) and the completions'
+    spec counters. Asserts exactly one terminal output each and empty accounting after."""
+    engine.overlap = overlap
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    submitted = engine.submit(chats, scenario())
+    results = {rid: [[], "", None, 0, 0] for rid, _ in submitted}
+    terminal = {rid: 0 for rid, _ in submitted}
+    victim = submitted[abort_rid_index][0] if abort_rid_index is not None else None
+    for out in engine.run():
+        r = results[out.rid]
+        r[0] += out.token_ids
+        r[1] += out.text
+        if out.finished:
+            r[2] = out.finish_reason.value
+            r[3], r[4] = out.spec_verify_steps, out.spec_accepted_drafts
+            terminal[out.rid] += 1
+        if out.rid == victim and not out.finished and len(r[0]) >= 4:
+            aborted = engine.scheduler.abort(victim)
+            r[2] = aborted.finish_reason.value
+            terminal[victim] += 1
+            victim = None
+    assert all(n == 1 for n in terminal.values()), terminal
+    assert_accounting_empty(engine)
+    rows = [tuple(results[rid][:3]) for rid, _ in submitted]
+    return rows, [tuple(results[rid][3:]) for rid, _ in submitted]
+
+
+def assert_accounting_empty(engine: Engine) -> None:
+    acc = engine.scheduler.accounting()
+    assert acc["free_pages"] == acc["total_pages"], acc
+    assert acc["free_slots"] == acc["total_slots"], acc
+    assert acc["running"] == acc["waiting"] == 0, acc
+
+
+@pytest.fixture(scope="module")
+def plain(model_path):
+    return make_engine(model_path)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    rows, _ = run(plain, overlap=False)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def random_heads(plain, tmp_path_factory):
+    """Random EAGLE-3 (reduced vocabulary) and EAGLE-1 heads for the default model."""
+    runner = plain.runner
+    mc, embed = runner.model_config, runner.model.embed_tokens
+    out = {}
+    for algorithm, vocab in (("eagle3", 4096), ("eagle", None)):
+        head = random_draft_head(mc, embed, embed, algorithm, draft_vocab_size=vocab, seed=3)
+        path = tmp_path_factory.mktemp(f"random-{algorithm}")
+        save_draft_head(head, path)
+        out[algorithm] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain_engine(model_path):
+    return make_engine(model_path, CHAIN)
+
+
+@pytest.fixture(scope="module")
+def tree_engine(model_path):
+    return make_engine(model_path, TREE)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_greedy_identical_with_shipped_head(request, reference, shape, overlap):
+    engine = request.getfixturevalue(f"{shape}_engine")
+    rows, counters = run(engine, overlap)
+    assert rows == reference
+    steps = sum(c[0] for c in counters)
+    accepted = sum(c[1] for c in counters)
+    assert steps > 0
+    # The trained head gets drafts accepted, so multi-token steps (and, for the tree, KV
+    # compaction of off-column paths) are exercised, not just the bonus-only path.
+    assert accepted > 0, counters
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
+def test_greedy_identical_with_random_head(model_path, reference, random_heads, algorithm):
+    spec = SpecSettings(algorithm, random_heads[algorithm], num_steps=2, topk=2,
+                        num_draft_tokens=4)
+    engine = make_engine(model_path, spec)
+    rows, _ = run(engine, overlap=True)
+    assert rows == reference
+
+
+def test_abort_mid_stream_frees_everything(tree_engine, reference):
+    rows, _ = run(tree_engine, overlap=True, abort_rid_index=5)
+    assert rows[5][2] == "abort"
+    assert rows[:5] == reference[:5]
+
+
+def test_triton_backend_tree(model_path, reference):
+    """The Triton kernels (tree-masked extend, paged decode) in the whole spec step."""
+    engine = make_engine(model_path, TREE, attention_backend="triton", max_running_requests=2)
+    assert engine.runner.needs_cpu_seq_lens is False  # neither backend asks for host lengths
+    engine.overlap = True
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[1:3]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6)] * 2
+    out = engine.generate(chats, params)
+    assert [c.token_ids for c in out] == [r[0][:6] for r in reference[1:3]]
+    assert_accounting_empty(engine)
+
+
+def test_idle_plans_run_the_spec_path(chain_engine, tree_engine):
+    for engine in (chain_engine, tree_engine):
+        runner = engine.runner
+        assert hidden_size_for(runner) == 3 * runner.model_config.hidden_size  # EAGLE-3
+        empty = StepPlan(step_id=10_000, new_requests=[], grants=[], extends=[],
+                         decode_slots=pack_i32(np.zeros(0)), released_slots=pack_i32(np.zeros(0)))
+        result = runner.step(empty)
+        assert len(unpack_i32(result.slots)) == 0
+        assert len(unpack_i32(result.token_ids)) == 0
+        assert len(unpack_i32(result.accept_lens)) == 0
+        # Serving still works after idle steps.
+        out = engine.generate([[{"role": "user", "content": "Say hi."}]],
+                              SamplingParams(temperature=0.0, max_new_tokens=3))
+        assert len(out[0].token_ids) == 3
+        assert_accounting_empty(engine)
+
+
+def test_all_finished_batch_under_overlap(tree_engine, reference):
+    """Every request stops at its first verify step (on a stop token the scheduler cannot see
+    coming) while the next plan is already in flight: that step runs for requests that are
+    gone, and its results are dropped once."""
+    engine = tree_engine
+    engine.overlap = True
+    stale = engine.scheduler.num_stale_results
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[1:4]]
+    refs = [r[0] for r in reference[1:4]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=[ref[1]])
+              for ref in refs]
+    out = engine.generate(chats, params)
+    for c, ref in zip(out, refs):
+        assert c.finish_reason.value == "stop"
+        assert c.token_ids == ref[:len(c.token_ids)] and 1 <= len(c.token_ids) <= 2
+    assert engine.scheduler.num_stale_results > stale
+    assert_accounting_empty(engine)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling through the real model: the second emitted token is the first one a verify step
+# decides. With a deliberately poor draft (always the same, unlikely token) its distribution
+# must still be the target's; breaking the acceptance rule on purpose must be detected.
+
+SAMPLING = dict(temperature=1.0, top_k=6, max_new_tokens=2)
+NUM_SEEDS = 480
+
+
+def _chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's test; categories with an expected count under 5 are pooled."""
+    expected = probs / probs.sum() * counts.sum()
+    order = np.argsort(expected)
+    pooled_c, pooled_e, acc_c, acc_e = [], [], 0.0, 0.0
+    for i in order:
+        acc_c, acc_e = acc_c + counts[i], acc_e + expected[i]
+        if acc_e >= 5:
+            pooled_c.append(acc_c)
+            pooled_e.append(acc_e)
+            acc_c = acc_e = 0.0
+    if acc_e and pooled_e:
+        pooled_c[-1] += acc_c
+        pooled_e[-1] += acc_e
+    c, e = np.array(pooled_c), np.array(pooled_e)
+    stat = float(((c - e) ** 2 / e).sum())
+    df = len(c) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def sampling_engine(model_path):
+    """A chain engine wide enough to run every seed in a few batches."""
+    return make_engine(model_path, CHAIN, max_running_requests=NUM_SEEDS // 4,
+                       max_tokens_per_step=2048)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(plain):
+    """The prompt, the most likely first token, and the target's top-k distribution after it."""
+    prompt = plain.tokenizer.encode("The capital of France is")
+    first = _target_probs(plain, prompt).argmax().item()
+    probs = _target_probs(plain, prompt + [first])
+    # The poor draft: the least likely token still inside the top-k support.
+    support = probs.nonzero().flatten()
+    poor = support[probs[support].argmin()].item()
+    return prompt, first, probs.numpy(), poor
+
+
+def _target_probs(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Temperature-1, top-k filtered next-token distribution of the plain model after ids."""
+    out = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=1,
+                                                logprobs=SAMPLING["top_k"]))
+    top = out[0].logprobs[0].top  # (token id, logprob) of the raw distribution, best first
+    probs = torch.zeros(engine.runner.model_config.vocab_size, dtype=torch.float64)
+    p = torch.tensor([lp for _, lp in top], dtype=torch.float64).exp()
+    probs[torch.tensor([t for t, _ in top])] = p / p.sum()
+    return probs
+
+
+def _second_token_counts(engine: Engine, setup, monkeypatch) -> tuple[np.ndarray, int]:
+    prompt, first, probs, poor = setup
+
+    def poor_draft(self, hidden):
+        n = hidden.shape[0]
+        p = torch.ones(n, self.settings.topk, device=hidden.device)
+        ids = torch.full((n, self.settings.topk), poor, dtype=torch.long, device=hidden.device)
+        return p, ids
+
+    monkeypatch.setattr(EagleWorker, "_draft_topk", poor_draft)
+    params = [SamplingParams(seed=1000 + i, **SAMPLING) for i in range(NUM_SEEDS)]
+    out = engine.generate([prompt] * NUM_SEEDS, params)
+    seconds = [c.token_ids[1] for c in out if c.token_ids[0] == first and len(c.token_ids) > 1]
+    verify = sum(c.spec_verify_steps for c in out)
+    assert_accounting_empty(engine)
+    return np.bincount(seconds, minlength=len(probs)).astype(np.float64), verify
+
+
+def test_sampling_follows_target_with_poor_draft(sampling_engine, sampling_setup, monkeypatch):
+    _, _, probs, poor = sampling_setup
+    counts, verify = _second_token_counts(sampling_engine, sampling_setup, monkeypatch)
+    assert verify > 0 and counts.sum() > 100, (verify, counts.sum())
+    assert counts[probs == 0].sum() == 0  # nothing outside the top-k support
+    support = probs > 0
+    p = _chi_square_pvalue(counts[support], probs[support])
+    assert p > 1e-3, (p, counts[support], probs[support] * counts.sum())
+
+
+def test_broken_acceptance_rule_is_detected(sampling_engine, sampling_setup, monkeypatch):
+    """Accepting every draft the target allows (p > 0) skews the distribution to the poor
+    draft's token: the same statistic must reject it."""
+    _, _, probs, poor = sampling_setup
+    monkeypatch.setattr(accept_mod, "_accept_probability",
+                        lambda p_tok, remaining: torch.where(p_tok > 0, 1.0, 0.0))
+    counts, _ = _second_token_counts(sampling_engine, sampling_setup, monkeypatch)
+    support = probs > 0
+    p = _chi_square_pvalue(counts[support], probs[support])
+    assert p < 1e-3 or math.isnan(p), (p, counts[support])
+    assert counts[poor] > 0.9 * counts.sum()
