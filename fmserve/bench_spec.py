@@ -81,6 +81,10 @@ def load_chats(path: str, n: int) -> list[list[dict]]:
 def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) -> SpecRun:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
     engine.generate([chats[0]], SamplingParams(max_new_tokens=4))  # warm-up
+    eagle = engine.runner.eagle
+    if eagle is not None:  # acceptance per position of this run only
+        eagle.num_verify_rows = 0
+        eagle.accepted_per_position[:] = 0
     run = SpecRun(name, batch, 0.0, 0)
     decode_time, decode_tokens = 0.0, 0
     positions: list[int] = []
@@ -101,7 +105,6 @@ def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) ->
         decode_tokens += produced - len(group)
         run.output_tokens += produced
         run.outputs += [tokens[rid] for rid, _ in submitted]
-    eagle = engine.runner.eagle
     if eagle is not None and eagle.num_verify_rows:
         run.per_position = (eagle.accepted_per_position / eagle.num_verify_rows).tolist()
     run.decode_tps = decode_tokens / max(decode_time, 1e-9)
