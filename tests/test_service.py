@@ -342,3 +342,43 @@ def test_telemetry_snapshot_and_admin_abort(service):
         sub.close()
         admin.close()
         ctx.term()
+
+
+def test_speculative_service_streams_the_greedy_output(model_path, reference):
+    """EAGLE-3 tree speculation under overlap behind real sockets: concurrent streams equal the
+    plain offline engine, usage reports acceptance, telemetry carries it, accounting empties."""
+    svc = ServiceProcess(model_path, "--overlap", "--spec-algorithm", "eagle3",
+                         "--spec-num-steps", "3", "--spec-topk", "2",
+                         "--spec-num-draft-tokens", "6")
+    try:
+        results: dict[str, tuple[list[int], Finished | None]] = {}
+
+        def run(q: str) -> None:
+            ids, fin = [], None
+            with Client(svc.endpoint) as client:
+                for msg in client.generate(messages=messages(q), params=GREEDY):
+                    if isinstance(msg, Chunk):
+                        ids += msg.token_ids
+                    elif isinstance(msg, (Finished, Error)):
+                        fin = msg
+            results[q] = (ids, fin)
+
+        threads = [threading.Thread(target=run, args=(q,)) for q in QUESTIONS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        verify_steps = 0
+        for q in QUESTIONS:
+            ids, fin = results[q]
+            assert isinstance(fin, Finished), fin
+            assert ids == reference[q].token_ids
+            assert fin.usage.completion_tokens == len(ids)
+            verify_steps += fin.usage.spec_verify_steps
+            if fin.usage.spec_verify_steps:
+                assert fin.usage.spec_accept_length >= 1.0
+        assert verify_steps > 0
+        with Client(svc.endpoint) as client:
+            assert_idle(client)
+    finally:
+        assert svc.stop() == 0, svc.log_text()[-3000:]
