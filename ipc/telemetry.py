@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
+# A request's `text_tail` holds at most this many characters (the newest), so a snapshot stays
+# small however long the outputs grow: at most 400 x the running and waiting requests.
+TEXT_TAIL_CHARS = 400
+
 
 class RequestTelemetry(msgspec.Struct, array_like=True, frozen=True):
     id: str
@@ -21,6 +25,9 @@ class RequestTelemetry(msgspec.Struct, array_like=True, frozen=True):
     key: str  # service-wide request key ("<client hex>/<client id>"), for AdminAbort
     accept_length: float | None = None  # its mean tokens per verify step (accepted drafts + the
     # bonus token) so far; None without speculation or before its first verify step
+    text_tail: str | None = None  # the last TEXT_TAIL_CHARS characters of the text streamed to
+    # its client so far ("" before any); None from a service that does not publish text.
+    # array_like: new fields go last, with defaults, so older readers still decode.
 
 
 class StepTelemetry(msgspec.Struct, array_like=True, frozen=True):
@@ -30,6 +37,15 @@ class StepTelemetry(msgspec.Struct, array_like=True, frozen=True):
     forward_ms: float  # worker time for the step
     wall_ms: float  # scheduler's view: plan sent to result processed
     idle_ms: float  # worker idle before this step (end of the previous forward to its start)
+
+
+class SpecConfigTelemetry(msgspec.Struct, frozen=True):
+    """The service's speculative decoding settings (its config's `[spec]` section)."""
+
+    algorithm: str  # "eagle3" | "eagle"
+    num_steps: int  # draft depth
+    topk: int  # children per draft node; 1 = a chain
+    num_draft_tokens: int  # tree nodes verified per step, the root included
 
 
 class WorkerTelemetry(msgspec.Struct, frozen=True):
@@ -67,3 +83,4 @@ class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     spec_verify_steps: int = 0  # verify rows since start
     spec_accept_rate_per_position: list[float] = []  # since start: share of verify rows that
     # accepted the draft token at depth i+1 (one entry per draft position; never increasing)
+    spec_config: SpecConfigTelemetry | None = None  # the settings while speculation is on

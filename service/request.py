@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from ipc.sampling import SamplingParams
+from ipc.telemetry import TEXT_TAIL_CHARS
 
 
 class RequestState(enum.Enum):
@@ -43,6 +44,12 @@ class Request:
     spec_accepted_drafts: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     last_accept_len: int = 0  # draft tokens accepted by the last verify step
+    text_tail: str = ""  # the newest TEXT_TAIL_CHARS characters streamed to the client (telemetry)
+
+    def append_text(self, text: str) -> None:
+        """Text released to the client (after stop-string hold-back); only a tail is kept."""
+        if text:
+            self.text_tail = (self.text_tail + text)[-TEXT_TAIL_CHARS:]
 
     def record_accept(self, accepted: int) -> None:
         self.last_accept_len = accepted

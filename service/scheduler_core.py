@@ -316,6 +316,7 @@ class SchedulerCore:
             reason = FinishReason.LENGTH
         if reason is not None and not hit_stop_string:
             text += stream.stops.flush()
+        req.append_text(text)
         if reason is None:
             return RequestOutput(req.rid, [token], text, lp)
         out = self._finish(req, reason)

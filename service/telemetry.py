@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from ipc.telemetry import RequestTelemetry, TelemetrySnapshot, WorkerTelemetry
+from ipc.telemetry import (RequestTelemetry, SpecConfigTelemetry, TelemetrySnapshot,
+                           WorkerTelemetry)
 from service.request import Request, RequestState
 
 if TYPE_CHECKING:
@@ -26,7 +27,16 @@ def request_telemetry(req: Request, now: float) -> RequestTelemetry:
     return RequestTelemetry(id=req.rid.split("/", 1)[-1], slot=req.slot or 0, state=state, prompt_len=len(req.prompt_ids),
                             seq_len=req.seq_len, generated=len(req.output_ids),
                             last_accept_len=req.last_accept_len, age_s=now - req.arrival,
-                            key=req.rid, accept_length=req.spec_accept_length)
+                            key=req.rid, accept_length=req.spec_accept_length,
+                            text_tail=req.text_tail)
+
+
+def spec_config_telemetry(spec) -> SpecConfigTelemetry | None:
+    """The config's `[spec]` section for the monitor's header; None while speculation is off."""
+    if spec.algorithm == "none":
+        return None
+    return SpecConfigTelemetry(algorithm=spec.algorithm, num_steps=spec.num_steps,
+                               topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
 
 
 class TelemetryPublisher:
@@ -39,6 +49,7 @@ class TelemetryPublisher:
         self.endpoint: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._history: deque[tuple[float, int]] = deque()
+        self._spec_config = spec_config_telemetry(service.cfg.spec)  # fixed for the service's life
 
     def bind(self) -> None:
         self.socket.bind(self._requested)
@@ -72,7 +83,8 @@ class TelemetryPublisher:
                                    restarts=svc.worker_restarts, device=info.device,
                                    dtype=info.dtype, attention_backend=info.attention_backend),
             spec_accept_length=spec.recent_accept_length, spec_verify_steps=spec.verify_steps,
-            spec_accept_rate_per_position=spec.accept_rate_per_position)
+            spec_accept_rate_per_position=spec.accept_rate_per_position,
+            spec_config=self._spec_config)
 
     def publish(self) -> None:
         if self.endpoint is None or self.service.core is None:

@@ -224,3 +224,52 @@ def test_request_id_rules(tag):
     assert err.code == "invalid_message" and str(MAX_REQUEST_ID_CHARS) in err.message
     ok_id = "x" * MAX_REQUEST_ID_CHARS
     assert decode_client_request(pack({"type": tag, "id": ok_id, **extra})).id == ok_id
+
+
+# ----- telemetry: newer fields stay readable both ways -------------------------------------
+
+class _OldRequestTelemetry(msgspec.Struct, array_like=True, frozen=True):
+    """RequestTelemetry before `text_tail`: what an older monitor decodes with."""
+
+    id: str
+    slot: int
+    state: str
+    prompt_len: int
+    seq_len: int
+    generated: int
+    last_accept_len: int
+    age_s: float
+    key: str
+    accept_length: float | None = None
+
+
+def test_request_telemetry_text_tail_is_compatible_both_ways():
+    from ipc.telemetry import RequestTelemetry
+
+    new = RequestTelemetry("r", 1, "decoding", 3, 5, 2, 0, 0.5, "ab/r", None, "Hello, wo")
+    wire = pack(new)
+    assert unpack(wire)[-1] == "Hello, wo"  # array_like: the text is the last element
+    old = msgspec.msgpack.decode(wire, type=_OldRequestTelemetry)  # an older monitor
+    assert (old.id, old.key, old.generated) == ("r", "ab/r", 2)
+    # An older service sends no text: the newer monitor reads None ("not published").
+    from_old = msgspec.msgpack.decode(pack(_OldRequestTelemetry(
+        "r", 1, "decoding", 3, 5, 2, 0, 0.5, "ab/r")), type=RequestTelemetry)
+    assert from_old.text_tail is None and from_old.key == "ab/r"
+
+
+def test_snapshot_spec_config_is_optional():
+    from ipc.telemetry import SpecConfigTelemetry, TelemetrySnapshot, WorkerTelemetry
+
+    base = dict(time=1.0, uptime_s=2.0, model="m", overlap=True, speculation=True,
+                running=[], waiting=[], free_pages=1, total_pages=2, page_size=16,
+                free_slots=1, total_slots=2, output_tokens_per_s=0.0,
+                total_output_tokens=0, finished_requests=0, retractions=0, recent_steps=[],
+                worker_idle_share=0.0,
+                worker=WorkerTelemetry(True, 1, 0, "cpu", "fp32", "torch"))
+    snap = TelemetrySnapshot(**base, spec_config=SpecConfigTelemetry("eagle3", 4, 1, 5))
+    wire = unpack(pack(snap))
+    assert wire["spec_config"] == {"algorithm": "eagle3", "num_steps": 4, "topk": 1,
+                                   "num_draft_tokens": 5}
+    assert msgspec.msgpack.decode(pack(snap), type=TelemetrySnapshot) == snap
+    del wire["spec_config"]  # an older service
+    assert msgspec.msgpack.decode(pack(wire), type=TelemetrySnapshot).spec_config is None

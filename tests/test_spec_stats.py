@@ -14,6 +14,7 @@ from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
 from ipc.telemetry import TelemetrySnapshot
 from ipc.worker_messages import StepResult, WorkerInfo, pack_i32, unpack_i32
+from service.config import SpecSection
 from service.request import FinishReason
 from service.scheduler_core import SchedulerConfig, SchedulerCore
 from service.server import usage_of
@@ -64,7 +65,8 @@ def snapshot_of(core: SchedulerCore) -> TelemetrySnapshot:
         recent_steps=[], worker_idle_ms=0.0, worker_busy_ms=0.0, worker_ok=True,
         worker_restarts=0, worker=SimpleNamespace(pid=1),
         cfg=SimpleNamespace(scheduling=SimpleNamespace(overlap=True),
-                            spec=SimpleNamespace(algorithm="eagle3")))
+                            spec=SpecSection(algorithm="eagle3", num_steps=NUM_STEPS, topk=1,
+                                             num_draft_tokens=NUM_STEPS + 1)))
     ctx = zmq.Context()
     try:
         publisher = TelemetryPublisher(ctx, "tcp://127.0.0.1:0", svc)
@@ -86,6 +88,10 @@ def test_accept_lengths_reach_usage_and_telemetry():
     assert [r.accept_length for r in snap.running] == [None, None]
     assert snap.spec_accept_length is None and snap.spec_verify_steps == 0
     assert snap.spec_accept_rate_per_position == []
+    # The settings come from the config's [spec] section, for the monitor's header.
+    assert snap.speculation and snap.spec_config is not None
+    assert (snap.spec_config.algorithm, snap.spec_config.num_steps, snap.spec_config.topk,
+            snap.spec_config.num_draft_tokens) == ("eagle3", NUM_STEPS, 1, NUM_STEPS + 1)
 
     step(core, {"a": 2, "b": 0})
     step(core, {"a": 3, "b": 1})

@@ -1,8 +1,14 @@
 """`fmserve top`: the Textual app headless (`App.run_test`) fed by a real ZMQ PUB socket.
 
-Synthetic snapshots check the screen against the values that were published; an end-to-end
-test runs it against a live service with concurrent clients and aborts a request through it.
-Set FMSERVE_TOP_SCREENSHOTS=docs to refresh docs/top-main.svg and docs/top-detail.svg.
+Synthetic snapshots check the screen against the values that were published; a scheduler's
+telemetry streams a request's text into the detail view; SVG snapshot tests
+(pytest-textual-snapshot, baselines in tests/__snapshots__/) draw the main screen and the
+detail view from a fixed scene; an end-to-end test runs it against a live service with
+concurrent clients and aborts a request through it.
+
+After a deliberate change of the look: `pytest tests/test_tui.py -k svg_snapshot
+--snapshot-update` rewrites the baselines, and FMSERVE_TOP_SCREENSHOTS=docs on the same run
+rewrites docs/top-main.svg and docs/top-detail.svg from the same scene.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -23,11 +31,17 @@ from textual.widgets import DataTable
 from ipc.client import Client
 from ipc.client_messages import Chunk, Finished
 from ipc.sampling import SamplingParams
-from ipc.telemetry import RequestTelemetry, StepTelemetry, TelemetrySnapshot, WorkerTelemetry
+from ipc.telemetry import (TEXT_TAIL_CHARS, RequestTelemetry, SpecConfigTelemetry, StepTelemetry,
+                           TelemetrySnapshot, WorkerTelemetry)
+from ipc.worker_messages import StepResult, WorkerInfo, pack_i32, unpack_i32
+from service.config import SpecSection
+from service.scheduler_core import SchedulerConfig, SchedulerCore
+from service.telemetry import TelemetryPublisher
 from tests.test_service import ServiceProcess, free_port
 from tui.app import AdminAbort, TopApp, send_admin_abort
 from tui.events import request_key
-from tui.widgets import TEXT_NOTE, RequestDetailScreen
+from tui.telemetry_feed import FeedStatus
+from tui.widgets import NO_TEXT_YET, TEXT_NOTE, OutputText, RequestDetailScreen
 
 pytestmark = pytest.mark.anyio  # async tests run on anyio's pytest plugin (asyncio backend)
 
@@ -45,14 +59,15 @@ def _make(cls, **fields):
 
 
 def req(rid: str, slot: int, seq_len: int, generated: int, state: str = "decoding",
-        accept: int = 0, owner: str = "c0ffee") -> RequestTelemetry:
+        accept: int = 0, owner: str = "c0ffee", text: str | None = None) -> RequestTelemetry:
     return _make(RequestTelemetry, id=rid, slot=slot, state=state,
                  prompt_len=seq_len - generated, seq_len=seq_len, generated=generated,
-                 last_accept_len=accept, age_s=1.0, key=f"{owner}/{rid}")
+                 last_accept_len=accept, age_s=1.0, key=f"{owner}/{rid}", text_tail=text)
 
 
 def snapshot(t: float, running=(), waiting=(), *, retractions=0, restarts=0, alive=True,
-             pid=4242, finished=0, tokens=0, speculation=False) -> TelemetrySnapshot:
+             pid=4242, finished=0, tokens=0, speculation=False,
+             spec_config=None) -> TelemetrySnapshot:
     steps = [_make(StepTelemetry, step_id=100 + i, batch_size=len(running), num_tokens=8,
                    forward_ms=20.0, wall_ms=25.0, idle_ms=5.0) for i in range(4)]
     return _make(TelemetrySnapshot, time=t, uptime_s=3725.0, model="SmolLM2-135M-Instruct",
@@ -63,7 +78,8 @@ def snapshot(t: float, running=(), waiting=(), *, retractions=0, restarts=0, ali
                  finished_requests=finished, retractions=retractions, recent_steps=steps,
                  worker_idle_share=0.25,
                  worker=WorkerTelemetry(alive=alive, pid=pid, restarts=restarts, device="cpu",
-                                        dtype="fp32", attention_backend="torch"))
+                                        dtype="fp32", attention_backend="torch"),
+                 spec_config=spec_config)
 
 
 class Publisher:
@@ -214,7 +230,8 @@ async def test_detail_view_shows_the_request_over_time(pub):
         assert seq[0] == lengths[-1] and set(lengths) <= set(seq)  # newest first, all there
         summary = app.screen.query_one("#detail-summary").render().plain
         assert "request d1" in summary and "seq_len 42" in summary and "tok/s 4.0" in summary
-        assert TEXT_NOTE[:40] in summary
+        # These snapshots carry no text (as from an older service): the panel says so.
+        assert app.screen.query_one("#detail-text", OutputText).render().plain == TEXT_NOTE
         # It keeps updating live, and says so when the request ends.
         await show(pilot, app, pub, snapshot(4010.0, [req("d2", 1, 6, 2)]))
         assert "ended: ended (last seen at 16 tokens" in app.screen.query_one(
@@ -327,6 +344,304 @@ async def test_screen_text_and_svg(pub, tmp_path):
         assert app.save_screenshot("main.svg", str(tmp_path)).endswith("main.svg")
 
 
+# ----- request text and speculation settings, from the service's own telemetry -------------
+
+class WordTokenizer:
+    """Enough of TextTokenizer for the detokenizer: token t reads "w<t> "."""
+
+    vocab_size = 1000
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f"w{i} " for i in ids)
+
+
+class SchedulerTelemetry:
+    """A SchedulerCore answered by hand (no worker) and the service's TelemetryPublisher
+    making snapshots of it, as `fmserve serve` publishes them."""
+
+    def __init__(self, spec: SpecSection = SpecSection()) -> None:
+        info = WorkerInfo(protocol_version=1, model_name="fake", device="cpu", dtype="fp32",
+                          attention_backend="torch", num_layers=2, vocab_size=1000,
+                          max_context_len=4096, page_size=16, num_pages=64, num_slots=5,
+                          eos_token_ids=[2])
+        self.core = SchedulerCore(info, WordTokenizer(), SchedulerConfig())
+        svc = SimpleNamespace(
+            core=self.core, info=info, output_tokens=0, started=time.monotonic(),
+            finished_requests=0, recent_steps=[], worker_idle_ms=0.0, worker_busy_ms=0.0,
+            worker_ok=True, worker_restarts=0, worker=SimpleNamespace(pid=1),
+            cfg=SimpleNamespace(scheduling=SimpleNamespace(overlap=False), spec=spec))
+        self.ctx = zmq.Context()
+        self.publisher = TelemetryPublisher(self.ctx, "tcp://127.0.0.1:0", svc)
+        self.streamed: dict[str, str] = {}  # the text each client received, in its chunks
+
+    def step(self, token: int) -> None:
+        """Plan a step and answer it: every sampling request gets `token`."""
+        plan = self.core.plan_step()
+        slots = [e.slot for e in plan.extends if e.sample] + unpack_i32(plan.decode_slots).tolist()
+        result = StepResult(step_id=plan.step_id, slots=pack_i32(slots),
+                            token_ids=pack_i32([token] * len(slots)), logprobs=b"",
+                            top_logprobs_n=0, top_logprob_ids=b"", top_logprobs=b"",
+                            forward_ms=1.0)
+        for out in self.core.process_result(result):
+            self.streamed[out.rid] = self.streamed.get(out.rid, "") + out.text
+
+    def snapshot(self) -> TelemetrySnapshot:
+        return self.publisher.snapshot()
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.ctx.term()
+
+
+def _squash(text: str) -> str:
+    return "".join(text.split())
+
+
+async def test_detail_view_streams_the_request_text(pub):
+    sched = SchedulerTelemetry()
+    rid = "c0ffee/story"
+    # "w7 " could begin the stop string, so the service holds it back until "w8 " follows.
+    sched.core.add_request(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=1000,
+                                                          stop=["w7 w99"]))
+    app = make_app(pub.endpoint)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            sched.step(3)  # the prefill step samples the first token
+            await show(pilot, app, pub, sched.snapshot())
+            await pilot.press("enter")
+            assert isinstance(app.screen, RequestDetailScreen) and app.screen.key == rid
+            panel = app.screen.query_one("#detail-text", OutputText)
+            assert panel.text == sched.streamed[rid] == "w3 "
+            assert panel.render().plain == "w3 " and panel.border_title == "output text, live"
+            # It follows the text live, as the client received it: "w7 " is held back.
+            for token in (4, 5, 6, 7):
+                sched.step(token)
+            await show(pilot, app, pub, sched.snapshot())
+            assert app.screen.query_one("#detail-text", OutputText) is panel
+            assert panel.text == sched.streamed[rid] == "w3 w4 w5 w6 "
+            sched.step(8)
+            await show(pilot, app, pub, sched.snapshot())
+            assert panel.text == sched.streamed[rid] == "w3 w4 w5 w6 w7 w8 "
+            assert panel.render().plain == "w3 w4 w5 w6 w7 w8 "
+            # Past TEXT_TAIL_CHARS the snapshot carries the newest characters only.
+            for i in range(200):
+                sched.step(10 + i % 90)
+            snap = sched.snapshot()
+            assert len(sched.streamed[rid]) > TEXT_TAIL_CHARS
+            assert snap.running[0].text_tail == sched.streamed[rid][-TEXT_TAIL_CHARS:]
+            await show(pilot, app, pub, snap)
+            assert panel.text == sched.streamed[rid][-TEXT_TAIL_CHARS:]
+            shown = panel.render().plain
+            assert shown.startswith("…") and _squash(shown).endswith(
+                _squash(sched.streamed[rid][-120:]))
+            assert panel.border_title == \
+                f"output text (its last {TEXT_TAIL_CHARS} characters), live"
+            # When it ends, the last text seen stays.
+            sched.core.abort(rid)
+            await show(pilot, app, pub, sched.snapshot())
+            assert panel.text == sched.streamed[rid][-TEXT_TAIL_CHARS:]
+            assert panel.border_title.endswith(", as last seen")
+    finally:
+        sched.close()
+
+
+async def test_detail_view_before_the_first_token(pub):
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        await show(pilot, app, pub, snapshot(9200.0, [req("f1", 1, 40, 0, "prefilling", text="")]))
+        await pilot.press("enter")
+        panel = app.screen.query_one("#detail-text", OutputText)
+        assert panel.render().plain == NO_TEXT_YET
+        text = "line one\n\tindented\x1b[31m line\r\nthree"
+        await show(pilot, app, pub, snapshot(9201.0, [req("f1", 1, 52, 12, text=text)]))
+        # Control characters cannot reach the terminal; tabs become spaces.
+        assert panel.render().plain == "line one\n    indented\ufffd[31m line\nthree"
+
+
+async def test_header_shows_the_speculation_settings(pub):
+    sched = SchedulerTelemetry(SpecSection(algorithm="eagle3", num_steps=3, topk=2,
+                                           num_draft_tokens=6))
+    app = make_app(pub.endpoint)
+    header = lambda: app.query_one("#header").render().plain  # noqa: E731
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            # The service's publisher takes them from its config's [spec] section.
+            await show(pilot, app, pub, sched.snapshot())
+            assert "spec eagle3 (steps 3, topk 2, draft 6)" in header()
+            await show(pilot, app, pub, snapshot(9301.0, speculation=True))  # an older service
+            assert "spec on (settings n/a)" in header()
+            await show(pilot, app, pub, snapshot(9302.0))
+            assert "spec off " in header()
+    finally:
+        sched.close()
+
+
+# ----- SVG snapshots (pytest-textual-snapshot) of a fixed scene -----------------------------
+
+SCENE_T0 = 1767225600.0  # 2026-01-01 00:00:00 UTC: event time stamps are drawn in UTC
+SCENE_SIZE = (150, 44)
+SCENE_SPEC = SpecConfigTelemetry(algorithm="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
+SCENE_TEXT = {
+    "chat-7f3a": (
+        "Paged attention stores each request's keys and values in fixed-size pages, so memory "
+        "is handed out in small blocks instead of one long buffer per request. The scheduler "
+        "keeps a page table for every slot; when a request grows past its last page it is "
+        "granted another, and when the pool runs dry the newest request is retracted and "
+        "recomputed later. Continuous batching mixes prefill chunks with decode steps, which "
+        "keeps the worker busy while short requests come and go. With speculative decoding a "
+        "small draft head proposes a few tokens ahead and the target model verifies them in "
+        "one forward, accepting the longest prefix it agrees with plus a bonus token."),
+    "code-19": (
+        "Here is a merge step and a test:\n\n"
+        "def merge_sorted(a, b):\n"
+        "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+        "    out, i, j = [], 0, 0\n"
+        "    while i < len(a) and j < len(b):\n"
+        "        if a[i] <= b[j]:\n"
+        "            out.append(a[i])\n"
+        "            i += 1\n"
+        "        else:\n"
+        "            out.append(b[j])\n"
+        "            j += 1\n"
+        "    return out + a[i:] + b[j:]\n\n"
+        "def test_merge_sorted():\n"
+        "    assert merge_sorted([1, 4, 9], [2, 3, 10]) == [1, 2, 3, 4, 9, 10]\n"
+        "    assert merge_sorted([], [5]) == [5]\n"
+        "    assert merge_sorted([7], []) == [7]\n"),
+    "summarise-22": "The report makes three points. First, latency under load is dominated by",
+    "story-4": "Once upon a time, in a lighthouse at the edge of the map, a keeper counted",
+    "qa-8": "The capital of Australia is Canberra.",
+    "translate-5": "Le cache de clés et de valeurs est découpé en pages de taille fixe, et",
+    "json-11": '{"name": "fmserve", "features": ["paged KV cache", "overlap scheduling", "',
+}
+
+
+def _scene_request(rid: str, slot: int, prompt: int, generated: int, state: str = "decoding",
+                   accept: int = 0, age: float = 3.0) -> RequestTelemetry:
+    text = SCENE_TEXT.get(rid, "")[:round(generated * 4.3)][-TEXT_TAIL_CHARS:]
+    return RequestTelemetry(id=rid, slot=slot, state=state, prompt_len=prompt,
+                            seq_len=prompt + generated, generated=generated,
+                            last_accept_len=accept, age_s=age, key=f"5a17/{rid}",
+                            accept_length=2.1 + 0.1 * slot if generated > 1 else None,
+                            text_tail=text)
+
+
+def scene() -> list[TelemetrySnapshot]:
+    """Six snapshots a quarter of a second apart: a batch with speculation on; qa-8 finishes
+    after the third, story-4 is retracted to the queue at the fourth."""
+    snaps = []
+    for i in range(6):
+        t = SCENE_T0 + 0.25 * i
+        running = [_scene_request("chat-7f3a", 1, 212, 120 + 9 * i, accept=(i + 1) % 4),
+                   _scene_request("code-19", 2, 96, 60 + 8 * i, accept=(i + 2) % 4),
+                   _scene_request("summarise-22", 3, 1480, max(0, 7 * i - 13),
+                                  "prefilling" if i < 2 else "decoding", accept=i % 3),
+                   _scene_request("translate-5", 6, 340, 14 + 8 * i, accept=(i + 3) % 4),
+                   _scene_request("json-11", 7, 150, 9 + 9 * i, accept=i % 4)]
+        waiting = [_scene_request("batch-31", 0, 2048, 0, "waiting", age=1.5 + 0.25 * i),
+                   _scene_request("batch-32", 0, 900, 0, "waiting", age=0.75 + 0.25 * i)]
+        if i < 3:
+            running.append(_scene_request("story-4", 4, 64, 30 + 6 * i, accept=1))
+            running.append(_scene_request("qa-8", 5, 48, 5 + 3 * i, accept=2))
+        else:
+            waiting.insert(0, _scene_request("story-4", 0, 64, 42, "waiting", age=4.0))
+        pages = sum(-(-r.seq_len // 16) for r in running)
+        steps = [StepTelemetry(step_id=400 + 6 * i - 15 + k, batch_size=len(running),
+                               num_tokens=5 * len(running), forward_ms=31.5 + (k % 3) * 0.8,
+                               wall_ms=35.9 + (k % 3) * 0.8, idle_ms=1.2) for k in range(16)]
+        snaps.append(TelemetrySnapshot(
+            time=t, uptime_s=3725.0 + 0.25 * i, model="SmolLM2-135M-Instruct", overlap=True,
+            speculation=True, running=running, waiting=waiting, free_pages=512 - pages,
+            total_pages=512, page_size=16, free_slots=8 - len(running), total_slots=8,
+            output_tokens_per_s=[88.0, 97.5, 104.2, 99.1, 111.8, 118.3][i],
+            total_output_tokens=5000 + 30 * i, finished_requests=12 + (i >= 3),
+            retractions=2 + (i >= 3), recent_steps=steps, worker_idle_share=0.06,
+            worker=WorkerTelemetry(alive=True, pid=31337, restarts=0, device="cpu",
+                                   dtype="bf16", attention_backend="torch"),
+            spec_accept_length=2.4 + 0.05 * i, spec_verify_steps=1200 + 30 * i,
+            spec_accept_rate_per_position=[0.78, 0.55, 0.34, 0.19], spec_config=SCENE_SPEC))
+    return snaps
+
+
+class SceneFeed:
+    """Stands in for TelemetryFeed: hands over the scene one snapshot per take() and reports
+    the same connection every time, so nothing on screen depends on sockets or timing."""
+
+    endpoint = "tcp://127.0.0.1:5558"
+
+    def __init__(self, snaps: list[TelemetrySnapshot]) -> None:
+        self._snaps = deque(snaps)
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def take(self) -> TelemetrySnapshot | None:
+        return self._snaps.popleft() if self._snaps else None
+
+    def status(self) -> FeedStatus:
+        return FeedStatus(self.endpoint, connected=True, silent_s=0.1, frames=6,
+                          decode_errors=0, last_error=None)
+
+
+@pytest.fixture
+def utc():
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    yield
+    if before is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+def scene_app() -> TopApp:
+    return TopApp(client_endpoint="tcp://127.0.0.1:5557", refresh_s=REFRESH_S,
+                  feed=SceneFeed(scene()), clock=lambda: SCENE_T0 - 2.0)
+
+
+async def play_scene(pilot) -> None:
+    await until(pilot, lambda: pilot.app.applied == 6, what="the scene's six snapshots")
+
+
+def save_doc_screenshot(app: TopApp, name: str) -> None:
+    """With FMSERVE_TOP_SCREENSHOTS=docs: the same screen as docs/<name>."""
+    if shots := os.environ.get("FMSERVE_TOP_SCREENSHOTS"):
+        (ROOT / shots / name).write_text(app.export_screenshot(simplify=True))
+
+
+@pytest.mark.timeout(120)
+def test_main_screen_svg_snapshot(snap_compare, utc):
+    app = scene_app()
+
+    async def run_before(pilot):
+        await play_scene(pilot)
+        save_doc_screenshot(app, "top-main.svg")
+
+    assert snap_compare(app, terminal_size=SCENE_SIZE, run_before=run_before)
+
+
+@pytest.mark.timeout(120)
+def test_detail_view_svg_snapshot(snap_compare, utc):
+    app = scene_app()
+
+    async def run_before(pilot):
+        await play_scene(pilot)
+        await pilot.press("down", "enter")  # code-19, slot 2
+        await until(pilot, lambda: isinstance(app.screen, RequestDetailScreen),
+                    what="the detail view")
+        await pilot.pause(0.2)
+        assert app.screen.key == "5a17/code-19"
+        save_doc_screenshot(app, "top-detail.svg")
+
+    assert snap_compare(app, terminal_size=SCENE_SIZE, run_before=run_before)
+
+
 # ----- live service -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -336,15 +651,6 @@ def live_service(model_path):
     svc = ServiceProcess(model_path)
     yield svc
     svc.stop()
-
-
-async def save_screenshots(pilot, app: TopApp, folder: Path) -> None:
-    """docs/top-main.svg and docs/top-detail.svg (the selected request), from a live screen."""
-    (folder / "top-main.svg").write_text(app.export_screenshot(simplify=True))
-    await pilot.press("enter")
-    await pilot.pause(0.5)
-    (folder / "top-detail.svg").write_text(app.export_screenshot(simplify=True))
-    await pilot.press("escape")
 
 
 def _client(endpoint: str, prompt: str, rid: str, max_new: int, out: dict) -> None:
@@ -381,13 +687,19 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
             table.move_cursor(row=[r[0] for r in table_rows(app)].index("victim"))
             await pilot.pause(REFRESH_S)
             assert app.selected_key().endswith("/victim")
-            if shots := os.environ.get("FMSERVE_TOP_SCREENSHOTS"):
-                await save_screenshots(pilot, app, ROOT / shots)
+            # Its detail view streams the text the service sends it.
+            await pilot.press("enter")
+            panel = app.screen.query_one("#detail-text", OutputText)
+            await until(pilot, lambda: panel.text and len(panel.text) > 20, timeout_s=30,
+                        what="the victim's text in the detail view")
+            seen_text = panel.text
+            await pilot.press("escape")
             await pilot.press("a")
             await until(pilot, lambda: "victim" in results, timeout_s=30,
                         what="the victim's stream to end")
             assert isinstance(results["victim"][-1], Finished)
             assert results["victim"][-1].reason == "abort"
+            assert seen_text in "".join(m.text for m in results["victim"] if isinstance(m, Chunk))
             await until(pilot, lambda: "accepted by the service" in events_text(app),
                         timeout_s=10, what="the service's Aborted answer")
             await until(pilot, lambda: "victim aborted from top" in events_text(app),

@@ -13,6 +13,7 @@ keyboard stays responsive under load. `p` freezes the screen, `s` cycles the sor
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -110,6 +111,7 @@ class TopApp(App):
     #side Sparkline { height: 1; }
     #side Label { margin-top: 1; }
     RequestDetailScreen #detail-summary { height: auto; padding: 0 1; background: $boost; }
+    RequestDetailScreen #detail-text { height: 10; border: round $primary; padding: 0 1; }
     RequestDetailScreen Sparkline { height: 3; }
     RequestDetailScreen .caption { color: $text-muted; padding: 0 1; }
     """
@@ -119,12 +121,18 @@ class TopApp(App):
 
     def __init__(self, telemetry_endpoint: str = DEFAULT_TELEMETRY_ENDPOINT,
                  client_endpoint: str = DEFAULT_CLIENT_ENDPOINT, *, refresh_s: float = 0.25,
-                 stale_after_s: float = 2.0, reconnect_every_s: float = 3.0) -> None:
+                 stale_after_s: float = 2.0, reconnect_every_s: float = 3.0,
+                 feed: TelemetryFeed | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`feed` replaces the ZMQ reader (anything with run/stop/take/status and an endpoint)
+        and `clock` the time stamp of the monitor's own events: tests use both to draw the
+        same screen on every run."""
         super().__init__()
         self.client_endpoint = client_endpoint
         self.refresh_s = refresh_s
-        self.feed = TelemetryFeed(telemetry_endpoint, stale_after_s=stale_after_s,
-                                  reconnect_every_s=reconnect_every_s)
+        self.clock = clock
+        self.feed = feed if feed is not None else TelemetryFeed(
+            telemetry_endpoint, stale_after_s=stale_after_s, reconnect_every_s=reconnect_every_s)
         self.tracker = SnapshotTracker()
         self.snapshot: TelemetrySnapshot | None = None  # the one on screen
         self.paused = False
@@ -172,7 +180,7 @@ class TopApp(App):
         self.seq_lens.border_title = "sequence lengths"
         self.queue.border_title = "queue"
         self.events.border_title = "events"
-        self._log(MonitorEvent(time.time(), INFO, f"watching telemetry at {self.feed.endpoint}"))
+        self._log(MonitorEvent(self.clock(), INFO, f"watching telemetry at {self.feed.endpoint}"))
         self.table.focus()  # the arrow keys and enter belong to the batch
         self._read_telemetry()
         self.set_interval(self.refresh_s, self._tick)
@@ -191,9 +199,9 @@ class TopApp(App):
         status = self.feed.status()
         if status.connected != self._was_connected and self._was_connected is not None:
             if status.connected:
-                self._log(MonitorEvent(time.time(), INFO, f"connected to {status.endpoint}"))
+                self._log(MonitorEvent(self.clock(), INFO, f"connected to {status.endpoint}"))
             else:
-                self._log(MonitorEvent(time.time(), ERROR, status.explain()))
+                self._log(MonitorEvent(self.clock(), ERROR, status.explain()))
         self._was_connected = status.connected
         if not self.paused:
             snap = self.feed.take()
@@ -291,20 +299,20 @@ class TopApp(App):
     def action_abort(self) -> None:
         key = self.selected_key()
         if key is None:
-            self._log(MonitorEvent(time.time(), WARNING, "abort: no request selected"))
+            self._log(MonitorEvent(self.clock(), WARNING, "abort: no request selected"))
             return
         track = self.tracker.tracks.get(key)
         if track is not None and track.ended_at is not None:
-            self._log(MonitorEvent(time.time(), WARNING, f"abort {key}: it has already ended"))
+            self._log(MonitorEvent(self.clock(), WARNING, f"abort {key}: it has already ended"))
             return
         if AdminAbort is None:
             self._log(MonitorEvent(
-                time.time(), ERROR, f"cannot abort {key}: this ipc.client_messages has no "
+                self.clock(), ERROR, f"cannot abort {key}: this ipc.client_messages has no "
                                     f"AdminAbort, and a plain Abort only works on the "
                                     f"connection that sent the request"))
             return
         self.tracker.mark_abort_requested(key)
-        self._log(MonitorEvent(time.time(), INFO, f"abort {key}: sent to {self.client_endpoint}"))
+        self._log(MonitorEvent(self.clock(), INFO, f"abort {key}: sent to {self.client_endpoint}"))
         self._send_abort(key)
 
     @work(thread=True, group="abort")

@@ -57,6 +57,7 @@ class RequestTrack:
     ended_at: float | None = None
     end_note: str | None = None
     abort_requested: bool = False
+    text: str | None = None  # the newest tail of its output text; None: the service sends none
 
     @property
     def last(self) -> RequestSample:
@@ -142,6 +143,7 @@ class SnapshotTracker:
         track.samples.append(RequestSample(now, r.state, r.slot, r.seq_len, r.generated,
                                            r.last_accept_len, rate,
                                            getattr(r, "accept_length", None)))
+        track.text = getattr(r, "text_tail", None)  # only the newest: it holds the older text
 
     def _end(self, key: str, when: float, note: str) -> None:
         track = self.tracks[key]

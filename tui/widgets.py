@@ -3,9 +3,11 @@ thin widget that redraws it. Anything the snapshot does not carry is shown as "n
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 
+from rich.console import Console
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -14,7 +16,8 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Footer, RichLog, Sparkline, Static
 
-from ipc.telemetry import RequestTelemetry, TelemetrySnapshot
+from ipc.telemetry import (TEXT_TAIL_CHARS, RequestTelemetry, SpecConfigTelemetry,
+                           TelemetrySnapshot)
 from tui.events import ERROR, WARNING, MonitorEvent, RequestTrack, SnapshotTracker
 from tui.telemetry_feed import FeedStatus
 
@@ -35,6 +38,12 @@ def _fmt_duration(seconds: float) -> str:
 
 # ----- header -------------------------------------------------------------------------------
 
+def spec_settings_text(cfg: SpecConfigTelemetry) -> str:
+    """The published `[spec]` settings, short: "eagle3 (steps 4, topk 1, draft 5)": draft depth,
+    children per draft node, tree nodes verified per step."""
+    return f"{cfg.algorithm} (steps {cfg.num_steps}, topk {cfg.topk}, draft {cfg.num_draft_tokens})"
+
+
 def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool,
                 sort_label: str) -> Text:
     out = Text()
@@ -44,19 +53,19 @@ def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool
     else:
         w = snap.worker
         uptime = _opt(snap, "uptime_s")
-        spec = "on" if snap.speculation else "off"
-        spec_cfg = _opt(snap, "spec_config")  # e.g. "steps 3, topk 1, draft 4", when published
-        if snap.speculation:
-            spec += f" ({spec_cfg})" if spec_cfg else " (settings n/a)"
+        spec_cfg = _opt(snap, "spec_config")  # None from a service that does not publish it
+        spec = "off" if not snap.speculation else \
+            spec_settings_text(spec_cfg) if spec_cfg else "on (settings n/a)"
         out.append(f"{snap.model}", style="bold")
         out.append(f"  {w.device} {w.dtype} attn={w.attention_backend}"
                    f"  overlap {'on' if snap.overlap else 'off'}  spec {spec}"
-                   f"  uptime {NA if uptime is None else _fmt_duration(uptime)}  worker ")
+                   f"  uptime {NA if uptime is None else _fmt_duration(uptime)}\nworker ")
         if w.alive:
             out.append(f"alive pid {w.pid}", style="green")
         else:
             out.append("DOWN", style="bold red")
-        out.append(f" restarts {w.restarts}\n", style="red" if w.restarts else "")
+        out.append(f" restarts {w.restarts}", style="red" if w.restarts else "")
+        out.append("  ")
     if status.connected:
         out.append(status.describe(), style="green")
     else:
@@ -196,12 +205,37 @@ class EventLog(RichLog):
         stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
         line = Text(f"{stamp} ")
         line.append(event.text, style=LEVEL_STYLE.get(event.level, ""))
-        self.write(line)
+        # Wrap at the panel's width (the console's width can be narrower, e.g. 80 headless);
+        # before the first layout the width is unknown and RichLog defers the line.
+        self.write(line, width=self.scrollable_content_region.width or None)
 
 
 # ----- request detail -----------------------------------------------------------------------
 
-TEXT_NOTE = "text: n/a (telemetry snapshots carry no request text, so it cannot stream here)"
+TEXT_NOTE = "text n/a: this service's telemetry carries no request text (no text_tail)"
+NO_TEXT_YET = "no text yet"
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all but tab and newline
+
+
+def output_text(text: str | None, width: int, height: int, console: Console) -> Text:
+    """The newest `height` lines of a request's text tail wrapped to `width`: the end of the
+    text stays in view as it grows. A tail as long as telemetry sends starts with "…"."""
+    if text is None:
+        return Text(TEXT_NOTE, style="dim")
+    if not text:
+        return Text(NO_TEXT_YET, style="dim")
+    clean = _CONTROL.sub("\ufffd", text.replace("\r\n", "\n").replace("\t", "    "))
+    body = Text("…" if len(text) >= TEXT_TAIL_CHARS else "", style="dim")
+    body.append(clean)
+    lines = body.wrap(console, max(1, width))
+    return Text("\n").join(lines[-max(1, height):])
+
+
+def output_text_title(track: RequestTrack) -> str:
+    text = track.text
+    what = "output text" if text is None or len(text) < TEXT_TAIL_CHARS else \
+        f"output text (its last {TEXT_TAIL_CHARS} characters)"
+    return f"{what}, as last seen" if track.ended_at is not None else f"{what}, live"
 
 
 def _mean_accept(value: float | None) -> str:
@@ -236,8 +270,24 @@ def detail_summary_text(track: RequestTrack) -> Text:
         out.append(f"ended: {track.end_note}\n", style="yellow")
     elif track.abort_requested:
         out.append("abort requested\n", style="yellow")
-    out.append(TEXT_NOTE, style="dim")
+    out.rstrip()
     return out
+
+
+class OutputText(Widget):
+    """A request's text tail, wrapped to the panel and cut to its newest lines."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.text: str | None = None
+
+    def show(self, text: str | None) -> None:
+        self.text = text
+        self.refresh()
+
+    def render(self) -> Text:
+        return output_text(self.text, self.content_size.width, self.content_size.height,
+                           self.app.console)
 
 
 class RequestDetailScreen(Screen):
@@ -255,6 +305,7 @@ class RequestDetailScreen(Screen):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield TextPanel(id="detail-summary")
+            yield OutputText(id="detail-text")
             yield Static("seq_len over time", classes="caption")
             yield Sparkline([], id="detail-seq")
             yield Static("tokens/s over time", classes="caption")
@@ -275,6 +326,9 @@ class RequestDetailScreen(Screen):
             summary.show(Text(f"request {self.key}: no longer tracked", style="yellow"))
             return
         summary.show(detail_summary_text(track))
+        text = self.query_one("#detail-text", OutputText)
+        text.border_title = output_text_title(track)
+        text.show(track.text)
         samples = list(track.samples)
         self.query_one("#detail-seq", Sparkline).data = [s.seq_len for s in samples]
         self.query_one("#detail-rate", Sparkline).data = [s.tokens_per_s or 0.0 for s in samples]
