@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ from rich.table import Table
 from fmserve.bench_offline import DEV_PROMPTS, FALLBACK_TEXT
 from fmserve.default_model import resolve_model_path
 from ipc.client import AsyncClient, Client, ServiceUnavailable
-from ipc.client_messages import ChatMessage, Chunk
+from ipc.client_messages import ChatMessage, Chunk, Finished, Usage
 from ipc.sampling import SamplingParams
 
 
@@ -40,6 +40,9 @@ class RequestTiming:
     itl: list[float]
     e2e: float
     tokens: int
+    stamps: list[float] = field(default_factory=list)  # seconds since the request was sent,
+    sizes: list[int] = field(default_factory=list)  # one per chunk, with its token count
+    usage: Usage | None = None  # the Finished message's usage (speculation statistics)
 
 
 @dataclass
@@ -78,20 +81,28 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
 
 
-async def one_request(client: AsyncClient, prompt: str, params: SamplingParams) -> RequestTiming:
+async def one_request(client: AsyncClient, prompt: str | list[int],
+                      params: SamplingParams) -> RequestTiming:
+    """One request: a str is sent as a user chat message, a list of ints as token ids."""
     start = time.perf_counter()
     stamps: list[float] = []
-    tokens = 0
-    async for msg in client.generate(messages=[ChatMessage("user", prompt)], params=params):
+    sizes: list[int] = []
+    usage = None
+    kwargs = (dict(messages=[ChatMessage("user", prompt)]) if isinstance(prompt, str)
+              else dict(token_ids=list(prompt)))
+    async for msg in client.generate(**kwargs, params=params):
         if isinstance(msg, Chunk) and msg.token_ids:
             stamps.append(time.perf_counter())
-            tokens += len(msg.token_ids)
+            sizes.append(len(msg.token_ids))
+        elif isinstance(msg, Finished):
+            usage = msg.usage
     end = time.perf_counter()
     itl = list(np.diff(stamps)) if len(stamps) > 1 else []
-    return RequestTiming(stamps[0] - start if stamps else end - start, itl, end - start, tokens)
+    return RequestTiming(stamps[0] - start if stamps else end - start, itl, end - start,
+                         sum(sizes), [t - start for t in stamps], sizes, usage)
 
 
-async def run_closed_loop(endpoint: str, prompts: list[str], concurrency: int,
+async def run_closed_loop(endpoint: str, prompts: list[str] | list[list[int]], concurrency: int,
                           params: SamplingParams) -> RunResult:
     queue = list(prompts)
     timings: list[RequestTiming] = []
@@ -129,7 +140,10 @@ def offline_baseline(args, path: Path, prompts: list[str], params: SamplingParam
     return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - start)
 
 
-def start_service(args, path: Path, overlap: bool) -> tuple[subprocess.Popen, str]:
+def start_service(args, path: Path, overlap: bool, extra: list[str] = (),
+                  max_running_requests: int = 32) -> tuple[subprocess.Popen, str]:
+    """Start `fmserve serve` on a free port and wait until it answers; `extra` are more flags
+    (speculation, KV size)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -137,8 +151,8 @@ def start_service(args, path: Path, overlap: bool) -> tuple[subprocess.Popen, st
     cmd = [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(path), "--dtype",
            args.dtype, "--device", args.device, "--attention-backend", args.attention_backend,
            "--endpoint", endpoint, "--telemetry-endpoint", "tcp://127.0.0.1:0",
-           "--max-running-requests", "32", "--log-level", "WARNING",
-           "--overlap" if overlap else "--no-overlap"]
+           "--max-running-requests", str(max_running_requests), "--log-level", "WARNING",
+           "--overlap" if overlap else "--no-overlap", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with Client(endpoint) as c:
         for _ in range(300):

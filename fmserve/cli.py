@@ -8,6 +8,8 @@
     fmserve top                                live monitor of a running service
     fmserve bench offline                      prefill/decode tokens/s vs transformers
     fmserve bench offline --spec chain,tree    EAGLE speculative decoding vs the plain engine
+    fmserve bench serve                        the service under load vs the offline engine
+    fmserve bench peers [--quick]              fmserve vs transformers / llama.cpp, report + plots
     fmserve train-eagle                        train an EAGLE-3 draft head (self-distilled)
 """
 
@@ -102,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv = bench_sub.add_parser("serve", help="the service under load vs the offline engine")
     from fmserve.bench_serve import add_bench_serve_args
     add_bench_serve_args(srv)
+    peers = bench_sub.add_parser("peers", help="fmserve against transformers and llama.cpp: "
+                                               "markdown report and plots")
+    from fmserve.bench_peers import add_bench_peers_args
+    add_bench_peers_args(peers)
 
     from fmserve.train_eagle.cli import add_parser as add_train_eagle_parser
     add_train_eagle_parser(sub)
@@ -110,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "train-eagle":
             return args.func(args)
@@ -128,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "serve":
             from fmserve.bench_serve import run_bench_serve
             return run_bench_serve(args)
+        if args.command == "bench" and args.bench_command == "peers":
+            from fmserve.bench_peers import run_bench_peers
+            return run_bench_peers(args)
         if args.command == "bench" and args.bench_command == "offline" and args.spec:
             from fmserve.bench_spec import run_bench_spec
             return run_bench_spec(args)

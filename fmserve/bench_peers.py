@@ -1,0 +1,336 @@
+"""`fmserve bench peers`: fmserve against the engines a user would pick instead (issue 8).
+
+Every peer runs the same prompts (the dev set's, cut to --max-prompt-tokens and rendered with
+the chat template into token ids once, here), the same GGUF weights and the same greedy
+settings (exactly --max-new-tokens tokens, eos ignored), in one run. Repetitions go round robin
+over the peers, so drift on a shared machine hits all of them alike.
+
+Peers (select with --peers, shell-style patterns over these keys):
+    hf-b1                 transformers generate, batch 1 (the baseline of every ratio)
+    hf-batched            transformers generate, one left-padded batch of C prompts
+    hf-prompt-lookup      transformers assisted generation without an assistant model
+                          (prompt_lookup_num_tokens: n-gram drafts from the prompt)
+    hf-assisted           transformers assisted generation with --assistant-model
+    llama-cpp             llama.cpp through llama-cpp-python, when it is importable
+    offline[-overlap][-chain|-tree]   the fmserve Engine in one process
+    served[-overlap][-chain|-tree]    `fmserve serve` driven by C concurrent clients
+
+At each concurrency C a peer serves C streams in a closed loop (a new request as soon as one
+finishes; transformers: batches of C). In-process peers run in a spawned child process per
+model load, so each has its own memory; a service is its own process tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fmserve.bench_peers_workers import ChildGroup, PointResult, ServedPeer
+from fmserve.bench_spec import DEV_PROMPTS, spec_settings_for
+
+
+@dataclass(frozen=True)
+class Peer:
+    key: str
+    label: str
+    group: str  # "hf", "llama-cpp", "offline:<spec>" or "served"
+    only: str = ""  # "batch1": C = 1 only; "batched": C > 1 only
+    overlap: bool = False
+    spec: str = "off"  # off, chain, tree; prompt-lookup / assistant for transformers
+
+
+def _fmserve_peers() -> list[Peer]:
+    peers = []
+    for mode in ("offline", "served"):
+        for spec in ("off", "chain", "tree"):
+            for overlap in (False, True):
+                key = mode + ("-overlap" if overlap else "") + ("" if spec == "off" else f"-{spec}")
+                label = (f"fmserve {mode}, overlap {'on' if overlap else 'off'}, "
+                         f"{'no speculation' if spec == 'off' else 'EAGLE-3 ' + spec}")
+                peers.append(Peer(key, label, f"offline:{spec}" if mode == "offline" else "served",
+                                  overlap=overlap, spec=spec))
+    return peers
+
+
+PEERS: list[Peer] = [
+    Peer("hf-b1", "transformers generate, batch 1 (baseline)", "hf", only="batch1"),
+    Peer("hf-batched", "transformers generate, batched", "hf", only="batched"),
+    Peer("hf-prompt-lookup", "transformers prompt-lookup decoding (assisted, no assistant)", "hf",
+         only="batch1", spec="prompt-lookup"),
+    Peer("hf-assisted", "transformers assisted generation (assistant model)", "hf",
+         only="batch1", spec="assistant"),
+    Peer("llama-cpp", "llama.cpp (llama-cpp-python)", "llama-cpp", only="batch1"),
+    *_fmserve_peers(),
+]
+BASELINE = "hf-b1"
+# --quick leaves out the two served combinations of overlap and speculation (each is another
+# service start); the offline engine runs all six, they share three model loads.
+QUICK_LEAVES_OUT = ("served-overlap-chain", "served-overlap-tree")
+LLAMA_INSTALL = "pip install llama-cpp-python"
+NOT_APPLICABLE = {
+    "hf-b1": "batch 1 only (batched: see transformers generate, batched)",
+    "hf-batched": "at C = 1 this is the baseline",
+    "hf-prompt-lookup": "transformers' assisted generation runs batch 1 only",
+    "hf-assisted": "transformers' assisted generation runs batch 1 only",
+    "llama-cpp": ("the Python API decodes one sequence at a time; parallel slots need "
+                  "llama.cpp's own `llama-server --parallel N`, not run here"),
+}
+
+QUICK = dict(num_prompts=3, max_prompt_tokens=96, max_new_tokens=16, concurrency="1,8",
+             repetitions=1)
+FULL = dict(num_prompts=16, max_prompt_tokens=256, max_new_tokens=64, concurrency="1,8,32",
+            repetitions=2)
+
+
+def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short run (< 5 min on 2 cores): {QUICK}; without it: {FULL}")
+    p.add_argument("--model", default="default", help="the GGUF every peer loads")
+    p.add_argument("--device", default="auto",
+                   help="auto: the CPU, and also a CUDA GPU when one is available (its own "
+                        "section); cpu; cuda")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="one dtype for every peer; auto follows fmserve's rule per device")
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of every peer (0: torch's default in-process, the "
+                        "service's own rule for a served worker)")
+    p.add_argument("--prompts", default=str(DEV_PROMPTS), help="JSONL with a 'prompt' field")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="cut each prompt's text to this many tokens before the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--concurrency", default=None, help="concurrent streams, e.g. 1,8,32")
+    p.add_argument("--repetitions", type=int, default=None, help="round-robin rounds")
+    p.add_argument("--peers", default="*", help="comma-separated patterns over the peer keys: "
+                   + ", ".join(p.key for p in PEERS) + f" ({BASELINE} always runs)")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                   help="transformers prompt_lookup_num_tokens")
+    p.add_argument("--assistant-model", default="",
+                   help="a smaller model with the same tokenizer for transformers assisted "
+                        "generation (a .gguf or a model directory)")
+    p.add_argument("--spec-algorithm", default="eagle3", choices=["eagle3", "eagle"])
+    p.add_argument("--draft-model", default="", help="EAGLE head (default: the shipped one)")
+    p.add_argument("--spec-num-steps", type=int, default=4)
+    p.add_argument("--tree-topk", type=int, default=2)
+    p.add_argument("--tree-draft-tokens", type=int, default=8)
+    p.add_argument("--out-dir", default="docs/benchmarks",
+                   help="where peers.md, peers.json and the PNG plots go")
+    p.add_argument("--note", default="", help="a line of text for the report (e.g. 'contended')")
+
+
+@dataclass
+class PeerConfig:
+    """What a child process needs (picklable)."""
+    model_path: str
+    device: str
+    dtype: str
+    attention_backend: str
+    threads: int
+    max_new_tokens: int
+    concurrency: list[int]
+    max_kv_tokens: int
+    max_context: int
+    spec: dict[str, tuple]  # chain / tree -> SpecSettings fields
+    prompt_lookup_tokens: int
+    assistant_model: str
+
+
+@dataclass
+class PeerResult:
+    peer: Peer
+    skipped: str = ""  # the reason, when the peer did not run at all
+    points: dict[int, list[PointResult]] = field(default_factory=dict)  # C -> one per round
+    point_skips: dict[int, str] = field(default_factory=dict)  # C -> why not measured
+
+
+def load_prompts(path: str, n: int, max_tokens: int, tokenizer) -> list[list[int]]:
+    """The first n prompts (cycled), each cut to max_tokens text tokens, as chat token ids."""
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line)["prompt"] for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    out = []
+    for i in range(n):
+        text = tokenizer.decode(tokenizer.encode(rows[i % len(rows)])[:max_tokens])
+        out.append(tokenizer.encode_chat([{"role": "user", "content": text}],
+                                         add_generation_prompt=True))
+    return out
+
+
+def requests_for(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """Batch 1: every prompt once; C streams: a whole number of waves of C, prompts cycled."""
+    n = len(prompts) if concurrency == 1 else concurrency * math.ceil(len(prompts) / concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def selected_peers(args) -> dict[str, str]:
+    """key -> reason it is left out ("" = runs)."""
+    patterns = [p.strip() for p in args.peers.split(",") if p.strip()]
+    out = {}
+    for peer in PEERS:
+        chosen = peer.key == BASELINE or any(fnmatch.fnmatch(peer.key, p) for p in patterns)
+        if not chosen:
+            out[peer.key] = "not selected (--peers)"
+        elif args.quick and peer.key in QUICK_LEAVES_OUT and args.peers == "*":
+            out[peer.key] = "not run in --quick (each is one more service start; run the full mode)"
+        elif peer.key == "hf-assisted" and not args.assistant_model:
+            out[peer.key] = ("no smaller assistant model sharing this model's tokenizer is "
+                             "available offline here; give --assistant-model to run it "
+                             "(prompt-lookup decoding is transformers' assisted generation "
+                             "without one, and it ran)")
+        elif peer.group == "hf" and not _importable("transformers"):
+            out[peer.key] = "transformers is not installed (`pip install transformers accelerate`)"
+        elif peer.key == "llama-cpp" and not _importable("llama_cpp"):
+            out[peer.key] = f"llama-cpp-python is not installed (`{LLAMA_INSTALL}`)"
+        else:
+            out[peer.key] = ""
+    return out
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def applies(peer: Peer, concurrency: int) -> bool:
+    return not ((peer.only == "batch1" and concurrency > 1) or
+                (peer.only == "batched" and concurrency == 1))
+
+
+def peer_config(args, model_path: Path, device: str, prompts: list[list[int]]) -> PeerConfig:
+    import torch
+    from gpu.device import resolve_dtype
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+            resolve_dtype("auto", torch.device(device))]
+    spec = {}
+    for name in ("chain", "tree"):
+        st = spec_settings_for(name, args).validate()
+        spec[name] = (st.algorithm, st.draft_model, st.num_steps, st.topk, st.num_draft_tokens)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    longest = max(len(p) for p in prompts)
+    reserve = max(2 * max(s[2] * s[3], s[4]) for s in spec.values())
+    per_request = longest + args.max_new_tokens + reserve + 2 * 16
+    return PeerConfig(str(model_path), device, dtype, args.attention_backend, args.threads,
+                      args.max_new_tokens, concurrency,
+                      max_kv_tokens=16 * math.ceil((per_request * max(concurrency) + 64) / 16),
+                      max_context=longest + args.max_new_tokens + 16, spec=spec,
+                      prompt_lookup_tokens=args.prompt_lookup_tokens,
+                      assistant_model=args.assistant_model)
+
+
+# --- running ------------------------------------------------------------------------------
+
+
+def units(peers: list[Peer]) -> list[tuple[str, list[Peer]]]:
+    """Peers grouped by model load, in catalogue order: (group, peers); a service each."""
+    out: dict[str, list[Peer]] = {}
+    for peer in peers:
+        out.setdefault(peer.key if peer.group == "served" else peer.group, []).append(peer)
+    return [(ps[0].group, ps) for ps in out.values()]
+
+
+def run_device(cfg: PeerConfig, prompts, active: list[Peer], results: dict[str, PeerResult],
+               rounds: int, progress, task) -> None:
+    """Every active peer at every concurrency it applies to, `rounds` times round robin."""
+    for rnd in range(rounds):
+        for group, peers in units(active):
+            peers = [p for p in peers if not results[p.key].skipped]
+            if not peers:
+                continue
+            progress.update(task, description=f"{cfg.device} round {rnd + 1}/{rounds}: "
+                                              f"loading {peers[0].key}")
+            try:
+                runner = ServedPeer(cfg, peers[0]) if group == "served" else ChildGroup(cfg, group)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot start is skipped
+                for p in peers:
+                    results[p.key].skipped = f"failed to start: {str(exc)[:300]}"
+                    progress.advance(task, sum(applies(p, c) for c in cfg.concurrency))
+                continue
+            try:
+                for p in peers:
+                    for c in cfg.concurrency:
+                        if not applies(p, c):
+                            continue
+                        progress.update(task, description=f"{cfg.device} round {rnd + 1}/"
+                                                          f"{rounds}: {p.key} @ {c}")
+                        if not results[p.key].skipped:
+                            try:
+                                point = runner.measure(p.key, c, requests_for(prompts, c))
+                                results[p.key].points.setdefault(c, []).append(point)
+                            except Exception as exc:  # noqa: BLE001
+                                results[p.key].skipped = f"failed: {str(exc)[:300]}"
+                        progress.advance(task)
+            finally:
+                runner.close()
+
+
+def run_bench_peers(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from fmserve.bench_peers_report import machine_description, write_report
+    from fmserve.default_model import resolve_model_path
+    from service.tokenizer import TextTokenizer
+
+    for module in ("matplotlib", "psutil"):
+        if not _importable(module):
+            raise RuntimeError(f"fmserve bench peers needs {module}: pip install {module} "
+                               "(or install fmserve with its dev extra)")
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    console = Console()
+    load_before = os.getloadavg()
+    started = time.time()
+    model_path = resolve_model_path(args.model)
+    prompts = load_prompts(args.prompts, args.num_prompts, args.max_prompt_tokens,
+                           TextTokenizer.from_model_path(model_path))
+    cuda = torch.cuda.is_available()
+    devices = {"auto": ["cpu"] + (["cuda"] if cuda else []), "cpu": ["cpu"],
+               "cuda": ["cuda"]}.get(args.device)
+    if devices is None:
+        raise ValueError(f"--device {args.device!r}: choose auto, cpu or cuda")
+    if "cuda" in devices and not cuda:
+        raise ValueError("--device cuda: torch sees no CUDA GPU")
+    reasons = selected_peers(args)
+    active = [p for p in PEERS if not reasons[p.key]]
+    configs = {d: peer_config(args, model_path, d, prompts) for d in devices}
+    all_results: dict[str, dict[str, PeerResult]] = {}
+    per_round = sum(applies(p, c) for p in active for c in configs[devices[0]].concurrency)
+    columns = [TextColumn("{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("bench peers", total=per_round * args.repetitions * len(devices))
+        for device in devices:
+            results = {p.key: PeerResult(p, skipped=reasons[p.key]) for p in PEERS}
+            for p in PEERS:
+                for c in configs[device].concurrency:
+                    if not applies(p, c):
+                        results[p.key].point_skips[c] = NOT_APPLICABLE.get(p.key, "n/a")
+            run_device(configs[device], prompts, active, results, args.repetitions, progress,
+                       task)
+            all_results[device] = results
+    meta = dict(
+        command="fmserve " + shlex.join(getattr(args, "argv", None) or sys.argv[1:]),
+        started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        duration_s=time.time() - started, load_before=load_before, load_after=os.getloadavg(),
+        machine=machine_description(), quick=args.quick, note=args.note,
+        prompts=args.prompts, num_prompts=args.num_prompts,
+        prompt_tokens=[len(p) for p in prompts], max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens, repetitions=args.repetitions, threads=args.threads,
+        configs={d: vars(c) for d, c in configs.items()}, cuda_available=cuda,
+        model=str(model_path))
+    path = write_report(Path(args.out_dir), meta, all_results)
+    console.print(f"report: {path} ({meta['duration_s']:.0f} s)")
+    return 0

@@ -1,0 +1,400 @@
+"""`fmserve bench peers`: the measurements that run inside one process, each peer group in a
+child process of its own (spawned, so its memory is its own and its peak RSS means something).
+
+A group is one loaded model serving several peers: transformers (batch 1, batched, prompt
+lookup, assisted), llama.cpp (its Python API), or one fmserve offline `Engine` per speculation
+setting (overlap is an attribute of the engine, so overlap off and on share the load).
+
+The parent talks to a child over a pipe: the child answers ("ready", info) or ("error", text),
+then for each ("measure", peer, concurrency, requests) one ("point", PointResult) or
+("error", text), until ("quit",).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+# --- records ------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    """One request as its client saw it. Times in seconds from when it was submitted."""
+    ttft: float
+    e2e: float
+    tokens: int
+    itl: list[float]  # one entry per token after the first chunk: a chunk of k tokens that came
+    # g seconds after the previous one gives k entries g/k (speculation emits several at once)
+    spec_steps: int = 0  # verify steps (speculative peers)
+    spec_accepted: int = 0  # accepted draft tokens
+    per_position: list[int] = field(default_factory=list)  # verify steps accepting depth i+1
+
+
+@dataclass
+class PointResult:
+    """One peer at one concurrency: `requests` requests with at most `concurrency` in flight."""
+    concurrency: int
+    wall: float
+    reqs: list[Req]
+    peak_rss: int = 0  # bytes, the most the process (tree) running the peer held meanwhile
+    gpu_peak: int = 0  # bytes, torch.cuda.max_memory_allocated (in-process peers on a GPU)
+
+
+def req_from_stamps(stamps: list[float], sizes: list[int], e2e: float, **spec) -> Req:
+    """A Req from chunk arrival times (seconds since submit) and chunk sizes."""
+    itl: list[float] = []
+    for prev, now, k in zip(stamps, stamps[1:], sizes[1:]):
+        itl += [(now - prev) / k] * k
+    return Req(stamps[0] if stamps else e2e, e2e, sum(sizes), itl, **spec)
+
+
+class RssSampler:
+    """The peak resident set size of some processes, sampled every `interval` seconds."""
+
+    def __init__(self, pids_fn, interval: float = 0.02) -> None:
+        import psutil
+        self._psutil, self._pids_fn, self._interval = psutil, pids_fn, interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        total = 0
+        for pid in self._pids_fn():
+            try:
+                total += self._psutil.Process(pid).memory_info().rss
+            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and its descendants (a service: scheduler + worker)."""
+    import psutil
+    try:
+        proc = psutil.Process(pid)
+        return [pid] + [c.pid for c in proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+# --- transformers -------------------------------------------------------------------------
+
+
+class _Stamps:
+    """A transformers streamer that only records when each step's tokens arrive."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.stamps: list[float] = []
+        self.sizes: list[int] = []
+        self._prompt = True
+
+    def put(self, value) -> None:
+        if self._prompt:  # generate() first hands over the prompt
+            self._prompt = False
+            return
+        self.stamps.append(time.perf_counter() - self.start)
+        self.sizes.append(int(value.shape[-1]) if value.dim() == 2 else 1)
+
+    def end(self) -> None:
+        pass
+
+
+class HFGroup:
+    peers = ("hf-b1", "hf-batched", "hf-prompt-lookup", "hf-assisted")
+
+    def __init__(self, cfg) -> None:
+        import torch
+        from transformers.utils import logging as hf_logging
+        from pathlib import Path
+        from fmserve.bench_offline import load_transformers
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.torch, self.cfg = torch, cfg
+        self.device = torch.device(cfg.device)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+        self.model = load_transformers(Path(cfg.model_path), dtype).to(self.device)
+        self.assistant = None
+        if cfg.assistant_model:
+            self.assistant = load_transformers(Path(cfg.assistant_model), dtype).to(self.device)
+        self.forwards = 0
+
+        def count(*_):
+            self.forwards += 1
+        self.model.register_forward_pre_hook(count)
+
+    def generate(self, batch: list[list[int]], max_new: int, **extra) -> tuple[list[Req], float]:
+        torch = self.torch
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                            device=self.device)
+        streamer = _Stamps()
+        self.forwards = 0
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new,
+                                min_new_tokens=max_new, do_sample=False, pad_token_id=0,
+                                streamer=streamer, **extra)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        e2e = time.perf_counter() - streamer.start
+        spec = {}
+        if extra:  # assisted generation: every target forward verifies the candidates
+            tokens = sum(streamer.sizes)
+            spec = dict(spec_steps=self.forwards, spec_accepted=max(tokens - self.forwards, 0))
+        return [req_from_stamps(streamer.stamps, streamer.sizes, e2e, **spec) for _ in batch], e2e
+
+    def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
+        extra = {}
+        if peer == "hf-prompt-lookup":
+            extra = dict(prompt_lookup_num_tokens=self.cfg.prompt_lookup_tokens)
+        elif peer == "hf-assisted":
+            if self.assistant is None:
+                raise RuntimeError("no assistant model")
+            extra = dict(assistant_model=self.assistant)
+        batch = 1 if peer != "hf-batched" else concurrency
+        self.generate([requests[0][:8]], 2, **extra)  # warm-up
+        reqs, wall = [], 0.0
+        for i in range(0, len(requests), batch):
+            got, took = self.generate(requests[i:i + batch], self.cfg.max_new_tokens, **extra)
+            reqs += got
+            wall += took
+        return PointResult(concurrency, wall, reqs)
+
+
+# --- llama.cpp ----------------------------------------------------------------------------
+
+
+class LlamaCppGroup:
+    peers = ("llama-cpp",)
+
+    def __init__(self, cfg) -> None:
+        from llama_cpp import Llama
+        self.cfg = cfg
+        self.llm = Llama(model_path=cfg.model_path, n_ctx=cfg.max_context, n_batch=512,
+                         n_threads=cfg.threads or None, verbose=False, seed=0,
+                         n_gpu_layers=-1 if cfg.device == "cuda" else 0)
+        self.eos = self.llm.token_eos()
+
+    def one(self, prompt: list[int], max_new: int) -> Req:
+        start = time.perf_counter()
+        stamps, sizes = [], []
+        for _ in self.llm.create_completion(prompt=prompt, max_tokens=max_new, temperature=0.0,
+                                            top_k=1, stream=True,
+                                            logit_bias={self.eos: -1e9}):
+            stamps.append(time.perf_counter() - start)
+            sizes.append(1)
+        return req_from_stamps(stamps, sizes, time.perf_counter() - start)
+
+    def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
+        self.one(requests[0][:8], 2)  # warm-up
+        start = time.perf_counter()
+        reqs = [self.one(p, self.cfg.max_new_tokens) for p in requests]
+        return PointResult(concurrency, time.perf_counter() - start, reqs)
+
+
+# --- fmserve offline engine ---------------------------------------------------------------
+
+
+class OfflineGroup:
+    def __init__(self, cfg, spec_name: str) -> None:
+        from fmserve.engine import Engine
+        from ipc.spec_settings import SpecSettings
+        self.cfg = cfg
+        spec = SpecSettings(*cfg.spec[spec_name]) if spec_name != "off" else None
+        self.engine = Engine(model=cfg.model_path, device=cfg.device, dtype=cfg.dtype,
+                             attention_backend=cfg.attention_backend,
+                             max_running_requests=max(cfg.concurrency),
+                             max_kv_tokens=cfg.max_kv_tokens, progress=False, spec=spec)
+
+    def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
+        """Closed loop: `concurrency` requests in flight, a new one as soon as one finishes."""
+        from ipc.sampling import SamplingParams
+        engine = self.engine
+        engine.overlap = "overlap" in peer
+        engine.generate([requests[0][:8]], SamplingParams(max_new_tokens=2))  # warm-up
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
+                                ignore_eos=True)
+        pending = list(requests)
+        began: dict[str, float] = {}
+        chunks: dict[str, tuple[list[float], list[int]]] = {}
+        reqs: list[Req] = []
+
+        def submit() -> None:
+            [(rid, _)] = engine.submit([pending.pop(0)], params)
+            began[rid] = time.perf_counter()
+            chunks[rid] = ([], [])
+
+        start = time.perf_counter()
+        for _ in range(min(concurrency, len(pending))):
+            submit()
+        for out in engine.run():
+            now = time.perf_counter() - began[out.rid]
+            stamps, sizes = chunks[out.rid]
+            if out.token_ids:
+                stamps.append(now)
+                sizes.append(len(out.token_ids))
+            if out.finished:
+                reqs.append(req_from_stamps(stamps, sizes, now,
+                                            spec_steps=out.spec_verify_steps,
+                                            spec_accepted=out.spec_accepted_drafts,
+                                            per_position=list(out.spec_accepted_per_position)))
+                if pending:
+                    submit()
+        return PointResult(concurrency, time.perf_counter() - start, reqs)
+
+
+# --- the child process --------------------------------------------------------------------
+
+
+def make_group(cfg, group: str):
+    if group == "hf":
+        return HFGroup(cfg)
+    if group == "llama-cpp":
+        return LlamaCppGroup(cfg)
+    if group.startswith("offline:"):
+        return OfflineGroup(cfg, group.split(":", 1)[1])
+    raise ValueError(f"unknown peer group {group!r}")
+
+
+def child_main(conn, cfg, group: str) -> None:
+    """Entry point of a spawned child: load the group, then answer measure requests."""
+    if cfg.threads:
+        import torch
+        torch.set_num_threads(cfg.threads)
+    try:
+        runner = make_group(cfg, group)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent as text
+        conn.send(("error", f"{type(exc).__name__}: {exc}".strip()[:500]))
+        return
+    conn.send(("ready", os.getpid()))
+    gpu = cfg.device == "cuda"
+    while True:
+        msg = conn.recv()
+        if msg[0] == "quit":
+            return
+        _, peer, concurrency, requests = msg
+        try:
+            if gpu:
+                import torch
+                torch.cuda.reset_peak_memory_stats()
+            with RssSampler(lambda: [os.getpid()]) as rss:
+                point = runner.measure(peer, concurrency, requests)
+            point.peak_rss = rss.peak
+            if gpu:
+                point.gpu_peak = int(torch.cuda.max_memory_allocated())
+            conn.send(("point", point))
+        except Exception as exc:  # noqa: BLE001
+            detail = traceback.format_exc(limit=3)
+            conn.send(("error", f"{type(exc).__name__}: {exc}"[:300] + "\n" + detail[-800:]))
+
+
+# --- the parent's side -------------------------------------------------------------------
+
+
+class ChildGroup:
+    """A spawned child process holding one model load (see bench_peers_workers)."""
+
+    def __init__(self, cfg, group: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=child_main, args=(child, cfg, group), daemon=True)
+        self.proc.start()
+        child.close()
+        kind, detail = self._recv()
+        if kind != "ready":
+            self.close()
+            raise RuntimeError(f"could not load: {detail}")
+
+    def _recv(self):
+        while not self.conn.poll(1.0):
+            if not self.proc.is_alive():
+                return "error", f"the process died (exit code {self.proc.exitcode})"
+        return self.conn.recv()
+
+    def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
+        self.conn.send(("measure", peer, concurrency, requests))
+        kind, payload = self._recv()
+        if kind != "point":
+            raise RuntimeError(payload)
+        return payload
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("quit",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+class ServedPeer:
+    """`fmserve serve` (scheduler + worker processes) for one served peer."""
+
+    def __init__(self, cfg, peer) -> None:
+        from fmserve.bench_serve import start_service
+        extra = ["--max-kv-tokens", str(cfg.max_kv_tokens)]
+        if cfg.threads:
+            extra += ["--set", f"runtime.worker_cpu_threads={cfg.threads}"]
+        if peer.spec != "off":
+            algorithm, draft, steps, topk, tokens = cfg.spec[peer.spec]
+            extra += ["--spec-algorithm", algorithm, "--spec-num-steps", str(steps),
+                      "--spec-topk", str(topk), "--spec-num-draft-tokens", str(tokens)]
+            extra += ["--draft-model", draft] if draft else []
+        ns = SimpleNamespace(dtype=cfg.dtype, device=cfg.device,
+                             attention_backend=cfg.attention_backend)
+        self.cfg = cfg
+        self.proc, self.endpoint = start_service(ns, Path(cfg.model_path), peer.overlap, extra,
+                                                 max_running_requests=max(cfg.concurrency))
+
+    def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
+        from fmserve.bench_serve import run_closed_loop
+        from ipc.sampling import SamplingParams
+        asyncio.run(run_closed_loop(self.endpoint, [requests[0][:8]], 1,
+                                    SamplingParams(max_new_tokens=2)))  # warm-up
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
+                                ignore_eos=True)
+        with RssSampler(lambda: tree_pids(self.proc.pid)) as rss:
+            run = asyncio.run(run_closed_loop(self.endpoint, requests, concurrency, params))
+        reqs = []
+        for t in run.timings:
+            u = t.usage
+            spec = {} if u is None else dict(spec_steps=u.spec_verify_steps,
+                                             spec_accepted=u.spec_accepted_drafts,
+                                             per_position=list(u.spec_accepted_per_position))
+            reqs.append(req_from_stamps(t.stamps, t.sizes, t.e2e, **spec))
+        return PointResult(concurrency, run.wall, reqs, peak_rss=rss.peak)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001 - a service that will not stop is killed
+            self.proc.kill()
+            self.proc.wait()

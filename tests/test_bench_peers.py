@@ -1,0 +1,81 @@
+"""`fmserve bench peers --quick` end to end on a tiny prompt set (issue 8).
+
+Figures are not asserted, only that every section is there, every number is finite, peers that
+did not run say "skipped" (never a zero), and the plots exist. Shrunk to three model loads
+(transformers, one speculative offline engine serving overlap off and on, one service).
+"""
+
+import importlib.util
+import json
+import math
+import re
+
+from fmserve.cli import main
+
+PEERS = "hf-*,llama-cpp,offline-chain,offline-overlap-chain,served"
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def rows_of(report: str) -> list[list[str]]:
+    rows = []
+    for line in report.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def row_for(rows: list[list[str]], key: str) -> list[str]:
+    return next(r for r in rows if f"(`{key}`)" in r[0])
+
+
+def test_bench_peers_quick_end_to_end(tmp_path, model_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [
+        "Name three colours of the rainbow.",
+        "Write one sentence about the sea and the sea and the sea.",
+    ]))
+    out = tmp_path / "bench"
+    argv = ["bench", "peers", "--quick", "--model", str(model_path), "--prompts", str(prompts),
+            "--num-prompts", "2", "--max-prompt-tokens", "24", "--max-new-tokens", "4",
+            "--concurrency", "1,2", "--peers", PEERS, "--device", "cpu",
+            "--out-dir", str(out)]
+    assert main(argv) == 0
+
+    report = (out / "peers.md").read_text()
+    for heading in ["# fmserve against its peers", "## Machine and settings", "## CPU",
+                    "### Throughput and memory", "### Latency", "### Speculation",
+                    "### Skipped", "### Plots", "## GPU"]:
+        assert heading in report, heading
+    assert "fmserve bench peers --quick" in report  # the exact command
+    assert not re.search(r"\b(nan|inf|infinity)\b", report, re.IGNORECASE)
+
+    rows = rows_of(report)
+    for row in rows:
+        for cell in row[1:]:
+            if "skipped" in cell or not any(ch.isdigit() for ch in cell):
+                continue
+            for number in NUMBER.findall(cell):
+                assert math.isfinite(float(number.replace(",", ""))), (row, cell)
+
+    # ran: numbers, not "skipped"
+    baseline = row_for(rows, "hf-b1")
+    assert "skipped" not in baseline[1] and "(1.00x)" in baseline[1]
+    assert "skipped" not in row_for(rows, "hf-batched")[3]  # output tok/s at 2 streams
+    for key in ["offline-chain", "offline-overlap-chain", "served"]:
+        row = row_for(rows, key)
+        assert all("skipped" not in c for c in row[1:5]), row
+    assert NUMBER.fullmatch(row_for(rows, "offline-chain")[-1])  # mean accept length
+    # not run: "skipped" in every figure, never a zero
+    for key in ["hf-assisted", "offline", "served-chain", "served-overlap-tree"]:
+        assert all(c.startswith("skipped") for c in row_for(rows, key)[1:]), key
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert all(c.startswith("skipped") for c in row_for(rows, "llama-cpp")[1:])
+        assert "pip install llama-cpp-python" in report
+    assert "--assistant-model" in report
+
+    for png in ["peers_throughput.png", "peers_latency_cdf.png", "peers_accept.png"]:
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, png
+        assert f"]({png})" in report
+    raw = json.loads((out / "peers.json").read_text())
+    assert raw["results"]["cpu"]["hf-b1"]["figures"]["1"]["output_tps"] > 0
