@@ -117,7 +117,9 @@ class TopApp(App):
     """
     BINDINGS = [Binding("p", "toggle_pause", "Pause"), Binding("s", "cycle_sort", "Sort"),
                 Binding("enter", "open_detail", "Detail", show=True),
-                Binding("a", "abort", "Abort"), Binding("q", "quit", "Quit")]
+                Binding("a", "abort", "Abort"),
+                Binding("w", "save_svg", "SVG screenshot"),
+                Binding("q", "quit", "Quit")]
 
     def __init__(self, telemetry_endpoint: str = DEFAULT_TELEMETRY_ENDPOINT,
                  client_endpoint: str = DEFAULT_CLIENT_ENDPOINT, *, refresh_s: float = 0.25,
@@ -285,6 +287,11 @@ class TopApp(App):
         key = self.selected_key()
         if key is not None and not isinstance(self.screen, RequestDetailScreen):
             self.push_screen(RequestDetailScreen(key))
+
+    def action_save_svg(self) -> None:
+        """An SVG of the screen as it is, into the working directory (for docs and bug reports)."""
+        path = self.save_screenshot(path=".")
+        self.notify(f"screenshot saved: {path}")
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
