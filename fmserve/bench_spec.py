@@ -58,6 +58,8 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=16, help="dev prompts per batch size")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--prompts", default=str(DEV_PROMPTS), help="JSONL with a 'prompt' field")
+    g.add_argument("--spec-dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="dtype of both engines (auto: bf16 where the device computes it natively)")
 
 
 def spec_settings_for(name: str, args: argparse.Namespace) -> SpecSettings:
@@ -118,7 +120,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     chats = load_chats(args.prompts, args.num_prompts)
     runs: list[SpecRun] = []
-    common = dict(model=args.model, device=args.device, dtype="fp32",
+    common = dict(model=args.model, device=args.device, dtype=args.spec_dtype,
                   attention_backend=args.attention_backend, progress=False,
                   max_running_requests=max(batches))
     with Progress(console=console) as progress:
@@ -139,7 +141,8 @@ def run_bench_spec(args: argparse.Namespace) -> int:
 def render(runs: list[SpecRun], args, settings: dict, console: Console) -> list[str]:
     plain = {r.batch: r for r in runs if r.name == "plain"}
     title = (f"speculative decoding on {args.num_prompts} dev prompts, greedy, up to "
-             f"{args.max_new_tokens} new tokens, threads {torch.get_num_threads()}; "
+             f"{args.max_new_tokens} new tokens, dtype {args.spec_dtype}, threads "
+             f"{torch.get_num_threads()}; "
              + "; ".join(f"{n}: steps {s.num_steps} topk {s.topk} tokens {s.num_draft_tokens}"
                          for n, s in settings.items()))
     header = ["setting", "batch", "decode tok/s", "vs plain", "mean accept length",
