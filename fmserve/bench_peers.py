@@ -241,29 +241,35 @@ def units(peers: list[Peer]) -> list[tuple[str, list[Peer]]]:
 
 
 def run_device(cfg: PeerConfig, prompts, active: list[Peer], results: dict[str, PeerResult],
-               rounds: int, progress, task) -> None:
-    """Every active peer at every concurrency it applies to, `rounds` times round robin."""
+               rounds: int, progress, task, timings: list) -> None:
+    """Every active peer at every concurrency it applies to, `rounds` times round robin.
+    A peer that fails is skipped from then on, with the error as its reason."""
+    def points(p: Peer) -> int:
+        return sum(applies(p, c) for c in cfg.concurrency)
+
     for rnd in range(rounds):
         for group, peers in units(active):
+            progress.advance(task, sum(points(p) for p in peers if results[p.key].skipped))
             peers = [p for p in peers if not results[p.key].skipped]
             if not peers:
                 continue
-            progress.update(task, description=f"{cfg.device} round {rnd + 1}/{rounds}: "
-                                              f"loading {peers[0].key}")
+            where = f"{cfg.device} round {rnd + 1}/{rounds}"
+            progress.update(task, description=f"{where}: loading {peers[0].key}")
+            t0 = time.perf_counter()
             try:
                 runner = ServedPeer(cfg, peers[0]) if group == "served" else ChildGroup(cfg, group)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot start is skipped
                 for p in peers:
                     results[p.key].skipped = f"failed to start: {str(exc)[:300]}"
-                    progress.advance(task, sum(applies(p, c) for c in cfg.concurrency))
+                    progress.advance(task, points(p))
                 continue
+            t1 = time.perf_counter()
             try:
                 for p in peers:
                     for c in cfg.concurrency:
                         if not applies(p, c):
                             continue
-                        progress.update(task, description=f"{cfg.device} round {rnd + 1}/"
-                                                          f"{rounds}: {p.key} @ {c}")
+                        progress.update(task, description=f"{where}: {p.key} @ {c}")
                         if not results[p.key].skipped:
                             try:
                                 point = runner.measure(p.key, c, requests_for(prompts, c))
@@ -273,6 +279,9 @@ def run_device(cfg: PeerConfig, prompts, active: list[Peer], results: dict[str, 
                         progress.advance(task)
             finally:
                 runner.close()
+            timings.append(dict(device=cfg.device, round=rnd + 1,
+                                peers=", ".join(p.key for p in peers),
+                                load_s=t1 - t0, measure_s=time.perf_counter() - t1))
 
 
 def run_bench_peers(args: argparse.Namespace) -> int:
@@ -307,6 +316,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     active = [p for p in PEERS if not reasons[p.key]]
     configs = {d: peer_config(args, model_path, d, prompts) for d in devices}
     all_results: dict[str, dict[str, PeerResult]] = {}
+    timings: list[dict] = []
     per_round = sum(applies(p, c) for p in active for c in configs[devices[0]].concurrency)
     columns = [TextColumn("{task.description}"), BarColumn(),
                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]
@@ -319,7 +329,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
                     if not applies(p, c):
                         results[p.key].point_skips[c] = NOT_APPLICABLE.get(p.key, "n/a")
             run_device(configs[device], prompts, active, results, args.repetitions, progress,
-                       task)
+                       task, timings)
             all_results[device] = results
     meta = dict(
         command="fmserve " + shlex.join(getattr(args, "argv", None) or sys.argv[1:]),
@@ -330,7 +340,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
         prompt_tokens=[len(p) for p in prompts], max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens, repetitions=args.repetitions, threads=args.threads,
         configs={d: vars(c) for d, c in configs.items()}, cuda_available=cuda,
-        model=str(model_path))
+        model=str(model_path), timings=timings)
     path = write_report(Path(args.out_dir), meta, all_results)
     console.print(f"report: {path} ({meta['duration_s']:.0f} s)")
     return 0

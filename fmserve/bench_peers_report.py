@@ -138,8 +138,9 @@ def device_section(device: str, cfg: dict, results: dict[str, PeerResult], plots
               "the first. Output tok/s at C: every output token over the wall time of the point "
               "(prefill included), C streams in a closed loop. Ratios against the baseline's "
               "batch-1 figure (its output tok/s for every C: serving C streams one at a time). "
-              "Peak RSS: the most resident memory of the process (tree) running the peer; "
-              "peers sharing a model load share a process.", ""]
+              "Peak RSS: the most resident memory of the process (tree) running the peer, sampled "
+              "every 20 ms while it was measured (the model load's own transient peak is not "
+              "included); peers sharing a model load share a process.", ""]
     header = ["peer", "decode tok/s @1"] + [f"output tok/s @{c}" for c in conc] + \
              ["peak RSS MB", "mean accept length"]
     if device != "cpu":
@@ -222,7 +223,11 @@ def render(meta: dict, all_results: dict, plots: dict) -> str:
     if contended:
         lines += [f"**Contended run:** other work was running on this machine ({load}); "
                   "figures are lower and noisier than on a quiet machine. Compare ratios "
-                  "within this run, not absolute figures across runs.", ""]
+                  "within this run, not absolute figures across runs. On a small machine a busy "
+                  "neighbour stalls every multi-threaded OpenMP op at its barriers, so peers "
+                  "running fewer threads (a served worker with overlap gets cores - 1) can look "
+                  "far better than they are; `--threads 1` gives every peer the same footing.",
+                  ""]
     if meta["note"]:
         lines += [f"Note: {meta['note']}", ""]
     v = m["versions"]
@@ -253,27 +258,54 @@ def render(meta: dict, all_results: dict, plots: dict) -> str:
     if "cuda" not in all_results:
         lines += ["## GPU", "", "skipped: torch.cuda.is_available() is False on this machine "
                   "(the same command adds this section on a machine with a CUDA GPU).", ""]
+    if meta.get("timings"):
+        lines += ["## Where the time went", "",
+                  "Seconds per model load (a child process, or a service with its worker) and "
+                  "per measurement of the peers it served.", ""]
+        lines += table(["device", "round", "peers", "load s", "measure s"],
+                       [[t["device"], str(t["round"]), t["peers"], f"{t['load_s']:.1f}",
+                         f"{t['measure_s']:.1f}"] for t in meta["timings"]])
     return "\n".join(lines)
 
 
 # --- plots --------------------------------------------------------------------------------
 
 
+def _styles(keys: list[str]) -> dict[str, dict]:
+    """A colour per peer (tab20), a line style per family: transformers/llama.cpp dashed,
+    offline solid, served dash-dot."""
+    import matplotlib
+    cmap = matplotlib.colormaps["tab20"]
+    out = {}
+    for i, key in enumerate(keys):
+        ls = "-" if key.startswith("offline") else "-." if key.startswith("served") else "--"
+        out[key] = dict(color=cmap(i % 20), linestyle=ls, label=key)
+    return out
+
+
 def make_plots(out_dir: Path, device: str, cfg: dict, results: dict[str, PeerResult]) -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
     suffix = "" if device == "cpu" else f"_{device}"
     figs = {k: {c: figures(pts) for c, pts in r.points.items()}
             for k, r in results.items() if not r.skipped and r.points}
     files = {}
+    style = _styles(list(figs))
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     for key, by_c in figs.items():
         xs = sorted(c for c in by_c if by_c[c].output_tps)
         if xs:
-            ax.plot(xs, [by_c[c].output_tps for c in xs], marker="o", label=key)
+            ax.plot(xs, [by_c[c].output_tps for c in xs], marker="o", **style[key])
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(cfg["concurrency"]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(c) for c in cfg["concurrency"]])
+    values = [f.output_tps for by_c in figs.values() for f in by_c.values() if f.output_tps]
+    if values and max(values) > 20 * min(values):
+        ax.set_yscale("log")
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"throughput vs concurrency ({device}, {cfg['dtype']})")
@@ -290,7 +322,7 @@ def make_plots(out_dir: Path, device: str, cfg: dict, results: dict[str, PeerRes
                 values = np.sort(np.asarray(getattr(by_c[c], attr))) * 1000 if c in by_c else []
                 if len(values):
                     ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post",
-                            label=key)
+                            **style[key])
             ax.set_xscale("log")
             ax.set_xlabel(f"{what} ms")
             ax.set_ylabel("fraction of requests" if attr == "ttft" else "fraction of tokens")
@@ -301,11 +333,13 @@ def make_plots(out_dir: Path, device: str, cfg: dict, results: dict[str, PeerRes
     files["latency CDFs"] = _save(fig, out_dir, f"peers_latency_cdf{suffix}.png")
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for key, by_c in figs.items():
-        for c, f in sorted(by_c.items()):
-            if f.per_position:
-                ax.plot(range(1, len(f.per_position) + 1), f.per_position, marker="o",
-                        label=f"{key} @{c} (mean accept length {f.accept_length:.2f})")
+    for key in figs:  # pooled over every concurrency the peer ran at
+        f = figures([p for pts in results[key].points.values() for p in pts])
+        if f.per_position:
+            ax.plot(range(1, len(f.per_position) + 1), f.per_position, marker="o",
+                    **{**style[key], "label": f"{key} (mean accept length "
+                                              f"{f.accept_length:.2f})"})
+            ax.set_xticks(range(1, len(f.per_position) + 1))
     if not ax.has_data():
         ax.text(0.5, 0.5, "no speculative peer ran", ha="center", va="center",
                 transform=ax.transAxes)

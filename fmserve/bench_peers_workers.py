@@ -323,7 +323,17 @@ class ChildGroup:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=child_main, args=(child, cfg, group), daemon=True)
-        self.proc.start()
+        # transformers' GGUF loader draws a tqdm bar over ours; tqdm reads TQDM_DISABLE when
+        # it is imported, which in a spawned child is before child_main runs
+        before = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
+        try:
+            self.proc.start()
+        finally:
+            if before is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = before
         child.close()
         kind, detail = self._recv()
         if kind != "ready":
