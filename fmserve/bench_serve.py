@@ -78,6 +78,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
     p.add_argument("--poisson-requests", type=int, default=32)
     p.add_argument("--overlap", default="on", help="on, off, or on,off to compare in one run")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="passed on to `fmserve serve --set` (e.g. runtime.worker_cpu_threads=2)")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
 
 
@@ -185,14 +187,16 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     for overlap in [o.strip() == "on" for o in args.overlap.split(",")]:
         tag = "overlap " + ("on" if overlap else "off")
         console.print(f"starting fmserve serve ({tag}) ...")
-        proc, endpoint = start_service(args, path, overlap)
+        proc, endpoint = start_service(args, path, overlap,
+                                       [f for kv in args.set for f in ("--set", kv)])
         try:
             asyncio.run(run_closed_loop(endpoint, prompts[:2], 1, SamplingParams(max_new_tokens=4)))
             runs = [(f"{tag}, concurrency {c}",
                      lambda c=c: run_closed_loop(endpoint, prompts[:max(n, c)], c, params))
                     for c in levels]
-            runs.append((f"{tag}, poisson {args.rate:g}/s", lambda: run_poisson(
-                endpoint, prompts[:args.poisson_requests], args.rate, params)))
+            if args.poisson_requests > 0:  # 0: the closed-loop levels only
+                runs.append((f"{tag}, poisson {args.rate:g}/s", lambda: run_poisson(
+                    endpoint, prompts[:args.poisson_requests], args.rate, params)))
             for name, make in runs:
                 console.print(f"{name} ...")
                 with Client(endpoint) as client:
