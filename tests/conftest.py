@@ -31,3 +31,13 @@ def gguf_path(model_path) -> Path:
         pytest.skip("these tests compare against transformers' GGUF loader, and "
                     "FMSERVE_MODEL names a model that is not a .gguf")
     return model_path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for the module (small tensors: OpenMP barriers only cost there);
+    a module opts in with an autouse fixture that asks for this one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

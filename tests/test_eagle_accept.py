@@ -17,12 +17,10 @@ t = torch.tensor
 P_CRIT = 1e-3  # chi-square tests reject below this p-value
 
 
+
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """These tensors are small: one thread avoids OpenMP barrier stalls."""
 
 
 def make_tree(tokens: list[list[int]], parent: list[int]) -> DraftTree:

@@ -10,12 +10,10 @@ from gpu.eagle.tree import DraftTree, chain_tree, organize_draft_tree
 t = torch.tensor
 
 
+
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """These tensors are small: one thread avoids OpenMP barrier stalls."""
 
 
 def ancestors_mask(parent: list[int]) -> list[list[bool]]:

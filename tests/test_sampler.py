@@ -17,13 +17,10 @@ from ipc.sampling import SamplingParams
 P = SamplingParams
 
 
+
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are small: one thread avoids OpenMP barrier stalls on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """These tensors are small: one thread avoids OpenMP barrier stalls."""
 
 
 def make(vocab: int, num_slots: int = 40, eos=()) -> tuple[SamplingState, Sampler]:
