@@ -23,7 +23,7 @@ from rich.table import Table
 
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
-from ipc.spec_settings import SpecSettings
+from ipc.spec_settings import SpecSettings, accept_length
 
 DEV_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "dev.jsonl"
 
@@ -41,7 +41,7 @@ class SpecRun:
 
     @property
     def accept_length(self) -> float | None:
-        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None
+        return accept_length(self.accepted, self.verify_steps)
 
 
 def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +89,6 @@ def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) ->
         eagle.accepted_per_position[:] = 0
     run = SpecRun(name, batch, 0.0, 0)
     decode_time, decode_tokens = 0.0, 0
-    positions: list[int] = []
     for g in range(0, len(chats), batch):
         group = chats[g:g + batch]
         submitted = engine.submit(group, params)

@@ -20,7 +20,7 @@ import msgspec
 from fmserve.default_model import resolve_draft_model, resolve_model_path
 from gpu.model_runner import ModelRunner, RunnerConfig
 from ipc.sampling import SamplingParams
-from ipc.spec_settings import SpecSettings
+from ipc.spec_settings import SpecSettings, accept_length
 from service.request import FinishReason, RequestOutput
 from service.scheduler_core import SchedulerConfig, SchedulerCore
 from service.tokenizer import TextTokenizer
@@ -44,9 +44,7 @@ class Completion:
     @property
     def spec_accept_length(self) -> float | None:
         """Tokens per verify step (accepted drafts + the bonus token)."""
-        if not self.spec_verify_steps:
-            return None
-        return (self.spec_accepted_drafts + self.spec_verify_steps) / self.spec_verify_steps
+        return accept_length(self.spec_accepted_drafts, self.spec_verify_steps)
 
 
 class Engine:

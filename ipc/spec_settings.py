@@ -12,6 +12,13 @@ import msgspec
 SPEC_ALGORITHMS = ("none", "eagle3", "eagle")
 
 
+def accept_length(accepted_drafts: int, verify_steps: int) -> float | None:
+    """Mean tokens per verify step (accepted drafts + the bonus token); None without steps."""
+    if not verify_steps:
+        return None
+    return (accepted_drafts + verify_steps) / verify_steps
+
+
 class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     algorithm: str = "none"  # "none" | "eagle3" | "eagle"
     draft_model: str = ""  # HF-style head directory; "" = the shipped head for the default model

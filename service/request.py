@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ipc.sampling import SamplingParams
 from ipc.telemetry import TEXT_TAIL_CHARS
+from ipc.spec_settings import accept_length
 
 
 class RequestState(enum.Enum):
@@ -63,9 +64,7 @@ class Request:
     @property
     def spec_accept_length(self) -> float | None:
         """Mean tokens per verify step (accepted drafts + the bonus token)."""
-        if not self.spec_verify_steps:
-            return None
-        return (self.spec_accepted_drafts + self.spec_verify_steps) / self.spec_verify_steps
+        return accept_length(self.spec_accepted_drafts, self.spec_verify_steps)
 
     @property
     def all_ids(self) -> list[int]:
@@ -102,9 +101,7 @@ class RequestOutput:
     @property
     def spec_accept_length(self) -> float | None:
         """Mean tokens per verify step (accepted drafts + the bonus token)."""
-        if not self.spec_verify_steps:
-            return None
-        return (self.spec_accepted_drafts + self.spec_verify_steps) / self.spec_verify_steps
+        return accept_length(self.spec_accepted_drafts, self.spec_verify_steps)
 
     @property
     def finished(self) -> bool:
