@@ -104,12 +104,12 @@ class Engine:
             if len(inflight) < depth and self.scheduler.has_work:
                 plan = self.scheduler.plan_step()
                 if plan is not None:
-                    inflight.append(self.runner.step(plan))
+                    inflight.append(self.runner.launch(plan))
                     continue
             if not inflight:
                 raise RuntimeError("the scheduler has requests but could plan nothing: "
                                    f"{self.scheduler.accounting()}")
-            yield from self.scheduler.process_result(inflight.popleft())
+            yield from self.scheduler.process_result(self.runner.finish(inflight.popleft()))
 
     def stream(self, prompts: Iterable[Prompt],
                params: SamplingParams | Sequence[SamplingParams] = SamplingParams()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -53,6 +54,16 @@ def resolve_dtype(spec: str, device: torch.device | None = None) -> torch.dtype:
     return table[spec]
 
 
+def host_to_device(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array on the device without stalling the host. On a GPU a plain `.to(device)`
+    from pageable memory synchronises the current stream first (it would wait for the forward
+    in flight); a pinned staging copy with non_blocking does not. On the CPU: the data itself."""
+    t = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class NoOpEvent:
     """The CPU runs in program order: recording and waiting are nothing."""
 
@@ -71,8 +82,3 @@ def new_event(device: torch.device):
     module = getattr(torch, device.type, None)
     event_cls = getattr(module, "Event", None) if device.type != "cpu" else None
     return event_cls() if event_cls is not None else NoOpEvent()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

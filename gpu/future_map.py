@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from gpu.device import new_event
@@ -47,6 +48,11 @@ class FutureMap:
         self.output_tokens_buf = torch.full((num_slots,), fill, dtype=torch.long, device=device)
         self.new_seq_lens_buf = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.publish_ready = None  # created lazily from the device's own module
+        # On a GPU the published lengths also go to a pinned host buffer on a side stream, so a
+        # backend that needs host lengths waits for the last publish, not for the whole step.
+        self._lens_host: torch.Tensor | None = None
+        self._lens_stream = None
+        self._lens_copied = None
         # EAGLE's relay (enable_spec): the draft's top-k for the next root and its hidden state.
         self.topk_p_buf: torch.Tensor | None = None
         self.topk_index_buf: torch.Tensor | None = None
@@ -83,6 +89,19 @@ class FutureMap:
         if self.publish_ready is None:
             self.publish_ready = new_event(self.device)
         self.publish_ready.record()
+        if self.device.type == "cuda":
+            self._copy_lens_to_host()
+
+    def _copy_lens_to_host(self) -> None:
+        if self._lens_stream is None:
+            self._lens_stream = torch.cuda.Stream(self.device)
+            self._lens_host = torch.zeros(self.new_seq_lens_buf.shape, dtype=torch.long,
+                                          pin_memory=True)
+            self._lens_copied = torch.cuda.Event()
+        self._lens_stream.wait_event(self.publish_ready)
+        with torch.cuda.stream(self._lens_stream):
+            self._lens_host.copy_(self.new_seq_lens_buf, non_blocking=True)
+        self._lens_copied.record(self._lens_stream)
 
     # -- read before the next forward ---------------------------------------------------------
 
@@ -105,6 +124,22 @@ class FutureMap:
         if self.wrwr_check and slots.numel():
             _check_all(lens > 0, f"FutureMap: resolved a sequence length <= 0 at slots "
                                  f"{slots.tolist()} (a slot decoded before its prefill published)")
+        return lens
+
+    def resolve_seq_lens_host(self, slots_host: np.ndarray) -> np.ndarray:
+        """The lengths `resolve_seq_lens` gives, read on the host: from the buffer itself on the
+        CPU, from the pinned copy of the last publish on a GPU (waiting for that copy only)."""
+        if self.device.type != "cuda":
+            lens = self.new_seq_lens_buf.numpy()[slots_host]
+        elif self._lens_host is None:  # nothing published yet
+            lens = np.zeros(len(slots_host), dtype=np.int64)
+        else:
+            self._lens_copied.synchronize()
+            lens = self._lens_host.numpy()[slots_host]
+        if self.wrwr_check and len(slots_host) and not (lens > 0).all():
+            raise FutureMapInvariantError(
+                f"FutureMap: resolved a host sequence length <= 0 at slots "
+                f"{np.asarray(slots_host).tolist()} (a slot decoded before its prefill published)")
         return lens
 
     @staticmethod

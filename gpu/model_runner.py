@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from gpu.attention.base import AttentionBackend
-from gpu.device import device_kind, resolve_device, resolve_dtype, synchronize
+from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.future_map import FutureMap
 from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
 from gpu.sampler import Sampler, SamplingState
+from gpu.step_streams import ForwardSpan, HostCopy, StepStreams
 from ipc.spec_settings import SpecSettings
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, StepPlan, StepResult, WorkerInfo,
                                  pack_f32, pack_i32, unpack_i32)
@@ -46,6 +47,23 @@ class RunnerConfig:
     cpu_threads: int = 0  # torch threads when running on the CPU; 0 = torch's default
     weight_quant: str = "none"  # "none", "int8" or "fp16": see gpu/quantized_linear.py
     spec: SpecSettings = SpecSettings()  # speculative decoding (EAGLE); off by default
+    # The worker launches plan k+1 before finishing step k when one is waiting. None: on GPUs
+    # only (there launching is asynchronous; on a CPU launching *is* computing, so finishing
+    # first sends the result sooner). Tests turn it on for the CPU to run that order too.
+    launch_ahead: bool | None = None
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose result is still on its way (see ModelRunner.launch/finish)."""
+
+    step_id: int
+    launch_start: float  # host clock at launch
+    launch_end: float
+    copy: HostCopy | None = None  # None: nothing to copy (idle, or a ready result)
+    span: ForwardSpan | None = None  # device timing (GPU)
+    ready: StepResult | None = None  # the EAGLE step finishes inside launch
+    n_top: int = 0
 
 
 def make_attention_backend(name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool,
@@ -91,7 +109,11 @@ class ModelRunner:
         self.sampler = Sampler(self.sampling_state)
         # Per-slot relay buffers (see module docstring).
         self.future_map = FutureMap(self.num_slots, self.device, cfg.wrwr_check)
-        self._last_step_end: float | None = None
+        self.streams = StepStreams(self.device)
+        self.launch_ahead = (self.device.type == "cuda" if cfg.launch_ahead is None
+                             else cfg.launch_ahead)
+        self._last_forward_end: float | None = None  # host clock (CPU)
+        self._last_span: ForwardSpan | None = None  # device events (GPU)
         self.eagle = None
         if cfg.spec.enabled:
             from gpu.eagle.spec_worker import EagleWorker
@@ -115,11 +137,11 @@ class ModelRunner:
         released = unpack_i32(plan.released_slots)
         for slot in released.tolist():
             self.sampling_state.release(slot)
-        self.future_map.release(torch.from_numpy(released.astype(np.int64)).to(self.device))
+        self.future_map.release(host_to_device(released.astype(np.int64), self.device))
         for req in plan.new_requests:
             self.sampling_state.set_request(req.slot, req.params, [])
         for grant in plan.grants:
-            pages = torch.from_numpy(unpack_i32(grant.pages).copy()).to(self.device)
+            pages = host_to_device(unpack_i32(grant.pages).copy(), self.device)
             self.req_to_token.grant_pages(grant.slot, grant.first_page_index, pages)
 
     def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
@@ -134,18 +156,21 @@ class ModelRunner:
             ext_lens.append(len(ids))
             ext_sample.append(e.sample)
             self.sampling_state.add_prompt_tokens(e.slot, torch.from_numpy(ids.astype(np.int64)))
-        decode_slots = torch.from_numpy(unpack_i32(plan.decode_slots).astype(np.int64)).to(dev)
+        decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
+        decode_slots = host_to_device(decode_host, dev)
         num_decode = int(decode_slots.shape[0])
         num_extend = len(plan.extends)
 
         if num_extend:
-            e_ids = torch.from_numpy(np.concatenate(ext_ids).astype(np.int64)).to(dev)
-            e_slots = torch.tensor(ext_slots, dtype=torch.long, device=dev)
-            e_prefix = torch.tensor(ext_prefix, dtype=torch.long, device=dev)
-            e_lens = torch.tensor(ext_lens, dtype=torch.long, device=dev)
+            e_ids = host_to_device(np.concatenate(ext_ids).astype(np.int64), dev)
+            e_slots = host_to_device(np.asarray(ext_slots, dtype=np.int64), dev)
+            e_prefix = host_to_device(np.asarray(ext_prefix, dtype=np.int64), dev)
+            e_lens = host_to_device(np.asarray(ext_lens, dtype=np.int64), dev)
             cu = torch.cumsum(e_lens, 0) - e_lens
+            # output_size: without it repeat_interleave syncs the host with the device.
             e_pos = (torch.arange(int(e_ids.shape[0]), device=dev)
-                     - torch.repeat_interleave(cu - e_prefix, e_lens))
+                     - torch.repeat_interleave(cu - e_prefix, e_lens,
+                                               output_size=int(e_ids.shape[0])))
         d_prefix = self.future_map.resolve_seq_lens(decode_slots)
         d_ids = self.future_map.resolve_future(decode_slots)
         if num_extend and num_decode:
@@ -163,17 +188,24 @@ class ModelRunner:
             input_ids, positions, slots, prefix_lens = d_ids, d_prefix, decode_slots, d_prefix
             extend_lens = torch.ones_like(decode_slots)
         seq_lens = prefix_lens + extend_lens
-        token_slots = torch.repeat_interleave(slots, extend_lens) if mode == ForwardMode.EXTEND else slots
+        token_slots = (torch.repeat_interleave(slots, extend_lens,
+                                               output_size=int(input_ids.shape[0]))
+                       if mode == ForwardMode.EXTEND else slots)
         out_cache_loc = self.req_to_token.req_to_token[token_slots, positions].long()
         batch = ForwardBatch(mode=mode, input_ids=input_ids, positions=positions, slots=slots,
                              seq_lens=seq_lens, prefix_lens=prefix_lens, extend_lens=extend_lens,
                              out_cache_loc=out_cache_loc)
-        if mode != ForwardMode.IDLE:
-            batch.seq_lens_cpu, batch.seq_lens_sum = self.future_map.resolve_seq_lens_cpu(
-                seq_lens, self.needs_cpu_seq_lens)
-        if batch.seq_lens_cpu is not None:
-            batch.prefix_lens_cpu = prefix_lens.cpu()
-            batch.extend_lens_cpu = extend_lens.cpu()
+        if mode != ForwardMode.IDLE and self.needs_cpu_seq_lens:
+            # Host lengths without a device sync: extends' from the plan, decodes' from the
+            # FutureMap's host copy of the last publish.
+            d_prefix_host = self.future_map.resolve_seq_lens_host(decode_host)
+            prefix_host = np.concatenate([np.asarray(ext_prefix, dtype=np.int64), d_prefix_host])
+            extend_host = np.concatenate([np.asarray(ext_lens, dtype=np.int64),
+                                          np.ones(num_decode, dtype=np.int64)])
+            batch.prefix_lens_cpu = torch.from_numpy(prefix_host)
+            batch.extend_lens_cpu = torch.from_numpy(extend_host)
+            batch.seq_lens_cpu = batch.prefix_lens_cpu + batch.extend_lens_cpu
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
             batch.max_seq_len = int(batch.seq_lens_cpu.max())
             batch.max_extend_len = int(batch.extend_lens_cpu.max())
         sample_rows = [i for i, s in enumerate(ext_sample) if s] + list(
@@ -181,8 +213,8 @@ class ModelRunner:
         # The sampled slots on the host too, so the sampler needs no device->host sync.
         self._sample_slots_host = np.concatenate(
             [np.asarray([s for s, smp in zip(ext_slots, ext_sample) if smp], dtype=np.int64),
-             unpack_i32(plan.decode_slots).astype(np.int64)])
-        return batch, torch.tensor(sample_rows, dtype=torch.long, device=dev)
+             decode_host])
+        return batch, host_to_device(np.asarray(sample_rows, dtype=np.int64), dev)
 
     @torch.inference_mode()
     def capture_hidden_states(self, token_ids: list[int], capture_layers: tuple[int, ...]
@@ -192,6 +224,7 @@ class ModelRunner:
 
         For draft-head training data. It borrows slot 1 and the first pages of the pool, so call
         it only while the runner has no requests (e.g. between offline engine runs)."""
+        self.streams.synchronize()  # steps launched on other streams are done with the pool
         n = len(token_ids)
         if not 0 < n <= self.max_context_len:
             raise ValueError(f"capture needs 1..{self.max_context_len} tokens, got {n}")
@@ -217,32 +250,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor | None, torch.Tensor]:
-        """Apply the plan and run the decoder. Returns the batch, the final hidden state of every
-        new token (None for an idle batch) and the rows (requests) that sample."""
+        """Apply the plan and run the decoder (on the current stream). Returns the batch, the
+        final hidden state of every new token (None for an idle batch) and the rows (requests)
+        that sample."""
         self._apply_bookkeeping(plan)
         batch, sample_rows = self._build_batch(plan)
         if batch.mode == ForwardMode.IDLE:
             return batch, None, sample_rows
+        return batch, self._run_model(batch), sample_rows
+
+    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        # The new lengths are known before the forward: publishing them first lets the next
+        # plan's host lengths (GPU) wait for this forward's start rather than its end.
+        self.future_map.publish(batch.slots, batch.seq_lens)
         self.attn.init_forward_metadata(batch)
         hidden, _ = self.model.hidden_states(batch, self.attn)
-        self.future_map.publish(batch.slots, batch.seq_lens)
-        return batch, hidden, sample_rows
+        return hidden
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Launch and finish one step (no overlap)."""
+        return self.finish(self.launch(plan))
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> StepResult:
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Enqueue one step: bookkeeping and batch on the schedule stream, forward, sampling,
+        stash and publish on the forward stream, the result's host copy on the copy stream.
+        On a GPU this returns before the device has run it; on the CPU it has run."""
         start = time.perf_counter()
-        idle_ms = 0.0 if self._last_step_end is None else (start - self._last_step_end) * 1e3
-        result = self._step(plan, start)
-        self._last_step_end = time.perf_counter()
-        return msgspec.structs.replace(result, idle_ms=idle_ms)
+        if self.eagle is not None:  # the EAGLE step syncs inside (accept lengths): run it whole
+            with self.streams.forwarding() as span:
+                ready = self.eagle.step(plan, start)
+            return PendingStep(plan.step_id, start, time.perf_counter(), span=span, ready=ready)
+        with self.streams.scheduling():
+            self._apply_bookkeeping(plan)
+            batch, sample_rows = self._build_batch(plan)
+        pending = PendingStep(plan.step_id, start, 0.0)
+        with self.streams.forwarding() as span:
+            pending.span = span
+            if batch.mode != ForwardMode.IDLE:
+                hidden = self._run_model(batch)
+                if sample_rows.numel():  # else only non-final prefill chunks: nothing to emit
+                    pending.copy, pending.n_top = self._sample(batch, hidden, sample_rows)
+        pending.launch_end = time.perf_counter()
+        return pending
 
-    def _step(self, plan: StepPlan, start: float) -> StepResult:
-        if self.eagle is not None:
-            return self.eagle.step(plan, start)
-        batch, hidden, sample_rows = self.forward(plan)
-        if hidden is None or sample_rows.numel() == 0:  # idle, or only non-final prefill chunks
-            synchronize(self.device)
-            return StepResult(plan.step_id, b"", b"", b"", 0, b"", b"", _ms(start))
+    def _sample(self, batch: ForwardBatch, hidden: torch.Tensor, sample_rows: torch.Tensor
+                ) -> tuple[HostCopy, int]:
         last_token = torch.cumsum(batch.extend_lens, 0) - 1
         logits = self.model.logits(hidden[last_token[sample_rows]])
         sample_slots = batch.slots[sample_rows]
@@ -250,17 +303,41 @@ class ModelRunner:
                                   slots_host=self._sample_slots_host)
         self.future_map.stash(sample_slots, out.token_ids)
         self.sampling_state.record_outputs(sample_slots, out.token_ids)
+        outputs = {"slots": sample_slots, "token_ids": out.token_ids}
+        if out.logprobs is not None:
+            outputs["logprobs"] = out.logprobs.float()
         n_top = 0 if out.top_logprob_ids is None else int(out.top_logprob_ids.shape[1])
+        if n_top:
+            outputs["top_logprob_ids"] = out.top_logprob_ids
+            outputs["top_logprobs"] = out.top_logprobs.float()
+        return self.streams.copy_to_host(outputs), n_top
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's result and pack it. Steps finish in launch order."""
+        host = pending.copy.wait() if pending.copy is not None else None
+        if pending.span is not None:  # GPU: the device's own clock
+            pending.span.end.synchronize()
+            forward_ms = pending.span.elapsed_ms()
+            idle_ms = 0.0 if self._last_span is None else float(
+                self._last_span.end.elapsed_time(pending.span.start))
+            self._last_span = pending.span
+        else:  # CPU: launching is running
+            forward_ms = (pending.launch_end - pending.launch_start) * 1e3
+            idle_ms = 0.0 if self._last_forward_end is None else (
+                pending.launch_start - self._last_forward_end) * 1e3
+            self._last_forward_end = pending.launch_end
+        if pending.ready is not None:
+            return msgspec.structs.replace(pending.ready, forward_ms=forward_ms, idle_ms=idle_ms)
+        if host is None:
+            return StepResult(pending.step_id, b"", b"", b"", 0, b"", b"", forward_ms,
+                              idle_ms=idle_ms)
+        n_top = pending.n_top
         return StepResult(
-            step_id=plan.step_id,
-            slots=pack_i32(sample_slots.cpu().numpy()),
-            token_ids=pack_i32(out.token_ids.cpu().numpy()),
-            logprobs=b"" if out.logprobs is None else pack_f32(out.logprobs.float().cpu().numpy()),
+            step_id=pending.step_id,
+            slots=pack_i32(host["slots"].numpy()),
+            token_ids=pack_i32(host["token_ids"].numpy()),
+            logprobs=pack_f32(host["logprobs"].numpy()) if "logprobs" in host else b"",
             top_logprobs_n=n_top,
-            top_logprob_ids=b"" if n_top == 0 else pack_i32(out.top_logprob_ids.cpu().numpy()),
-            top_logprobs=b"" if n_top == 0 else pack_f32(out.top_logprobs.float().cpu().numpy()),
-            forward_ms=_ms(start))
-
-
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1000.0
+            top_logprob_ids=b"" if n_top == 0 else pack_i32(host["top_logprob_ids"].numpy()),
+            top_logprobs=b"" if n_top == 0 else pack_f32(host["top_logprobs"].numpy()),
+            forward_ms=forward_ms, idle_ms=idle_ms)

@@ -41,6 +41,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from gpu.device import host_to_device
 from ipc.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +181,9 @@ class SamplingState:
         self._logprobs = np.full(num_slots, -1, dtype=np.int64)
         self.seeds = np.zeros(num_slots, dtype=np.int64)  # the seed each slot draws with
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return host_to_device(t, self.device)
+
     def _check_slot(self, slot: int) -> None:
         if not 1 <= slot < self.num_slots:
             raise ValueError(f"request slot {slot} is out of range: slots are "
@@ -200,13 +204,14 @@ class SamplingState:
         top_k = params.top_k if 0 < params.top_k < self.vocab_size and not greedy else 0
         top_p = params.top_p if params.top_p < 1.0 and not greedy else 1.0
         min_p = params.min_p if not greedy else 0.0
-        self.float_params[slot] = torch.tensor([
+        self.float_params[slot] = self._to_device(torch.tensor([
             1.0 if greedy else params.temperature,
             top_p if top_p < 1.0 else math.inf,  # inf: float rounding can never cut the tail
             math.log(min_p) if min_p > 0.0 else -math.inf,
             params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
-        ], dtype=torch.float32)
-        self.int_params[slot] = torch.tensor([top_k, seed, int(greedy), params.min_new_tokens])
+        ], dtype=torch.float32))
+        self.int_params[slot] = self._to_device(
+            torch.tensor([top_k, seed, int(greedy), params.min_new_tokens]))
         self.generated_len[slot] = 0
 
         penalised = params.has_penalties
@@ -223,7 +228,7 @@ class SamplingState:
             if self.min_tokens_ban is None:
                 self.min_tokens_ban = self._table(torch.bool)
             self.min_tokens_ban[slot] = False
-            self.min_tokens_ban[slot, torch.tensor(banned, device=self.device)] = True
+            self.min_tokens_ban[slot, self._to_device(torch.tensor(banned))] = True
 
         self._greedy[slot] = greedy
         self._penalised[slot] = penalised
@@ -255,8 +260,8 @@ class SamplingState:
     def release(self, slot: int) -> None:
         """The slot is free: back to greedy with no extras, so stale rows cost nothing."""
         self._check_slot(slot)
-        self.float_params[slot] = torch.tensor(_FREE_FLOATS, dtype=torch.float32)
-        self.int_params[slot] = torch.tensor(_FREE_INTS)
+        self.float_params[slot] = self._to_device(torch.tensor(_FREE_FLOATS, dtype=torch.float32))
+        self.int_params[slot] = self._to_device(torch.tensor(_FREE_INTS))
         for mirror, free in ((self._greedy, True), (self._penalised, False),
                              (self._min_tokens, False), (self._top_k, 0), (self._top_p, False),
                              (self._min_p, False), (self._logprobs, -1)):

@@ -123,22 +123,50 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
           f"{info.dtype}, {info.attention_backend})", file=sys.stderr, flush=True)
 
+    def send_result(pending) -> int | None:
+        """Finish a launched step and send its result; an exit code if that failed."""
+        try:
+            result = runner.finish(pending)
+        except Exception as exc:
+            return fail(pending.step_id, f"step {pending.step_id} failed in the worker: "
+                                         f"{describe_exception(exc)}")
+        sock.send(codec.encode(result))
+        return None
+
+    # One launched step may wait for its result while the next is launched: with plans queued
+    # (overlap) on a GPU, step k+1 is enqueued before step k's result is copied and sent, so
+    # the device never waits for the host between them (runner.launch_ahead).
+    pending = None
     while True:
+        if pending is not None and not (runner.launch_ahead and sock.poll(0)):
+            code, pending = send_result(pending), None
+            if code is not None:
+                return code
         data = sock.recv()
         try:
             msg = codec.decode(data)
         except Exception as exc:
             return fail(None, f"the worker received a message it cannot decode: "
                               f"{describe_exception(exc)}")
+        if not isinstance(msg, (StepPlan, Shutdown)):
+            return fail(None, f"the worker received a {type(msg).__name__}, which it does not "
+                              f"handle (it takes StepPlan and Shutdown)")
+        launched, failure = None, None
+        if isinstance(msg, StepPlan):
+            try:
+                launched = runner.launch(msg)
+            except Exception as exc:
+                failure = exc
+        if pending is not None:  # the earlier step's result goes first, whatever comes next
+            code, pending = send_result(pending), None
+            if code is not None:
+                return code
         if isinstance(msg, Shutdown):
             return EXIT_OK
-        assert isinstance(msg, StepPlan)
-        try:
-            result = runner.step(msg)
-        except Exception as exc:
+        if failure is not None:
             return fail(msg.step_id, f"step {msg.step_id} failed in the worker: "
-                                     f"{describe_exception(exc)}")
-        sock.send(codec.encode(result))
+                                     f"{describe_exception(failure)}")
+        pending = launched
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,6 +73,8 @@ class Service:
                                max_context_len=rt.max_context_len or None, progress=False,
                                wrwr_check=rt.wrwr_check or None,
                                cpu_threads=worker_cpu_threads(cfg),
+                               launch_ahead={"auto": None, "on": True, "off": False}[
+                                   cfg.scheduling.launch_ahead],
                                spec=msgspec.to_builtins(spec_settings(cfg))),
             ready_timeout_s=cfg.worker.ready_timeout_s, step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()

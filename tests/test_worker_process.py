@@ -223,14 +223,17 @@ async def test_sigkill_during_step_raises_worker_died_then_restart_works(loaded,
 
 
 @pytest.mark.anyio
-async def test_pipelined_plans_match_an_in_process_runner(tiny_model):
+@pytest.mark.parametrize("launch_ahead", [False, True])
+async def test_pipelined_plans_match_an_in_process_runner(tiny_model, launch_ahead):
     # Overlap scheduling sends plan k+1 before result k: all plans go out at once here, the
     # decodes read their input tokens from the worker's own buffers, results come back in order.
+    # With launch_ahead (the GPU order, forced here on the CPU) the worker launches plan k+1
+    # before it finishes step k.
     plans = tiny_plans()
     runner = ModelRunner(RunnerConfig(model_path=tiny_model, progress=False, **TINY))
     expected = [unpack_i32(runner.step(p).token_ids).tolist() for p in plans]
-    async with WorkerHandle({"model_path": tiny_model, **TINY}, ready_timeout_s=60,
-                            env=WORKER_ENV) as h:
+    async with WorkerHandle({"model_path": tiny_model, "launch_ahead": launch_ahead, **TINY},
+                            ready_timeout_s=60, env=WORKER_ENV) as h:
         for p in plans:
             await h.send_plan(p)
         assert h.num_inflight == len(plans)
@@ -254,6 +257,20 @@ async def test_step_that_fails_in_the_worker_raises_worker_died(tiny_model):
             while h.returncode is None:
                 await anyio.sleep(0.05)
         assert h.returncode == 1
+
+
+@pytest.mark.anyio
+async def test_launched_ahead_step_failure_comes_after_the_earlier_result(tiny_model):
+    # Plan 2 is launched (and fails) while step 1 is still pending: step 1's result must still
+    # arrive first, then the failure of step 2.
+    async with WorkerHandle({"model_path": tiny_model, "launch_ahead": True, **TINY},
+                            ready_timeout_s=60, env=WORKER_ENV) as h:
+        await h.send_plan(tiny_plans()[0])
+        await h.send_plan(StepPlan(2, [], [], [], pack_i32([99]), pack_i32([])))
+        first = await h.next_result()
+        assert first.step_id == 1 and len(unpack_i32(first.token_ids)) == 2
+        with pytest.raises(WorkerDied, match=r"step 2 failed in the worker: IndexError"):
+            await h.next_result()
 
 
 @pytest.mark.anyio

@@ -11,9 +11,11 @@ flash kernel at batch 32, and the same arithmetic in the same precision.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu.device import host_to_device
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
 
@@ -34,6 +36,7 @@ class TorchAttentionBackend:
         self._decode_bias: torch.Tensor | None = None  # [bs, 1, max_seq_len] 0 / -inf
         self._query_index: torch.Tensor | None = None  # [bs, max_extend] token index (EXTEND)
         self._query_valid: torch.Tensor | None = None  # [bs, max_extend] bool (EXTEND)
+        self._query_rows: torch.Tensor | None = None  # [num_tokens] valid rows of [bs * Lq]
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode == ForwardMode.IDLE or batch.batch_size == 0:
@@ -65,6 +68,11 @@ class TorchAttentionBackend:
         # Padded query rows attend to key 0 only, so softmax never sees an all-masked row.
         mask[:, :, 0] |= ~self._query_valid
         self._mask = mask[:, None, :, :]
+        # The valid (request, query) rows, from the host lengths: a boolean-mask gather would
+        # make the host wait for the device on a GPU.
+        lens = batch.extend_lens_cpu.numpy()
+        flat = np.concatenate([i * max_extend + np.arange(n) for i, n in enumerate(lens)])
+        self._query_rows = host_to_device(flat.astype(np.int64), device)
 
     @staticmethod
     def _tree_mask(batch: ForwardBatch, key_pos: torch.Tensor,
@@ -106,7 +114,8 @@ class TorchAttentionBackend:
                                              scale=self.scale, enable_gqa=True)
         if batch.mode == ForwardMode.DECODE:
             return out[:, :, 0, :]
-        return out.transpose(1, 2)[self._query_valid]
+        return out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim).index_select(
+            0, self._query_rows)
 
     def _decode_bmm(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q: [bs, H, D]; keys, values: [bs, L, kv_heads, D]. Returns [bs, H, D]."""
