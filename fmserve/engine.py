@@ -69,8 +69,9 @@ class Engine:
         self.scheduler = SchedulerCore(self.info, self.tokenizer,
                                        SchedulerConfig(max_tokens_per_step=max_tokens_per_step))
         self._ids = itertools.count()
-        # With overlap, plan k+1 is made before step k's result is processed, exactly as the
-        # service does; in one process this buys no parallelism but runs the same logic.
+        # With overlap, plan k+1 is made and launched before step k's result is processed,
+        # exactly as the service does. On a GPU the device runs step k while plan k+1 is built
+        # and enqueued; on the CPU it runs the same logic without parallelism.
         self.overlap = overlap
 
     def encode(self, prompt: Prompt) -> list[int]:
