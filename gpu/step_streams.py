@@ -92,11 +92,12 @@ class StepStreams:
         self._forward_done = span.end
 
     def copy_to_host(self, tensors: dict[str, torch.Tensor]) -> HostCopy:
-        """Start the device-to-host copy of a step's outputs (after its forward)."""
+        """Start the device-to-host copy of a step's outputs: after everything enqueued so far
+        on the stream that made them (called inside `forwarding`, whose end event is not
+        recorded yet)."""
         if not self.enabled:
             return HostCopy({k: v.cpu() for k, v in tensors.items()})
-        if self._forward_done is not None:
-            self.copy_stream.wait_event(self._forward_done)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         host = {}
         with torch.cuda.stream(self.copy_stream):
             for name, t in tensors.items():

@@ -2,7 +2,8 @@
 
 The first test uses a small random head and checks that every TTT step computes what serving
 computes for a draft chain (same inputs, positions and visible keys). The others make data with
-the real default model (4 prompts, 8 new tokens), train a few steps, and load the written head.
+the real default model (4 prompts, 8 new tokens), train a few steps, and load the written head;
+the last runs every stage with --device cuda (skipped without a GPU).
 """
 
 from __future__ import annotations
@@ -236,3 +237,143 @@ def test_time_budget_sets_the_number_of_steps(tiny_run, model_path):
     assert 8 < result.steps < 500
     record = json.loads((work / "head-t" / "training.json").read_text())
     assert record["step"] == record["total_steps"] == result.steps
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+def _cli(model_path, work, prompts, device, *extra) -> list[str]:
+    """`fmserve train-eagle` arguments for a tiny run in ``work`` (4 prompts, 8 new tokens)."""
+    return ["--model", str(model_path), "--work-dir", str(work), "--out", str(work / "head"),
+            "--device", device, "--no-progress", "--prompts", str(prompts), "--num-prompts", "4",
+            "--max-new-tokens", "8", "--shard-size", "2", "--draft-vocab-size", "512",
+            "--no-vocab-prior", "--warmup-steps", "0", "--min-lr-ratio", "1.0",
+            "--max-batch-tokens", "4096", "--save-every", "100", "--log-every", "100", *extra]
+
+
+@pytest.fixture
+def keep_torch_threads():
+    """The CLI sets torch's thread count (its ThreadGovernor): put it back afterwards."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_shard_groups_and_engine_sizes():
+    from fmserve.train_eagle.cli import add_arguments, gen_engine_sizes
+    from fmserve.train_eagle.data import shard_groups
+
+    assert shard_groups([0, 1, 2, 3], [200] * 4, None) == [[0], [1], [2], [3]]
+    assert shard_groups([0, 1, 2, 3], [200] * 4, 256) == [[0], [1], [2], [3]]
+    assert shard_groups([0, 1, 2, 4, 5], [100] * 5 + [50], 256) == [[0, 1], [2], [4, 5]]
+    assert shard_groups([3], [2, 2, 2, 1], 1) == [[3]]  # a shard larger than the batch: alone
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([])
+    assert args.device == "auto" and args.gen_batch_size is None
+    args.device = "cpu"
+    assert gen_engine_sizes(args) == (64, 65536)  # the Engine's defaults, as before
+    args.device = "cuda"
+    batch, kv = gen_engine_sizes(args)
+    assert batch == 256 and kv >= 256 * (384 + 192)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--device", "tpu"])
+
+
+def test_cli_device_cpu_is_accepted_and_recorded(model_path, tmp_path, keep_torch_threads):
+    from fmserve.train_eagle.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA"):
+            main(_cli(model_path, tmp_path, prompts, "cuda", "--stage", "train"))
+    # Data: two shards of 2 prompts, generated in one Engine run (--gen-batch-size 4).
+    assert main(_cli(model_path, tmp_path, prompts, "cpu", "--stage", "data",
+                     "--gen-batch-size", "4")) == 0
+    from safetensors import safe_open
+
+    from fmserve.train_eagle.data import load_dataset
+    assert len(load_dataset(tmp_path / "data")) == 4
+    for shard in sorted((tmp_path / "data").glob("shard-*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            assert f.metadata()["device"] == "cpu"
+    assert main(_cli(model_path, tmp_path, prompts, "cpu", "--stage", "train",
+                     "--max-steps", "2")) == 0
+    record = json.loads((tmp_path / "head" / "training.json").read_text())
+    assert record["device"] == "cpu" and "gpu" not in record and record["step"] == 2
+    assert record["precision"] == "fp32"
+    ckpt = torch.load(sorted((tmp_path / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+    assert ckpt["config"]["device"] == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_end_to_end(model_path, tmp_path, keep_torch_threads):
+    """Every stage with --device cuda: data made on the GPU (fp16 CPU shards), training under
+    bf16 autocast (the loss drops; its first step agrees with the CPU's), CPU checkpoints that
+    resume on the CPU, a head that loads anywhere, and both evaluations on the GPU."""
+    from fmserve.train_eagle.cli import main
+    from fmserve.train_eagle.data import load_dataset
+    from fmserve.train_eagle.trainer import load_target, train
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    assert main(_cli(model_path, tmp_path, prompts, "cuda", "--stage", "data",
+                     "--gen-batch-size", "4")) == 0
+    data = load_dataset(tmp_path / "data")
+    assert len(data) == 4
+    for shard in data.shards:
+        assert shard["aux_hidden"].dtype == torch.float16
+        assert shard["aux_hidden"].device.type == "cpu"
+        assert torch.isfinite(shard["aux_hidden"].float()).all()
+    target = load_target(model_path)
+
+    result = train(_config(tmp_path, device="cuda"), model_path, progress=False, data=data,
+                   target=target)
+    losses = [loss for _, loss, _ in result.history]
+    assert len(losses) == 6
+    assert losses[-1] < losses[0] * 0.9, losses
+    # The same first batch and the same init on the CPU (fp32): bf16 autocast stays close.
+    cpu = train(_config(tmp_path, ckpt_dir=str(tmp_path / "ckpt-cpu"),
+                        out=str(tmp_path / "head-cpu"), max_steps=1), model_path,
+                progress=False, data=data, target=target)
+    assert losses[0] == pytest.approx(cpu.history[0][1], rel=0.03)
+
+    record = json.loads((tmp_path / "head" / "training.json").read_text())
+    assert record["device"] == "cuda" and record["gpu"] == torch.cuda.get_device_name(0)
+    assert record["step"] == 6
+    model_cfg, embed, _, _ = target
+    for dev in ("cpu", "cuda"):
+        head = load_draft_head(tmp_path / "head", model_cfg, embed, None, dev, torch.float32)
+        assert head.config.draft_vocab_size == 512
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "head" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.float16
+
+    # The checkpoint holds CPU tensors only, and the run resumes on the CPU.
+    ckpt_path = sorted((tmp_path / "ckpt").glob("*.pt"))[-1]
+    state = torch.load(ckpt_path, weights_only=False)  # no map_location: CPU as saved
+
+    def devices(obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj.device.type
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from devices(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from devices(v)
+
+    assert set(devices(state["head"])) | set(devices(state["optimizer"])) == {"cpu"}
+    resumed = train(_config(tmp_path, max_steps=8, resume=True), model_path, progress=False,
+                    data=data, target=target)
+    assert [s for s, _, _ in resumed.history] == [7, 8]
+    assert json.loads((tmp_path / "head" / "training.json").read_text())["device"] == "cpu"
+
+    # Both evaluations on the GPU (the estimate's data made there too).
+    assert main(_cli(model_path, tmp_path, prompts, "cuda", "--stage", "eval",
+                     "--eval-mode", "both", "--eval-prompts", str(prompts),
+                     "--eval-num-prompts", "4", "--eval-max-new-tokens", "16",
+                     "--num-steps", "3")) == 0
+    assert (tmp_path / "eval-data" / "manifest.json").exists()

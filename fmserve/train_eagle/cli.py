@@ -4,8 +4,10 @@
     fmserve train-eagle --stage data --num-prompts 800
     fmserve train-eagle --stage train --resume        continue from the latest checkpoint
     fmserve train-eagle --stage eval --out heads/x    accept length on held-out prompts
+    fmserve train-eagle --device cuda                 every stage on the GPU (auto: when present)
 
-Every stage is resumable: data shards and checkpoints on disk are never redone.
+Every stage is resumable: data shards and checkpoints on disk are never redone. Shards and
+checkpoints hold CPU tensors, so a run resumes on either device.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ from pathlib import Path
 DEFAULT_TRAIN_PROMPTS = "/work/shared/data/prompts/train.jsonl"
 DEFAULT_EVAL_PROMPTS = "/work/shared/data/prompts/dev.jsonl"
 STAGES = ("data", "train", "eval", "all")
+DEVICES = ("auto", "cpu", "cuda")
+GEN_BATCH = {"cpu": 64, "cuda": 256}  # requests generated at once (cpu: the Engine's default)
+MIN_GEN_KV_TOKENS = 65536  # the Engine's default KV pool
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="a .gguf file, a Hugging Face model directory, or 'default'")
     p.add_argument("--stage", default="all", choices=STAGES)
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where every stage runs (auto: cuda when a GPU is visible, else cpu); "
+                        "on cuda training runs under bf16 autocast with fp32 master weights")
     p.add_argument("--work-dir", default=None,
                    help="data shards and checkpoints "
                         "(default ~/.cache/fmserve/train-eagle/<model>)")
@@ -47,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--shard-size", type=int, default=200, help="sequences per data shard")
     d.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="the target's dtype while making data (as when serving)")
+    d.add_argument("--gen-batch-size", type=int, default=None,
+                   help=f"requests the Engine generates at once (default {GEN_BATCH['cpu']} on "
+                        f"cpu, {GEN_BATCH['cuda']} on cuda); consecutive shards whose prompts "
+                        f"fit it are generated in one run")
+    d.add_argument("--gen-kv-tokens", type=int, default=None,
+                   help="the Engine's KV pool in tokens (default: room for --gen-batch-size "
+                        f"requests of the longest prompt and response, at least "
+                        f"{MIN_GEN_KV_TOKENS})")
 
     t = p.add_argument_group("training")
     t.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll depth")
@@ -112,12 +128,43 @@ def model_slug(model_path: Path) -> str:
     return name.lower()
 
 
+def resolve_device_arg(spec: str) -> str:
+    """'cpu' or 'cuda' for --device (auto: cuda when torch sees a GPU)."""
+    from gpu.device import resolve_device
+
+    try:
+        return resolve_device(spec).type
+    except ValueError as e:
+        raise SystemExit(f"train-eagle: {e}") from e
+
+
+def gen_engine_sizes(args) -> tuple[int, int]:
+    """(max running requests, KV pool tokens) of the data stage's Engine."""
+    batch = args.gen_batch_size or GEN_BATCH[args.device]
+    if batch < 1:
+        raise SystemExit(f"train-eagle: --gen-batch-size must be >= 1, got {batch}")
+    page = 16  # the Engine's page size: each request rounds up to whole pages
+    longest = args.max_prompt_tokens + args.max_new_tokens + page
+    return batch, args.gen_kv_tokens or max(MIN_GEN_KV_TOKENS, batch * longest)
+
+
+def release_device_memory(device: str) -> None:
+    """Hand cached GPU memory back between stages (each stage builds its own model)."""
+    if device == "cuda":
+        import gc
+
+        import torch
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def run(args: argparse.Namespace) -> int:
     from fmserve.default_model import resolve_model_path
-    from fmserve.train_eagle.data import log
+    from fmserve.train_eagle.data import device_label, log
     from fmserve.train_eagle.threads import ThreadGovernor
 
-    governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads)
+    args.device = resolve_device_arg(args.device)
+    governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads, device=args.device)
     model_path = resolve_model_path(args.model, progress=not args.no_progress)
     default = args.model in (None, "", "default")
     slug = "smollm2-135m-instruct" if default else model_slug(model_path)
@@ -125,14 +172,16 @@ def run(args: argparse.Namespace) -> int:
     work_dir = work_dir.expanduser()
     out = Path(args.out or Path("heads") / f"{slug}-eagle3").expanduser()
     log(f"train-eagle: model {model_path}, work dir {work_dir}, head -> {out}, "
-        f"{governor.current} threads")
+        f"device {device_label(args.device)}, {governor.current} threads")
     stages = ("data", "train", "eval") if args.stage == "all" else (args.stage,)
     if "data" in stages:
         make_data(args, model_path, slug, work_dir / "data", governor)
+        release_device_memory(args.device)
     if "train" in stages:
         from fmserve.train_eagle.trainer import TrainConfig, train
         train(TrainConfig.from_args(args, work_dir, out), model_path, governor,
               progress=not args.no_progress)
+        release_device_memory(args.device)
     if "eval" in stages:
         from fmserve.train_eagle.evaluate import evaluate_from_args
         evaluate_from_args(args, model_path, out, work_dir / "eval-data", governor)
@@ -141,10 +190,15 @@ def run(args: argparse.Namespace) -> int:
 
 def make_data(args, model_path: Path, slug: str, data_dir: Path, governor) -> None:
     from fmserve.engine import Engine
-    from fmserve.train_eagle.data import DataConfig, build_dataset
+    from fmserve.train_eagle.data import DataConfig, build_dataset, log
     from gpu.eagle.draft_head import default_aux_layer_ids
 
-    engine = Engine(str(model_path), dtype=args.dtype, progress=not args.no_progress)
+    batch, kv_tokens = gen_engine_sizes(args)
+    engine = Engine(str(model_path), device=args.device, dtype=args.dtype,
+                    max_running_requests=batch, max_kv_tokens=kv_tokens,
+                    progress=not args.no_progress)
+    log(f"data: the target generates on {args.device} ({engine.info.dtype}), {batch} requests "
+        f"at once, KV pool {kv_tokens} tokens")
     mc = engine.runner.model_config
     capture_layers = tuple(i + 1 for i in default_aux_layer_ids(mc.num_layers))
     cfg = DataConfig(prompts=args.prompts, num_prompts=args.num_prompts,
@@ -152,8 +206,10 @@ def make_data(args, model_path: Path, slug: str, data_dir: Path, governor) -> No
                      max_new_tokens=args.max_new_tokens,
                      sampled_fraction=args.sampled_fraction, shard_size=args.shard_size,
                      seed=args.seed)
+    # Several shards per Engine run only when asked for or on a GPU (the CPU as it always ran).
+    group = batch if args.gen_batch_size or args.device == "cuda" else None
     build_dataset(engine, cfg, data_dir, capture_layers, slug, progress=not args.no_progress,
-                  governor=governor)
+                  governor=governor, gen_batch_size=group)
     del engine
 
 

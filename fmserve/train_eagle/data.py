@@ -6,14 +6,16 @@
 2. The target answers them with fmserve's own offline Engine, batched: greedy for most, seeded
    sampling (temperature 0.7-1.0) for a ``sampled_fraction`` of them, so the head also sees
    text off the greedy path.
-3. A teacher-forced prefill of prompt + response captures, per position, the input residual of
-   the head's capture layers (concatenated: the head's first-step input), the target's
-   final-normed hidden state (target logits over the draft vocabulary are computed from it at
-   train time) and the target's argmax over the full vocabulary (for accuracy).
+3. A teacher-forced prefill of prompt + response (on the Engine's device) captures, per
+   position, the input residual of the head's capture layers (concatenated: the head's
+   first-step input), the target's final-normed hidden state (target logits over the draft
+   vocabulary are computed from it at train time) and the target's argmax over the full
+   vocabulary (for accuracy).
 
 Shard ``i`` holds the sequences of selected prompts ``[i * shard_size, (i + 1) * shard_size)``
-as one safetensors file of concatenated rows plus offsets. A shard on disk is never redone, and
-the prompt order does not depend on ``num_prompts``, so a larger count later only adds shards.
+as one safetensors file of concatenated rows plus offsets (CPU tensors, whatever the device).
+A shard on disk is never redone, and the prompt order does not depend on ``num_prompts``, so a
+larger count later only adds shards.
 """
 
 from __future__ import annotations
@@ -161,11 +163,9 @@ def generate_responses(engine, items: list[PromptItem], params: list, governor=N
     return [out[rid] for rid, _ in submitted]
 
 
-def generate_shard(engine, items: list[PromptItem], cfg: DataConfig,
-                   capture_layers: tuple[int, ...], governor=None) -> dict[str, torch.Tensor]:
-    """Responses for ``items`` (one batched Engine run), then one capture per sequence."""
-    params = [sampling_for(it, cfg) for it in items]
-    responses = generate_responses(engine, items, params, governor)
+def capture_shard(runner, items: list[PromptItem], responses: list[list[int]], params: list,
+                  capture_layers: tuple[int, ...], governor=None) -> dict[str, torch.Tensor]:
+    """One capture per (prompt, response) on the runner's device; the shard's CPU tensors."""
     ids, aux, final, argmax, offsets, prompt_lens, sampled = [], [], [], [], [0], [], []
     for n, (it, resp, p) in enumerate(zip(items, responses, params)):
         if governor is not None and n % 20 == 0:
@@ -173,7 +173,7 @@ def generate_shard(engine, items: list[PromptItem], cfg: DataConfig,
         seq = list(it.prompt_ids) + list(resp)
         if len(resp) < 2:  # nothing to draft
             continue
-        a, f, m = capture_sequence(engine.runner, seq, capture_layers)
+        a, f, m = capture_sequence(runner, seq, capture_layers)
         ids.append(torch.tensor(seq, dtype=torch.int32))
         aux.append(a)
         final.append(f)
@@ -188,6 +188,29 @@ def generate_shard(engine, items: list[PromptItem], cfg: DataConfig,
         "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),
         "sampled": torch.tensor(sampled, dtype=torch.int8),
     }
+
+
+def generate_shard(engine, items: list[PromptItem], cfg: DataConfig,
+                   capture_layers: tuple[int, ...], governor=None) -> dict[str, torch.Tensor]:
+    """Responses for ``items`` (one batched Engine run), then one capture per sequence."""
+    params = [sampling_for(it, cfg) for it in items]
+    responses = generate_responses(engine, items, params, governor)
+    return capture_shard(engine.runner, items, responses, params, capture_layers, governor)
+
+
+def shard_groups(todo: list[int], sizes: list[int], gen_batch_size: int | None
+                 ) -> list[list[int]]:
+    """Shards to make, in runs of consecutive ones whose prompts together fit
+    ``gen_batch_size`` (one batched Engine run each; at least one shard a run). None: one shard
+    a run."""
+    groups: list[list[int]] = []
+    for i in todo:
+        if (groups and gen_batch_size and groups[-1][-1] == i - 1
+                and sum(sizes[j] for j in groups[-1]) + sizes[i] <= gen_batch_size):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def shard_path(work_dir: Path, i: int) -> Path:
@@ -212,9 +235,21 @@ def _check_manifest(work_dir: Path, header: dict) -> None:
                              f"--work-dir or delete that one")
 
 
+def device_label(device) -> str:
+    """'cpu', or 'cuda (<GPU name>)' for a GPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return device.type
+
+
 def build_dataset(engine, cfg: DataConfig, work_dir: str | Path, capture_layers: tuple[int, ...],
-                  model_name: str, progress: bool = True, governor=None) -> Path:
-    """Make every shard that is not on disk yet; returns the manifest's path."""
+                  model_name: str, progress: bool = True, governor=None,
+                  gen_batch_size: int | None = None) -> Path:
+    """Make every shard that is not on disk yet; returns the manifest's path.
+
+    ``gen_batch_size``: generate the responses of consecutive shards in one Engine run while
+    their prompts fit it (None: one shard a run). Shards are the same either way."""
     from tqdm import tqdm
 
     work_dir = Path(work_dir).expanduser()
@@ -234,23 +269,39 @@ def build_dataset(engine, cfg: DataConfig, work_dir: str | Path, capture_layers:
     bar = tqdm(total=len(items), initial=sum(len(c) for i, c in enumerate(chunks) if i not in todo),
                desc="data", unit="seq", disable=not progress or not sys.stderr.isatty(),
                dynamic_ncols=True)  # in a log file the per-shard lines say the same
-    for i in todo:
+    runner = getattr(engine, "runner", None)
+    device = getattr(runner, "device", None)
+    for group in shard_groups(todo, [len(c) for c in chunks], gen_batch_size):
         t0 = time.perf_counter()
-        shard = generate_shard(engine, chunks[i], cfg, capture_layers, governor)
-        tmp = shard_path(work_dir, i).with_suffix(".tmp")
-        from safetensors.torch import save_file
-        save_file(shard, str(tmp), metadata={"num_prompts": str(len(chunks[i])),
-                                             "first_index": str(chunks[i][0].index)})
-        os.replace(tmp, shard_path(work_dir, i))
-        dt = time.perf_counter() - t0
-        n_seq = int(shard["prompt_lens"].numel())
-        n_resp = int(shard["input_ids"].numel() - shard["prompt_lens"].sum())
-        bar.update(len(chunks[i]))
-        log(f"shard {i}: {n_seq} sequences, {int(shard['input_ids'].numel())} tokens "
-            f"({n_resp} response) in {dt:.0f} s: {n_seq / dt:.2f} seq/s, "
-            f"{n_resp / dt:.0f} response tok/s"
-            + (f", {governor.current} threads" if governor is not None else ""))
-        _write_manifest(work_dir, header, chunks)
+        group_items = [it for i in group for it in chunks[i]]
+        params = [sampling_for(it, cfg) for it in group_items]
+        responses = generate_responses(engine, group_items, params, governor)
+        gen_share = (time.perf_counter() - t0) / len(group_items)  # generation s per prompt
+        k = 0
+        for i in group:
+            t1 = time.perf_counter()
+            n = len(chunks[i])
+            shard = capture_shard(runner, chunks[i], responses[k:k + n], params[k:k + n],
+                                  capture_layers, governor)
+            k += n
+            tmp = shard_path(work_dir, i).with_suffix(".tmp")
+            from safetensors.torch import save_file
+            meta = {"num_prompts": str(n), "first_index": str(chunks[i][0].index)}
+            if device is not None:
+                meta["device"] = str(device)
+            save_file(shard, str(tmp), metadata=meta)
+            os.replace(tmp, shard_path(work_dir, i))
+            dt = gen_share * n + time.perf_counter() - t1
+            n_seq = int(shard["prompt_lens"].numel())
+            n_resp = int(shard["input_ids"].numel() - shard["prompt_lens"].sum())
+            bar.update(n)
+            log(f"shard {i}: {n_seq} sequences, {int(shard['input_ids'].numel())} tokens "
+                f"({n_resp} response) in {dt:.0f} s: {n_seq / dt:.2f} seq/s, "
+                f"{n_resp / dt:.0f} response tok/s"
+                + (f" on {device_label(device)}" if device is not None and device.type != "cpu"
+                   else "")
+                + (f", {governor.current} threads" if governor is not None else ""))
+            _write_manifest(work_dir, header, chunks)
     bar.close()
     _write_manifest(work_dir, header, chunks)
     return work_dir / MANIFEST

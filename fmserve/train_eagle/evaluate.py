@@ -8,6 +8,8 @@
   run teacher-forced with dense attention (while the drafts are right, the true tokens *are* the
   drafts) and its accept length is 1 + the drafts right before the first miss. It averages over
   every position, not only those a real run verifies from, so it is an estimate.
+
+Both run on ``device`` ("auto": the GPU when present), the estimate in fp32.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def eval_prompt_ids(tokenizer, prompts_file: str, num: int, max_prompt_tokens: i
 
 def evaluate_spec(model: str, head_dir: Path, prompts_file: str, num_prompts: int,
                   max_new_tokens: int, num_steps: int = 4, dtype: str = "auto",
-                  progress: bool = True) -> SpecResult:
+                  progress: bool = True, device: str = "auto") -> SpecResult:
     """Greedy generation with speculative decoding; the accept length the Engine reports."""
     from fmserve.engine import Engine
     from ipc.sampling import SamplingParams
@@ -52,7 +54,7 @@ def evaluate_spec(model: str, head_dir: Path, prompts_file: str, num_prompts: in
 
     spec = SpecSettings(algorithm="eagle3", draft_model=str(head_dir), num_steps=num_steps,
                         topk=1, num_draft_tokens=num_steps + 1)
-    engine = Engine(model, dtype=dtype, progress=progress, spec=spec)
+    engine = Engine(model, device=device, dtype=dtype, progress=progress, spec=spec)
     prompts = eval_prompt_ids(engine.tokenizer, prompts_file, num_prompts)
     t0 = time.perf_counter()
     done = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
@@ -74,16 +76,18 @@ def estimate_accept_length(head, data, embed: torch.Tensor, num_steps: int,
 
     head.eval()
     dembed = draft_embed_ if draft_embed_ is not None else draft_embed(head, embed)
+    device = dembed.device
     seqs = list(range(len(data))) if seqs is None else list(seqs)
     lengths = [data.length(j) for j in seqs]
     total, roots = 0.0, 0
     reached = torch.zeros(num_steps + 1)  # chains whose first k drafts were all right
     for batch in epoch_batches(lengths, max_batch_tokens, 0, 0):
-        stats = ttt_forward(head, collate(data, [seqs[p] for p in batch]), dembed, num_steps)
+        stats = ttt_forward(head, collate(data, [seqs[p] for p in batch], device), dembed,
+                            num_steps)
         if len(stats.row_valid) < num_steps:
             continue
         full = stats.row_valid[num_steps - 1]  # the last step valid: every step is
-        right = torch.stack(stats.row_correct, dim=1)[full]  # [roots, num_steps]
+        right = torch.stack(stats.row_correct, dim=1)[full].cpu()  # [roots, num_steps]
         run = torch.cumprod(right.long(), dim=1)
         total += float((1 + run.sum(1)).sum())
         roots += int(right.shape[0])
@@ -95,17 +99,19 @@ def estimate_accept_length(head, data, embed: torch.Tensor, num_steps: int,
 
 def evaluate_estimate(model_path: Path, head_dir: Path, prompts_file: str, num_prompts: int,
                       max_new_tokens: int, data_dir: Path, num_steps: int = 4,
-                      dtype: str = "auto", progress: bool = True, governor=None
-                      ) -> tuple[float, list[float], int]:
+                      dtype: str = "auto", progress: bool = True, governor=None,
+                      device: str = "auto") -> tuple[float, list[float], int]:
     from fmserve.engine import Engine
     from fmserve.train_eagle.trainer import load_target
+    from gpu.device import resolve_device
     from gpu.eagle.head_io import load_draft_head
 
+    device = resolve_device(device)
     model_cfg, embed, _, _ = load_target(model_path)
-    head = load_draft_head(head_dir, model_cfg, embed, None, "cpu", torch.float32)
+    head = load_draft_head(head_dir, model_cfg, embed, None, device, torch.float32)
     cfg = DataConfig(prompts=prompts_file, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                      sampled_fraction=0.0, shard_size=64)
-    engine = Engine(str(model_path), dtype=dtype, progress=progress)
+    engine = Engine(str(model_path), device=str(device), dtype=dtype, progress=progress)
     build_dataset(engine, cfg, data_dir, head.config.capture_layers, model_path.name,
                   progress=progress, governor=governor)
     del engine
@@ -115,17 +121,19 @@ def evaluate_estimate(model_path: Path, head_dir: Path, prompts_file: str, num_p
 def evaluate_from_args(args, model_path: Path, head_dir: Path, data_dir: Path,
                        governor=None) -> None:
     progress = not args.no_progress
+    device = getattr(args, "device", "auto")
     if args.eval_mode in ("estimate", "both"):
         acc_len, acc, roots = evaluate_estimate(
             model_path, head_dir, args.eval_prompts, args.eval_num_prompts,
-            args.eval_max_new_tokens, data_dir, args.num_steps, args.dtype, progress, governor)
+            args.eval_max_new_tokens, data_dir, args.num_steps, args.dtype, progress, governor,
+            device)
         log(f"eval (ESTIMATE, teacher-forced, {roots} chain roots of {args.eval_num_prompts} "
-            f"held-out prompts): accept length {acc_len:.3f}; per-step accuracy "
+            f"held-out prompts, on {device}): accept length {acc_len:.3f}; per-step accuracy "
             + " ".join(f"{a:.3f}" for a in acc))
     if args.eval_mode in ("spec", "both"):
         r = evaluate_spec(str(model_path), head_dir, args.eval_prompts, args.eval_num_prompts,
-                          args.eval_max_new_tokens, args.num_steps, args.dtype, progress)
+                          args.eval_max_new_tokens, args.num_steps, args.dtype, progress, device)
         log(f"eval (speculative decoding, {r.prompts} held-out prompts, greedy, chain of "
-            f"{args.num_steps}): mean accept length {r.accept_length:.3f} over {r.verify_steps} "
-            f"verify steps; {r.tokens} tokens in {r.seconds:.1f} s "
+            f"{args.num_steps}, on {device}): mean accept length {r.accept_length:.3f} over "
+            f"{r.verify_steps} verify steps; {r.tokens} tokens in {r.seconds:.1f} s "
             f"({r.tokens / max(r.seconds, 1e-9):.1f} tok/s)")

@@ -4,6 +4,10 @@ With as many torch threads as cores, one busy process elsewhere on the machine m
 parallel region wait for a descheduled thread: on a 2-core machine a decode step went from
 80 ms to 4 s. So long runs re-check now and then how many cores other processes keep busy and
 use the rest (at least one, at most what was asked for).
+
+On a GPU the heavy work is not on these threads: the governor then keeps a fixed count
+(what was asked, else up to ``GPU_DEFAULT_THREADS``) and never polls /proc, so the host side
+(batch assembly, copies, tokenizing) neither starves nor pays for the polling.
 """
 
 from __future__ import annotations
@@ -44,12 +48,23 @@ def other_busy_cores(samples: int = 5, interval: float = 0.05) -> int:
     return seen
 
 
-class ThreadGovernor:
-    """Keeps torch's thread count at min(asked, free cores); ``asked`` 0 means all cores."""
+GPU_DEFAULT_THREADS = 8  # torch CPU threads beside a GPU when none are asked for
 
-    def __init__(self, asked: int = 0, adaptive: bool = True) -> None:
+
+class ThreadGovernor:
+    """Keeps torch's thread count at min(asked, free cores); ``asked`` 0 means all cores.
+
+    ``device`` "cuda": a fixed count (``asked``, or all cores up to GPU_DEFAULT_THREADS), not
+    adaptive."""
+
+    def __init__(self, asked: int = 0, adaptive: bool = True, device: str = "cpu") -> None:
         self.cores = os.cpu_count() or 1
-        self.asked = asked if asked > 0 else self.cores
+        self.gpu = str(device).startswith("cuda")
+        if self.gpu:
+            self.asked = asked if asked > 0 else min(self.cores, GPU_DEFAULT_THREADS)
+            adaptive = False
+        else:
+            self.asked = asked if asked > 0 else self.cores
         self.adaptive = adaptive
         self.current = 0
         self.update()

@@ -6,6 +6,11 @@ most frequent tokens.
 Every ``save_every`` steps a checkpoint (head, optimizer, scheduler, step, data position, RNG)
 goes to ``<work-dir>/checkpoints`` (the last few kept) and the head in its shipping form (HF-style
 directory, fp16 by default) to ``--out``, so a run cut short still leaves a usable head.
+
+``device`` cuda: the head, its optimizer state and the batches live on the GPU, and the forward
+runs under bf16 autocast over fp32 master weights (the loss and the teacher's distribution in
+fp32). Checkpoints and the shipped head hold CPU tensors either way, so a run started on one
+device resumes on the other. On the CPU the numerics are plain fp32, as they always were.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import random
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -56,6 +62,7 @@ class TrainConfig:
     decay: float = 0.8
     prompt_loss_weight: float = 0.0  # > 0: also train chains rooted in the prompt
     vocab_prior: str | None = None  # JSONL whose prompts/references refine the draft vocabulary
+    device: str = "cpu"  # "cpu", "cuda" (bf16 autocast, fp32 master weights) or "auto"
 
     @classmethod
     def from_args(cls, args, work_dir: Path, out: Path) -> "TrainConfig":
@@ -71,7 +78,8 @@ class TrainConfig:
                    log_every=args.log_every, keep_checkpoints=args.keep_checkpoints,
                    resume=args.resume, ship_dtype=args.ship_dtype, seed=args.seed,
                    prompt_loss_weight=args.prompt_loss_weight,
-                   vocab_prior=None if args.no_vocab_prior else args.prompts)
+                   vocab_prior=None if args.no_vocab_prior else args.prompts,
+                   device=getattr(args, "device", "cpu"))
 
 
 # -- batches and schedule -----------------------------------------------------------------------
@@ -173,9 +181,11 @@ def vocab_counts_with_prior(response_counts: torch.Tensor, prior_file: str,
 
 
 def draft_embed(head, embed: torch.Tensor) -> torch.Tensor:
-    """The target's lm_head rows (tied: the embedding) of the draft vocabulary."""
+    """The target's lm_head rows (tied: the embedding) of the draft vocabulary, on the head's
+    device."""
     dv = head.config.draft_vocab_size
-    return embed[torch.arange(dv) + head.d2t.cpu()].contiguous()
+    rows = torch.arange(dv) + head.d2t.cpu()
+    return embed[rows.to(embed.device)].contiguous().to(head.d2t.device)
 
 
 def ship_head(head, out: Path, dtype: torch.dtype, record: dict) -> None:
@@ -195,6 +205,17 @@ def ship_head(head, out: Path, dtype: torch.dtype, record: dict) -> None:
 
 
 # -- checkpoints --------------------------------------------------------------------------------
+
+def to_cpu(obj):
+    """``obj`` (nested dicts / lists / tuples) with every tensor on the CPU (CPU ones as is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     found = sorted(ckpt_dir.glob("step-*.pt"))
@@ -234,12 +255,24 @@ class TrainResult:
     history: list[tuple[int, float, list[float]]]  # (step, loss, per-step accuracy) per step
 
 
+def autocast_for(device: torch.device):
+    """bf16 autocast on a GPU (fp32 master weights); nothing on the CPU (plain fp32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = True,
           data: CapturedData | None = None, target=None) -> TrainResult:
     """Train (or resume) and write the head to cfg.out. ``target``: load_target's result, when
     the caller has it already."""
     from tqdm import tqdm
 
+    from fmserve.train_eagle.data import device_label
+    from gpu.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    where = device_label(device)
     torch.manual_seed(cfg.seed)
     ckpt_dir = Path(cfg.ckpt_dir).expanduser()
     out = Path(cfg.out).expanduser()
@@ -259,6 +292,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
         counts = vocab_counts_with_prior(counts, cfg.vocab_prior, model_path)
     head = build_head(model_cfg, embed, final_norm, counts, cfg.draft_vocab_size, cfg.seed)
     coverage = float(response_counts[head.t2d].sum() / response_counts.sum().clamp(min=1))
+    head.to(device)  # built on the CPU (the same init anywhere), trained here
     n_val = min(cfg.val_sequences, len(data) // 5)
     train_ids = list(range(len(data) - n_val))
     val_ids = list(range(len(data) - n_val, len(data)))
@@ -277,6 +311,8 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     step, epoch, pos_in_epoch = 0, 0, 0
     best = {"accept": -1.0, "step": 0, "acc": []}  # the validation score of the shipped head
     if resume_from is not None:
+        # CPU tensors (also from a checkpoint a GPU run wrote); the optimizer's load_state_dict
+        # moves its state to the parameters' device.
         state = torch.load(resume_from, map_location="cpu", weights_only=False)
         for key in ("ttt_steps", "draft_vocab_size"):
             if state["config"][key] != getattr(cfg, key):
@@ -310,7 +346,8 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
         + (f" or what fits {cfg.max_minutes:g} min" if cfg.max_minutes else "")
         + f", lr {cfg.lr}, TTT {cfg.ttt_steps} steps; "
         f"draft vocab {head.config.draft_vocab_size} covers {coverage:.1%} of response tokens; "
-        f"{n_params / 1e6:.1f}M trainable parameters")
+        f"{n_params / 1e6:.1f}M trainable parameters; on {where}"
+        + (" (bf16 autocast, fp32 master weights)" if device.type == "cuda" else " (fp32)"))
 
     def record(acc: list[float]) -> dict:
         return {"step": step, "total_steps": total_steps, "sequences": len(data),
@@ -319,6 +356,10 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
                 "draft_vocab_coverage": round(coverage, 4),
                 "train_acc_per_position": [round(a, 4) for a in acc],
                 "train_est_accept_length": round(expected_accept_length(acc), 3),
+                "device": device.type,
+                **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
+                "precision": "bf16 autocast, fp32 master weights" if device.type == "cuda"
+                else "fp32",
                 **({"val_sequences": n_val, "val_acc_per_position": [round(a, 4) for a in
                                                                      best["acc"]],
                     "val_est_accept_length": round(best["accept"], 3)} if n_val else {})}
@@ -338,7 +379,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
             if ship:
                 best.update(accept=val_accept, step=step, acc=val_acc)
         state = {"step": step, "epoch": epoch, "pos_in_epoch": pos_in_epoch, "best": best,
-                 "head": head.state_dict(), "optimizer": opt.state_dict(),
+                 "head": to_cpu(head.state_dict()), "optimizer": to_cpu(opt.state_dict()),
                  "scheduler": sched.state_dict(), "config": asdict(cfg),
                  "schedule": (schedule.total_steps, schedule.warmup),
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
@@ -380,9 +421,10 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
         while pos_in_epoch < len(batches) and step < total_steps:
             if governor is not None and step % 10 == 0:
                 governor.update()
-            batch = collate(data, [train_ids[p] for p in batches[pos_in_epoch]])
-            stats = ttt_forward(head, batch, dembed, K, cfg.decay,
-                                prompt_weight=cfg.prompt_loss_weight)
+            batch = collate(data, [train_ids[p] for p in batches[pos_in_epoch]], device)
+            with autocast_for(device):
+                stats = ttt_forward(head, batch, dembed, K, cfg.decay,
+                                    prompt_weight=cfg.prompt_loss_weight)
             opt.zero_grad(set_to_none=True)
             stats.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -392,15 +434,16 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
             pos_in_epoch += 1
             if cfg.max_minutes and step - start_step == CALIBRATION_STEPS:
                 fit_time_budget(0.95)
-            win["loss"] += float(stats.loss.detach())
+            loss = float(stats.loss.detach())  # one host sync a step
+            win["loss"] += loss
             win["n"] += 1
             win["tokens"] += batch.num_tokens
             for k in range(len(stats.counts)):
                 win["correct"][k] += stats.correct[k]
                 win["count"][k] += stats.counts[k]
             acc_now = [c / max(1, n) for c, n in zip(stats.correct, stats.counts)]
-            history.append((step, float(stats.loss.detach()), acc_now))
-            bar.set_postfix_str(f"loss {float(stats.loss.detach()):.3f} acc "
+            history.append((step, loss, acc_now))
+            bar.set_postfix_str(f"loss {loss:.3f} acc "
                                 + "/".join(f"{a:.2f}" for a in acc_now), refresh=False)
             bar.update(1)
             if step % cfg.log_every == 0 or step == total_steps:
@@ -413,8 +456,9 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
                     + " ".join(f"{a:.3f}" for a in last_acc)
                     + f" est.accept {expected_accept_length(last_acc):.2f} | "
                     f"{win['n'] / dt:.3f} steps/s {win['tokens'] / dt:.0f} tok/s "
-                    f"({governor.current if governor else torch.get_num_threads()} threads) "
-                    f"eta {eta / 60:.0f} min")
+                    + ("(cuda) " if device.type == "cuda" else
+                       f"({governor.current if governor else torch.get_num_threads()} threads) ")
+                    + f"eta {eta / 60:.0f} min")
                 win = {"loss": 0.0, "n": 0, "correct": [0] * K, "count": [0] * K, "tokens": 0,
                        "t0": time.perf_counter(), "steps": 0}
             if step % cfg.save_every == 0 and step < total_steps:
@@ -425,5 +469,5 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
             epoch, pos_in_epoch = epoch + 1, 0
     bar.close()
     checkpoint(last_acc)
-    log(f"done: {step} steps; head in {out}")
+    log(f"done: {step} steps on {where}; head in {out}")
     return TrainResult(out, step, history)

@@ -21,6 +21,7 @@ always counts as a miss; it still trains through the soft loss).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -43,20 +44,29 @@ class Batch:
         return int(self.lengths.sum())
 
 
-def collate(data: CapturedData, seqs: list[int]) -> Batch:
+def collate(data: CapturedData, seqs: list[int], device: torch.device | str | None = None
+            ) -> Batch:
+    """A padded batch of sequences ``seqs``, assembled on the CPU. ``device`` a GPU: assembled
+    in pinned memory and copied there without blocking (the copies queue before the forward on
+    the same stream). ``lengths`` and ``prompt_lens`` stay on the CPU (small; read on the host)."""
+    device = torch.device(device) if device is not None else None
+    pin = device is not None and device.type == "cuda"
     B, L = len(seqs), max(data.length(j) for j in seqs)
     aux_w = data.shards[data.shard[seqs[0]]]["aux_hidden"].shape[1]
     h = data.shards[data.shard[seqs[0]]]["final_hidden"].shape[1]
-    ids = torch.zeros(B, L, dtype=torch.int64)
-    aux = torch.zeros(B, L, aux_w)
-    final = torch.zeros(B, L, h)
-    argmax = torch.full((B, L), -1, dtype=torch.int64)
+    ids = torch.zeros(B, L, dtype=torch.int64, pin_memory=pin)
+    aux = torch.zeros(B, L, aux_w, pin_memory=pin)
+    final = torch.zeros(B, L, h, pin_memory=pin)
+    argmax = torch.full((B, L), -1, dtype=torch.int64, pin_memory=pin)
     for b, j in enumerate(seqs):
         n = data.length(j)
         ids[b, :n] = data.rows(j, "input_ids")
         aux[b, :n] = data.rows(j, "aux_hidden")
         final[b, :n] = data.rows(j, "final_hidden")
         argmax[b, :n] = data.rows(j, "target_argmax")
+    if device is not None and device.type != "cpu":
+        ids, aux, final, argmax = (t.to(device, non_blocking=pin)
+                                   for t in (ids, aux, final, argmax))
     return Batch(ids, aux, final, argmax,
                  torch.tensor([data.length(j) for j in seqs]),
                  torch.tensor([data.prompt_len[j] for j in seqs]))
@@ -148,7 +158,10 @@ def ttt_forward(head, batch: Batch, draft_embed: torch.Tensor, ttt_steps: int,
     row_weight = torch.where(in_response, 1.0, prompt_weight)
     # Target rows: positions whose next-token distribution some step predicts.
     tgt = torch.nonzero((pos >= first + 1) & (pos <= lens - 2)).squeeze(1)
-    with torch.no_grad():
+    # The teacher's distribution in fp32 even under a caller's autocast (bf16 logits of ~20
+    # would round by ~0.1 and blur it).
+    no_autocast = torch.autocast(dev.type, enabled=False) if dev.type == "cuda" else nullcontext()
+    with torch.no_grad(), no_autocast:
         final = batch.final_hidden.to(dev).reshape(n, -1)[tgt]
         target_p = torch.softmax(F.linear(final, draft_embed).float(), dim=-1)
         tmap = torch.full((n,), -1, dtype=torch.long, device=dev)
