@@ -136,7 +136,8 @@ def offline_baseline(args, path: Path, prompts: list[str], params: SamplingParam
                     attention_backend=args.attention_backend, max_running_requests=32,
                     progress=False)
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    engine.generate(chats[:2], SamplingParams(max_new_tokens=4))  # warm-up
+    # Warm-up at the measured batch size: on a GPU each new shape may compile kernels first.
+    engine.generate(chats, SamplingParams(max_new_tokens=4))
     start = time.perf_counter()
     outs = engine.generate(chats, params)
     return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - start)
@@ -190,7 +191,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         proc, endpoint = start_service(args, path, overlap,
                                        [f for kv in args.set for f in ("--set", kv)])
         try:
-            asyncio.run(run_closed_loop(endpoint, prompts[:2], 1, SamplingParams(max_new_tokens=4)))
+            top = max(levels)  # warm-up at the widest level (GPU kernels compile per shape)
+            asyncio.run(run_closed_loop(endpoint, prompts[:top], top,
+                                        SamplingParams(max_new_tokens=4)))
             runs = [(f"{tag}, concurrency {c}",
                      lambda c=c: run_closed_loop(endpoint, prompts[:max(n, c)], c, params))
                     for c in levels]

@@ -55,13 +55,15 @@ def resolve_dtype(spec: str, device: torch.device | None = None) -> torch.dtype:
 
 
 def host_to_device(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host array on the device without stalling the host. On a GPU a plain `.to(device)`
-    from pageable memory synchronises the current stream first (it would wait for the forward
-    in flight); a pinned staging copy with non_blocking does not. On the CPU: the data itself."""
+    """A host array on the device without making the host wait for the device. A plain
+    `.to(device)` synchronises the current stream after the copy (it would wait for the forward
+    in flight); with non_blocking from pageable memory the driver stages the bytes at once and
+    returns, so the array may be reused right away. Pinning each small array instead costs a
+    pinned allocation per call. On the CPU: the data itself."""
     t = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
     if device.type == "cpu":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
 
 
 class NoOpEvent:

@@ -82,6 +82,9 @@ def test_retraction_under_overlap_keeps_outputs(model_path, engine):
 
 def test_decode_before_any_write_trips_the_invariant(engine):
     runner = engine.runner
+    if runner.device.type != "cpu":
+        pytest.skip("on a GPU the check is a device-side assert, which ends the process: "
+                    "tests/test_cuda.py checks it there in a subprocess")
     assert runner.future_map.wrwr_check, "the suite runs with FMSERVE_WRWR_CHECK=1"
     # Slot 5 is released (its last token forgotten) and then decoded without a prefill.
     plan = StepPlan(step_id=10_000, new_requests=[], grants=[], extends=[],

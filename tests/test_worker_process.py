@@ -351,5 +351,7 @@ def test_supervisor_does_not_import_the_worker_side():
     code = ("import sys, service.worker_supervisor; "
             "print(sorted(m for m in ('torch', 'gpu') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(ROOT), os.environ.get("PYTHONPATH", "")])},
+                         check=True).stdout
     assert out.strip() == "[]"
