@@ -23,6 +23,7 @@ from gpu.future_map import FutureMap
 from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
+from gpu.plan_check import check_plan
 from gpu.sampler import Sampler, SamplingState
 from gpu.step_streams import ForwardSpan, HostCopy, StepStreams
 from ipc.spec_settings import SpecSettings
@@ -134,6 +135,8 @@ class ModelRunner:
     # -- plan application -------------------------------------------------------------------
 
     def _apply_bookkeeping(self, plan: StepPlan) -> None:
+        check_plan(plan, self.num_slots, self.kv_pool.num_pages,
+                   self.req_to_token.max_context_len, self.model_config.vocab_size)
         released = unpack_i32(plan.released_slots)
         for slot in released.tolist():
             self.sampling_state.release(slot)

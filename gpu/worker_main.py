@@ -105,8 +105,9 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     """Load, announce, then answer plans until Shutdown. Returns the exit code."""
     codec = WorkerSideCodec()
 
-    def fail(step_id: int | None, message: str) -> int:
-        traceback.print_exc()  # the full traceback goes to the log file
+    def fail(step_id: int | None, message: str, exc: BaseException | None = None) -> int:
+        # The full traceback goes to the log file.
+        traceback.print_exception(exc) if exc is not None else traceback.print_exc()
         print(f"fmserve worker: {message}", file=sys.stderr, flush=True)
         sock.setsockopt(zmq.LINGER, FINAL_LINGER_MS)
         sock.send(codec.encode(WorkerFailed(step_id, message)))
@@ -165,7 +166,7 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
             return EXIT_OK
         if failure is not None:
             return fail(msg.step_id, f"step {msg.step_id} failed in the worker: "
-                                     f"{describe_exception(failure)}")
+                                     f"{describe_exception(failure)}", failure)
         pending = launched
 
 

@@ -43,7 +43,8 @@ class ServiceProcess:
     def __init__(self, model_path: Path, *extra: str) -> None:
         self.port, self.tport = free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"fmserve-svc-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model_path),

@@ -250,7 +250,7 @@ async def test_step_that_fails_in_the_worker_raises_worker_died(tiny_model):
         await h.step(tiny_plans()[0])
         bad = StepPlan(2, [], [], [], pack_i32([99]), pack_i32([]))  # slot 99 of 5
         started = time.monotonic()
-        with pytest.raises(WorkerDied, match=r"step 2 failed in the worker: IndexError"):
+        with pytest.raises(WorkerDied, match=r"step 2 failed in the worker: \S*PlanError: .*decode slot 99 is outside 1\.\.4"):
             await h.step(bad)
         assert time.monotonic() - started < 5.0
         with anyio.fail_after(5):  # it exits by itself after reporting (code 1)
@@ -269,7 +269,7 @@ async def test_launched_ahead_step_failure_comes_after_the_earlier_result(tiny_m
         await h.send_plan(StepPlan(2, [], [], [], pack_i32([99]), pack_i32([])))
         first = await h.next_result()
         assert first.step_id == 1 and len(unpack_i32(first.token_ids)) == 2
-        with pytest.raises(WorkerDied, match=r"step 2 failed in the worker: IndexError"):
+        with pytest.raises(WorkerDied, match=r"step 2 failed in the worker: \S*PlanError: .*decode slot 99 is outside 1\.\.4"):
             await h.next_result()
 
 
@@ -352,6 +352,6 @@ def test_supervisor_does_not_import_the_worker_side():
             "print(sorted(m for m in ('torch', 'gpu') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             [str(ROOT), os.environ.get("PYTHONPATH", "")])},
+                             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)},
                          check=True).stdout
     assert out.strip() == "[]"
