@@ -16,6 +16,7 @@ import torch
 from fmserve.engine import Engine
 from gpu.future_map import FutureMap
 from ipc.sampling import SamplingParams
+from tests.engine_runs import assert_accounting_empty
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/HIP GPU")
 
@@ -30,8 +31,7 @@ def greedy(engine: Engine, overlap: bool, max_new_tokens: int = 24) -> list[list
     params = [SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens - i)
               for i in range(len(chats))]
     out = [c.token_ids for c in engine.generate(chats, params)]
-    acc = engine.scheduler.accounting()
-    assert (acc["free_pages"], acc["free_slots"]) == (acc["total_pages"], acc["total_slots"])
+    assert_accounting_empty(engine)
     return out
 
 

@@ -20,8 +20,9 @@ from fmserve.engine import Engine
 from gpu.eagle.head_io import random_draft_head, save_draft_head
 from gpu.eagle.spec_worker import EagleWorker, hidden_size_for
 from ipc.sampling import SamplingParams
-from ipc.spec_settings import SpecSettings
+from ipc.spec_settings import SpecSettings, accept_length
 from ipc.worker_messages import StepPlan, pack_i32, unpack_i32
+from tests.engine_runs import RequestRun, assert_accounting_empty, run_requests
 
 QUESTIONS = ["What is 2+2?", "Name three colors.", "Write a haiku about rain.",
              "Explain gravity to a child in two sentences.", "Say hi.",
@@ -49,39 +50,13 @@ def scenario() -> list[SamplingParams]:
 
 
 def run(engine: Engine, overlap: bool, abort_rid_index: int | None = None
-        ) -> tuple[list[tuple], list]:
-    """Run QUESTIONS; returns per request (tokens, text, finish reason) and the completions'
-    spec counters. Asserts exactly one terminal output each and empty accounting after."""
-    engine.overlap = overlap
+        ) -> tuple[list[tuple], list[RequestRun]]:
+    """QUESTIONS through the engine: what clients see per request, and the full runs (with
+    the spec counters)."""
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    submitted = engine.submit(chats, scenario())
-    results = {rid: [[], "", None, 0, 0] for rid, _ in submitted}
-    terminal = {rid: 0 for rid, _ in submitted}
-    victim = submitted[abort_rid_index][0] if abort_rid_index is not None else None
-    for out in engine.run():
-        r = results[out.rid]
-        r[0] += out.token_ids
-        r[1] += out.text
-        if out.finished:
-            r[2] = out.finish_reason.value
-            r[3], r[4] = out.spec_verify_steps, out.spec_accepted_drafts
-            terminal[out.rid] += 1
-        if out.rid == victim and not out.finished and len(r[0]) >= 4:
-            aborted = engine.scheduler.abort(victim)
-            r[2] = aborted.finish_reason.value
-            terminal[victim] += 1
-            victim = None
-    assert all(n == 1 for n in terminal.values()), terminal
-    assert_accounting_empty(engine)
-    rows = [tuple(results[rid][:3]) for rid, _ in submitted]
-    return rows, [tuple(results[rid][3:]) for rid, _ in submitted]
-
-
-def assert_accounting_empty(engine: Engine) -> None:
-    acc = engine.scheduler.accounting()
-    assert acc["free_pages"] == acc["total_pages"], acc
-    assert acc["free_slots"] == acc["total_slots"], acc
-    assert acc["running"] == acc["waiting"] == 0, acc
+    runs = run_requests(engine, chats, scenario(), overlap, abort_index=abort_rid_index,
+                        abort_after=4)
+    return [r.visible for r in runs], runs
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +94,7 @@ def tree_engine(model_path):
     return make_engine(model_path, TREE)
 
 
-_SHIPPED_RUNS: dict[tuple[str, bool], tuple[list[tuple], list]] = {}
+_SHIPPED_RUNS: dict[tuple[str, bool], tuple[list[tuple], list[RequestRun]]] = {}
 
 
 def shipped_run(request, shape: str, overlap: bool) -> tuple[list[tuple], list]:
@@ -130,9 +105,8 @@ def shipped_run(request, shape: str, overlap: bool) -> tuple[list[tuple], list]:
     return _SHIPPED_RUNS[key]
 
 
-def accept_length(counters: list) -> float:
-    steps = sum(c[0] for c in counters)
-    return (sum(c[1] for c in counters) + steps) / steps
+def mean_accept_length(runs: list[RequestRun]) -> float:
+    return accept_length(sum(r.accepted_drafts for r in runs), sum(r.verify_steps for r in runs))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
@@ -140,10 +114,10 @@ def accept_length(counters: list) -> float:
 def test_greedy_identical_with_shipped_head(request, reference, shape, overlap):
     rows, counters = shipped_run(request, shape, overlap)
     assert rows == reference
-    assert sum(c[0] for c in counters) > 0
+    assert sum(r.verify_steps for r in counters) > 0
     # The trained head gets drafts accepted, so multi-token steps (and, for the tree, KV
     # compaction of off-column paths) are exercised, not just the bonus-only path.
-    assert sum(c[1] for c in counters) > 0, counters
+    assert sum(r.accepted_drafts for r in counters) > 0, counters
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
@@ -156,7 +130,8 @@ def test_greedy_identical_with_random_head(request, model_path, reference, rando
     assert rows == reference
     if algorithm == "eagle3":  # the shipped head drafts far better than chance
         _, shipped = shipped_run(request, "tree", True)
-        assert accept_length(shipped) > accept_length(counters) + 0.1, (shipped, counters)
+        assert mean_accept_length(shipped) > mean_accept_length(counters) + 0.1, (shipped,
+                                                                                  counters)
 
 
 def test_abort_mid_stream_frees_everything(tree_engine, reference):

@@ -22,6 +22,7 @@ import torch
 
 from fmserve.train_eagle.data import DataConfig, build_dataset, load_dataset, log, \
     read_prompts, select_prompts
+from ipc.spec_settings import accept_length
 
 
 @dataclass
@@ -33,8 +34,8 @@ class SpecResult:
     seconds: float
 
     @property
-    def accept_length(self) -> float:
-        return (self.accepted_drafts + self.verify_steps) / max(1, self.verify_steps)
+    def accept_length(self) -> float | None:
+        return accept_length(self.accepted_drafts, self.verify_steps)
 
 
 def eval_prompt_ids(tokenizer, prompts_file: str, num: int, max_prompt_tokens: int = 384
@@ -134,6 +135,7 @@ def evaluate_from_args(args, model_path: Path, head_dir: Path, data_dir: Path,
         r = evaluate_spec(str(model_path), head_dir, args.eval_prompts, args.eval_num_prompts,
                           args.eval_max_new_tokens, args.num_steps, args.dtype, progress, device)
         log(f"eval (speculative decoding, {r.prompts} held-out prompts, greedy, chain of "
-            f"{args.num_steps}, on {device}): mean accept length {r.accept_length:.3f} over "
+            f"{args.num_steps}, on {device}): mean accept length "
+            f"{'-' if r.accept_length is None else f'{r.accept_length:.3f}'} over "
             f"{r.verify_steps} verify steps; {r.tokens} tokens in {r.seconds:.1f} s "
             f"({r.tokens / max(r.seconds, 1e-9):.1f} tok/s)")
