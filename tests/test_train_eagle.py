@@ -21,6 +21,16 @@ from gpu.model_config import ModelConfig
 H, NH, NKV, HD, VOCAB, INTER, LAYERS = 32, 4, 2, 8, 96, 64, 8
 
 
+def _random_captured(lengths: list[int], prompt_lens: list[int]) -> CapturedData:
+    """Two random captured sequences in one shard (ids, aux and final states, argmax)."""
+    rows = sum(lengths)
+    shard = {"input_ids": torch.randint(0, VOCAB, (rows,), dtype=torch.int32),
+             "aux_hidden": torch.randn(rows, 3 * H).half(),
+             "final_hidden": torch.randn(rows, H).half(),
+             "target_argmax": torch.randint(0, VOCAB, (rows,), dtype=torch.int32)}
+    return CapturedData([shard], [0, 0], [0, lengths[0]], [lengths[0], rows], prompt_lens)
+
+
 def _tiny_target() -> ModelConfig:
     return ModelConfig(architecture="llama", num_layers=LAYERS, hidden_size=H,
                        intermediate_size=INTER, num_heads=NH, num_kv_heads=NKV, head_dim=HD,
@@ -64,13 +74,9 @@ def test_ttt_matches_a_serving_chain():
         head.d2t.copy_(torch.arange(48) * 1)  # draft id d -> target id 2d
         head.t2d.zero_()
         head.t2d[torch.arange(48) * 2] = True
-    lengths, prompt_lens = [14, 10], [5, 3]
-    rows = sum(lengths)
-    shard = {"input_ids": torch.randint(0, VOCAB, (rows,), dtype=torch.int32),
-             "aux_hidden": torch.randn(rows, 3 * H).half(),
-             "final_hidden": torch.randn(rows, H).half(),
-             "target_argmax": torch.randint(0, VOCAB, (rows,), dtype=torch.int32)}
-    data = CapturedData([shard], [0, 0], [0, lengths[0]], [lengths[0], rows], prompt_lens)
+    lengths = [14, 10]
+    data = _random_captured(lengths, prompt_lens=[5, 3])
+    shard = data.shards[0]
     dembed = embed[torch.arange(48) * 2]
     steps = 3
     stats = ttt_forward(head, collate(data, [0, 1]), dembed, steps, keep_logits=True)
@@ -210,13 +216,7 @@ def test_prompt_rows_train_but_do_not_count():
     target = _tiny_target()
     embed = torch.randn(VOCAB, H) * 0.5
     head = random_draft_head(target, embed, None, draft_vocab_size=VOCAB, seed=1)
-    lengths, prompt_lens = [12, 9], [6, 4]
-    rows = sum(lengths)
-    shard = {"input_ids": torch.randint(0, VOCAB, (rows,), dtype=torch.int32),
-             "aux_hidden": torch.randn(rows, 3 * H).half(),
-             "final_hidden": torch.randn(rows, H).half(),
-             "target_argmax": torch.randint(0, VOCAB, (rows,), dtype=torch.int32)}
-    data = CapturedData([shard], [0, 0], [0, lengths[0]], [lengths[0], rows], prompt_lens)
+    data = _random_captured([12, 9], prompt_lens=[6, 4])
     batch = collate(data, [0, 1])
     only = ttt_forward(head, batch, embed, 3)
     both = ttt_forward(head, batch, embed, 3, prompt_weight=0.5)
