@@ -35,6 +35,7 @@ class Measure:
     batch: int
     prefill_tps: float
     decode_tps: float
+    overlap: bool = False
 
 
 def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -54,7 +55,8 @@ def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 def measure_fmserve(engine: Engine, prompts: list[list[int]], decode_len: int) -> tuple[float, float]:
     params = SamplingParams(temperature=0.0, max_new_tokens=decode_len, ignore_eos=True)
-    engine.generate([p[:8] for p in prompts[:2]], SamplingParams(max_new_tokens=4))  # warm-up
+    # Warm-up at this batch size: on a GPU each new shape may compile kernels first.
+    engine.generate([p[:8] for p in prompts], SamplingParams(max_new_tokens=4))
     start = time.perf_counter()
     first_token_done = None
     seen = set()
@@ -96,6 +98,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dtypes = args.dtypes.split(",")
+    overlaps = [o == "on" for o in getattr(args, "overlap", "off").split(",")]
     results: list[Measure] = []
     with Progress(console=console) as progress:
         task = progress.add_task("benchmark", total=len(dtypes) * len(batches) * 2)
@@ -105,9 +108,12 @@ def run_bench_offline(args: argparse.Namespace) -> int:
                             max_running_requests=max(batches), progress=False)
             all_prompts = bench_prompts(engine.tokenizer, max(batches), args.prompt_len)
             for b in batches:
-                progress.update(task, description=f"fmserve {dtype} batch {b}")
-                pf, dc = measure_fmserve(engine, all_prompts[:b], args.decode_len)
-                results.append(Measure("fmserve", dtype, b, pf, dc))
+                for overlap in overlaps:
+                    progress.update(task, description=f"fmserve {dtype} batch {b}"
+                                                      f"{' overlap' if overlap else ''}")
+                    engine.overlap = overlap
+                    pf, dc = measure_fmserve(engine, all_prompts[:b], args.decode_len)
+                    results.append(Measure("fmserve", dtype, b, pf, dc, overlap))
                 progress.advance(task)
             del engine
             if args.no_baseline:
@@ -133,9 +139,10 @@ def render(results: list[Measure], args: argparse.Namespace, console: Console) -
     base = {(m.dtype, m.batch): m for m in results if m.engine == "transformers"}
     table = Table(title=f"offline: prompt {args.prompt_len} tokens, decode {args.decode_len} "
                         f"tokens, threads {torch.get_num_threads()}")
-    header = ["dtype", "batch", "fmserve prefill tok/s", "fmserve decode tok/s",
+    off = {(m.dtype, m.batch): m for m in results if m.engine == "fmserve" and not m.overlap}
+    header = ["dtype", "batch", "overlap", "fmserve prefill tok/s", "fmserve decode tok/s",
               "transformers prefill tok/s", "transformers decode tok/s", "decode ratio",
-              "prefill ratio"]
+              "prefill ratio", "decode on/off"]
     for h in header:
         table.add_column(h, justify="right")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -143,10 +150,13 @@ def render(results: list[Measure], args: argparse.Namespace, console: Console) -
         if m.engine != "fmserve":
             continue
         b = base.get((m.dtype, m.batch))
-        row = [m.dtype, str(m.batch), f"{m.prefill_tps:.0f}", f"{m.decode_tps:.1f}",
+        o = off.get((m.dtype, m.batch)) if m.overlap else None
+        row = [m.dtype, str(m.batch), "on" if m.overlap else "off", f"{m.prefill_tps:.0f}",
+               f"{m.decode_tps:.1f}",
                f"{b.prefill_tps:.0f}" if b else "-", f"{b.decode_tps:.1f}" if b else "-",
                f"{m.decode_tps / b.decode_tps:.2f}x" if b else "-",
-               f"{m.prefill_tps / b.prefill_tps:.2f}x" if b else "-"]
+               f"{m.prefill_tps / b.prefill_tps:.2f}x" if b else "-",
+               f"{m.decode_tps / o.decode_tps:.2f}x" if o else "-"]
         table.add_row(*row)
         lines.append("| " + " | ".join(row) + " |")
     console.print(table)

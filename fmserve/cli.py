@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     off.add_argument("--device", default="auto")
     off.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    off.add_argument("--overlap", default="off", choices=["off", "on", "off,on"],
+                     help="the engine's overlap (plan k+1 launched before step k finishes); "
+                          "off,on measures both and prints their ratio")
     off.add_argument("--baseline-max-batch", type=int, default=32,
                      help="largest batch to run transformers at (it is slow)")
     off.add_argument("--markdown", default=None, help="also write the table to this file")
