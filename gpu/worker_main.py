@@ -106,8 +106,10 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     codec = WorkerSideCodec()
 
     def fail(step_id: int | None, message: str, exc: BaseException | None = None) -> int:
-        # The full traceback goes to the log file.
-        traceback.print_exception(exc) if exc is not None else traceback.print_exc()
+        if exc is not None:  # the full traceback goes to the log file
+            traceback.print_exception(exc)
+        else:
+            traceback.print_exc()
         print(f"fmserve worker: {message}", file=sys.stderr, flush=True)
         sock.setsockopt(zmq.LINGER, FINAL_LINGER_MS)
         sock.send(codec.encode(WorkerFailed(step_id, message)))

@@ -143,6 +143,8 @@ def gen_engine_sizes(args) -> tuple[int, int]:
     batch = args.gen_batch_size or GEN_BATCH[args.device]
     if batch < 1:
         raise SystemExit(f"train-eagle: --gen-batch-size must be >= 1, got {batch}")
+    if args.gen_kv_tokens is not None and args.gen_kv_tokens < 1:
+        raise SystemExit(f"train-eagle: --gen-kv-tokens must be >= 1, got {args.gen_kv_tokens}")
     page = 16  # the Engine's page size: each request rounds up to whole pages
     longest = args.max_prompt_tokens + args.max_new_tokens + page
     return batch, args.gen_kv_tokens or max(MIN_GEN_KV_TOKENS, batch * longest)

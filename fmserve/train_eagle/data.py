@@ -190,14 +190,6 @@ def capture_shard(runner, items: list[PromptItem], responses: list[list[int]], p
     }
 
 
-def generate_shard(engine, items: list[PromptItem], cfg: DataConfig,
-                   capture_layers: tuple[int, ...], governor=None) -> dict[str, torch.Tensor]:
-    """Responses for ``items`` (one batched Engine run), then one capture per sequence."""
-    params = [sampling_for(it, cfg) for it in items]
-    responses = generate_responses(engine, items, params, governor)
-    return capture_shard(engine.runner, items, responses, params, capture_layers, governor)
-
-
 def shard_groups(todo: list[int], sizes: list[int], gen_batch_size: int | None
                  ) -> list[list[int]]:
     """Shards to make, in runs of consecutive ones whose prompts together fit

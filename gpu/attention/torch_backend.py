@@ -70,9 +70,9 @@ class TorchAttentionBackend:
         self._mask = mask[:, None, :, :]
         # The valid (request, query) rows, from the host lengths: a boolean-mask gather would
         # make the host wait for the device on a GPU.
-        lens = batch.extend_lens_cpu.numpy()
-        flat = np.concatenate([i * max_extend + np.arange(n) for i, n in enumerate(lens)])
-        self._query_rows = host_to_device(flat.astype(np.int64), device)
+        lens = batch.extend_lens_cpu.numpy().astype(np.int64)
+        starts = np.repeat(np.arange(len(lens)) * max_extend - (np.cumsum(lens) - lens), lens)
+        self._query_rows = host_to_device(starts + np.arange(int(lens.sum())), device)
 
     @staticmethod
     def _tree_mask(batch: ForwardBatch, key_pos: torch.Tensor,
