@@ -11,7 +11,10 @@ Peers (select with --peers, shell-style patterns over these keys):
     hf-prompt-lookup      transformers assisted generation without an assistant model
                           (prompt_lookup_num_tokens: n-gram drafts from the prompt)
     hf-assisted           transformers assisted generation with --assistant-model
-    llama-cpp             llama.cpp through llama-cpp-python, when it is importable
+    llama-cpp             llama.cpp through llama-cpp-python (one sequence at a time), when
+                          it is importable
+    llama-server          llama.cpp's own server with --parallel slots (continuous batching)
+                          driven by C concurrent HTTP streams, when the binary is found
     offline[-overlap][-chain|-tree]   the fmserve Engine in one process
     served[-overlap][-chain|-tree]    `fmserve serve` driven by C concurrent clients
 
@@ -33,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fmserve.bench_peers_llama_server import (LLAMA_SERVER_INSTALL, LlamaServerPeer,
+                                              find_llama_server)
 from fmserve.bench_peers_workers import ChildGroup, PointResult, ServedPeer
 from fmserve.bench_spec import DEV_PROMPTS, spec_settings_for
 
@@ -41,7 +46,7 @@ from fmserve.bench_spec import DEV_PROMPTS, spec_settings_for
 class Peer:
     key: str
     label: str
-    group: str  # "hf", "llama-cpp", "offline:<spec>" or "served"
+    group: str  # "hf", "llama-cpp", "llama-server", "offline:<spec>" or "served"
     only: str = ""  # "batch1": C = 1 only; "batched": C > 1 only
     overlap: bool = False
     spec: str = "off"  # off, chain, tree; prompt-lookup / assistant for transformers
@@ -68,6 +73,7 @@ PEERS: list[Peer] = [
     Peer("hf-assisted", "transformers assisted generation (assistant model)", "hf",
          only="batch1", spec="assistant"),
     Peer("llama-cpp", "llama.cpp (llama-cpp-python)", "llama-cpp", only="batch1"),
+    Peer("llama-server", "llama.cpp server, parallel slots (llama-server)", "llama-server"),
     *_fmserve_peers(),
 ]
 BASELINE = "hf-b1"
@@ -80,8 +86,8 @@ NOT_APPLICABLE = {
     "hf-batched": "at C = 1 this is the baseline",
     "hf-prompt-lookup": "transformers' assisted generation runs batch 1 only",
     "hf-assisted": "transformers' assisted generation runs batch 1 only",
-    "llama-cpp": ("the Python API decodes one sequence at a time; parallel slots need "
-                  "llama.cpp's own `llama-server --parallel N`, not run here"),
+    "llama-cpp": ("the Python API decodes one sequence at a time (see llama.cpp server, "
+                  "parallel slots)"),
 }
 
 QUICK = dict(num_prompts=3, max_prompt_tokens=96, max_new_tokens=16, concurrency="1,8",
@@ -117,6 +123,8 @@ def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--assistant-model", default="",
                    help="a smaller model with the same tokenizer for transformers assisted "
                         "generation (a .gguf or a model directory)")
+    p.add_argument("--llama-server", default="",
+                   help="the llama-server binary (default: $FMSERVE_LLAMA_SERVER, then PATH)")
     p.add_argument("--spec-algorithm", default="eagle3", choices=["eagle3", "eagle"])
     p.add_argument("--draft-model", default="", help="EAGLE head (default: the shipped one)")
     p.add_argument("--spec-num-steps", type=int, default=4)
@@ -142,6 +150,7 @@ class PeerConfig:
     spec: dict[str, tuple]  # chain / tree -> SpecSettings fields
     prompt_lookup_tokens: int
     assistant_model: str
+    llama_server: str = ""  # the binary, "" when there is none
 
 
 @dataclass
@@ -191,6 +200,11 @@ def selected_peers(args) -> dict[str, str]:
             out[peer.key] = "transformers is not installed (`pip install transformers accelerate`)"
         elif peer.key == "llama-cpp" and not _importable("llama_cpp"):
             out[peer.key] = f"llama-cpp-python is not installed (`{LLAMA_INSTALL}`)"
+        elif peer.key == "llama-server" and not find_llama_server(args.llama_server):
+            where = args.llama_server or os.environ.get("FMSERVE_LLAMA_SERVER", "")
+            out[peer.key] = ((f"{where} is not an executable file; " if where else
+                              "no llama-server binary (not on PATH, no --llama-server); ")
+                             + LLAMA_SERVER_INSTALL)
         else:
             out[peer.key] = ""
     return out
@@ -226,7 +240,8 @@ def peer_config(args, model_path: Path, device: str, prompts: list[list[int]]) -
                       max_kv_tokens=16 * math.ceil((per_request * max(concurrency) + 64) / 16),
                       max_context=longest + args.max_new_tokens + 16, spec=spec,
                       prompt_lookup_tokens=args.prompt_lookup_tokens,
-                      assistant_model=args.assistant_model)
+                      assistant_model=args.assistant_model,
+                      llama_server=find_llama_server(args.llama_server))
 
 
 # --- running ------------------------------------------------------------------------------
@@ -257,7 +272,9 @@ def run_device(cfg: PeerConfig, prompts, active: list[Peer], results: dict[str, 
             progress.update(task, description=f"{where}: loading {peers[0].key}")
             t0 = time.perf_counter()
             try:
-                runner = ServedPeer(cfg, peers[0]) if group == "served" else ChildGroup(cfg, group)
+                runner = (ServedPeer(cfg, peers[0]) if group == "served" else
+                          LlamaServerPeer(cfg) if group == "llama-server" else
+                          ChildGroup(cfg, group))
             except Exception as exc:  # noqa: BLE001 - a peer that cannot start is skipped
                 for p in peers:
                     results[p.key].skipped = f"failed to start: {str(exc)[:300]}"

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fmserve.bench_peers import BASELINE, LLAMA_INSTALL, PeerResult
+from fmserve.bench_peers_llama_server import LLAMA_SERVER_INSTALL
 
 REPORT = "peers.md"
 
@@ -212,6 +213,7 @@ def device_section(device: str, cfg: dict, results: dict[str, PeerResult], plots
 
 def render(meta: dict, all_results: dict, plots: dict) -> str:
     m = meta["machine"]
+    cfg0 = next(iter(meta["configs"].values()), {})
     load = (f"load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in meta['load_before'])} "
             f"before, {'/'.join(f'{x:.1f}' for x in meta['load_after'])} after")
     contended = meta["load_before"][0] >= 1.0
@@ -251,7 +253,10 @@ def render(meta: dict, all_results: dict, plots: dict) -> str:
                "- threads: in-process peers use torch's default; fmserve served peers the "
                "service's own rule (with overlap a CPU worker leaves one core to the "
                "scheduler)"),
-              f"- llama.cpp: install with `{LLAMA_INSTALL}` (not a dependency of fmserve)", ""]
+              f"- llama.cpp (neither is a dependency of fmserve): the Python API with "
+              f"`{LLAMA_INSTALL}`; the server: {LLAMA_SERVER_INSTALL}"
+              + (f" (this run: `{cfg0['llama_server']}`)" if cfg0.get("llama_server") else ""),
+              ""]
     for device, results in all_results.items():
         cfg = meta["configs"][device]
         lines += device_section(device, cfg, results, plots.get(device, {}), meta)

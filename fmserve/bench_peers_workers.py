@@ -2,7 +2,7 @@
 child process of its own (spawned, so its memory is its own and its peak RSS means something).
 
 A group is one loaded model serving several peers: transformers (batch 1, batched, prompt
-lookup, assisted), llama.cpp (its Python API), or one fmserve offline `Engine` per speculation
+lookup, assisted), llama.cpp (its Python API; its server is bench_peers_llama_server), or one fmserve offline `Engine` per speculation
 setting (overlap is an attribute of the engine, so overlap off and on share the load).
 
 The parent talks to a child over a pipe: the child answers ("ready", info) or ("error", text),
@@ -195,8 +195,10 @@ class LlamaCppGroup:
     def __init__(self, cfg) -> None:
         from llama_cpp import Llama
         self.cfg = cfg
+        # llama-cpp-python's own default decodes on half the cores; every other peer uses all
+        threads = cfg.threads or os.cpu_count() or 1
         self.llm = Llama(model_path=cfg.model_path, n_ctx=cfg.max_context, n_batch=512,
-                         n_threads=cfg.threads or None, verbose=False, seed=0,
+                         n_threads=threads, n_threads_batch=threads, verbose=False, seed=0,
                          n_gpu_layers=-1 if cfg.device == "cuda" else 0)
         self.eos = self.llm.token_eos()
 

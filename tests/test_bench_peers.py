@@ -12,7 +12,7 @@ import re
 
 from fmserve.cli import main
 
-PEERS = "hf-*,llama-cpp,offline-chain,offline-overlap-chain,served"
+PEERS = "hf-*,llama-cpp,llama-server,offline-chain,offline-overlap-chain,served"
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -38,7 +38,7 @@ def test_bench_peers_quick_end_to_end(tmp_path, model_path):
     argv = ["bench", "peers", "--quick", "--model", str(model_path), "--prompts", str(prompts),
             "--num-prompts", "2", "--max-prompt-tokens", "24", "--max-new-tokens", "4",
             "--concurrency", "1,2", "--peers", PEERS, "--device", "cpu",
-            "--out-dir", str(out)]
+            "--out-dir", str(out), "--llama-server", str(tmp_path / "no-llama-server")]
     assert main(argv) == 0
 
     report = (out / "peers.md").read_text()
@@ -72,6 +72,9 @@ def test_bench_peers_quick_end_to_end(tmp_path, model_path):
         assert all(c.startswith("skipped") for c in row_for(rows, "llama-cpp")[1:])
         assert "pip install llama-cpp-python" in report
     assert "--assistant-model" in report
+    assert all(c.startswith("skipped") for c in row_for(rows, "llama-server")[1:])
+    assert "no-llama-server is not an executable file" in report
+    assert "--target llama-server" in report  # how to build it
 
     for png in ["peers_throughput.png", "peers_latency_cdf.png", "peers_accept.png"]:
         data = (out / png).read_bytes()
