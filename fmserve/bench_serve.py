@@ -232,6 +232,29 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         table.add_row(*row)
         lines.append("| " + " | ".join(row) + " |")
     console.print(table)
+    summary = overlap_summary(results)
+    for line in summary:
+        console.print(line)
     if args.markdown:
-        Path(args.markdown).write_text("\n".join(lines) + "\n")
+        Path(args.markdown).write_text("\n".join(lines + [""] + summary) + "\n")
     return 0
+
+
+def overlap_summary(results: list[RunResult]) -> list[str]:
+    """Per workload run both ways: the on/off throughput ratio, and the most overlap could give
+    there, 1 / (1 - idle share without it): hiding all of the worker's idle time for free."""
+    by_name = {r.name: r for r in results}
+    out = []
+    for r in results:
+        if not r.name.startswith("overlap on, "):
+            continue
+        workload = r.name.removeprefix("overlap on, ")
+        off = by_name.get("overlap off, " + workload)
+        if off is None or not off.output_tps:
+            continue
+        line = (f"- {workload}: overlap on/off throughput {r.output_tps / off.output_tps:.3f}x")
+        if off.idle_share is not None and r.idle_share is not None:
+            line += (f"; worker idle {100 * r.idle_share:.1f}% on, {100 * off.idle_share:.1f}% "
+                     f"off; ceiling {1 / max(1 - off.idle_share, 1e-9):.3f}x")
+        out.append(line)
+    return out

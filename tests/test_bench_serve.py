@@ -1,0 +1,46 @@
+"""`fmserve bench serve`: a tiny run end to end (a real service started twice, overlap on and
+off, against the offline engine), and the overlap summary's arithmetic."""
+
+import re
+
+from fmserve.bench_serve import RequestTiming, RunResult, overlap_summary
+from fmserve.cli import main
+
+
+def test_bench_serve_overlap_on_off_end_to_end(tmp_path, model_path):
+    md = tmp_path / "serve.md"
+    argv = ["bench", "serve", "--model", str(model_path), "--dtype", "fp32",
+            "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "4",
+            "--poisson-requests", "0", "--overlap", "on,off", "--markdown", str(md)]
+    assert main(argv) == 0
+    text = md.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| overlap")]
+    assert [r.split("|")[1].strip() for r in rows] == ["overlap on, concurrency 2",
+                                                       "overlap off, concurrency 2"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == "2" and float(cells[8]) > 0  # requests, output tok/s
+        assert 0 <= float(cells[10]) <= 100  # worker idle %
+    summary = re.search(r"- concurrency 2: overlap on/off throughput ([\d.]+)x; worker idle "
+                        r"([\d.]+)% on, ([\d.]+)% off; ceiling ([\d.]+)x", text)
+    assert summary, text
+    assert float(summary.group(1)) > 0 and float(summary.group(4)) >= 1.0
+
+
+def run(name: str, tokens: int, wall: float, idle: float | None) -> RunResult:
+    return RunResult(name, [RequestTiming(0.1, [], 1.0, tokens)], wall, idle)
+
+
+def test_overlap_summary_pairs_workloads_and_bounds_the_gain():
+    lines = overlap_summary([
+        run("overlap on, concurrency 8", 110, 1.0, 0.01),
+        run("overlap on, poisson 2/s", 50, 1.0, None),
+        run("overlap off, concurrency 8", 100, 1.0, 0.2),
+        run("overlap off, poisson 2/s", 50, 1.0, 0.1),
+        run("overlap on, concurrency 32", 10, 1.0, 0.0),  # no "off" twin: no line
+    ])
+    assert lines == [
+        "- concurrency 8: overlap on/off throughput 1.100x; worker idle 1.0% on, 20.0% off; "
+        "ceiling 1.250x",
+        "- poisson 2/s: overlap on/off throughput 1.000x",
+    ]
