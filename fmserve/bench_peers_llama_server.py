@@ -99,7 +99,7 @@ class LlamaServerPeer:
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"llama-server answered {resp.status}: {resp.read()[:300]!r}")
-        stamps, sizes = [], []
+        stamps, sizes, event = [], [], {}
         for line in resp:
             if not line.startswith(b"data: "):
                 continue
@@ -110,9 +110,17 @@ class LlamaServerPeer:
             if event.get("stop"):
                 break
         conn.close()
-        got = sum(sizes)
-        if got != max_new:
-            raise RuntimeError(f"llama-server streamed {got} tokens, {max_new} were asked for")
+        # The server holds back a token that ends inside a UTF-8 character and sends it with a
+        # later event, whose `tokens` then lists only that event's last token: the final
+        # event's count is the truth, and the held-back tokens are spread over the events.
+        got = int(event.get("tokens_predicted", sum(sizes)))
+        missing = got - sum(sizes)
+        for i in range(missing if sizes else 0):
+            sizes[i % len(sizes)] += 1
+        if got != max_new or sum(sizes) != got:
+            why = {k: event.get(k) for k in ("stop_type", "truncated", "error") if k in event}
+            raise RuntimeError(f"llama-server streamed {got} tokens, {max_new} were asked for "
+                               f"(its last event: {why or event})")
         return req_from_stamps(stamps, sizes, time.perf_counter() - start)
 
     def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:

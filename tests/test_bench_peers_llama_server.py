@@ -63,6 +63,20 @@ def test_closed_loop_keeps_c_streams_in_flight(fake_server):
     assert seen1["requests"] == 13 + 1 + 3 and len(one.reqs) == 3
 
 
+def test_held_back_tokens_are_counted(fake_server, monkeypatch):
+    wrapper, _ = fake_server
+    monkeypatch.setenv("FAKE_LLAMA_HOLD", "1")
+    peer = LlamaServerPeer(config(str(wrapper), concurrency=(2,), max_new=7))
+    try:
+        point = peer.measure("llama-server", 2, [[1, 2]] * 2)
+    finally:
+        peer.close()
+    # 7 tokens in 5 events (tokens 0 and 3 held back): all counted, and one gap per token
+    # after the first chunk (which is given 2 of the held-back tokens)
+    assert [r.tokens for r in point.reqs] == [7, 7]
+    assert all(len(r.itl) == 7 - 2 for r in point.reqs)
+
+
 def test_short_stream_is_an_error(fake_server, monkeypatch):
     wrapper, _ = fake_server
     monkeypatch.setenv("FAKE_LLAMA_SHORT", "2")  # the warm-up asks for 2

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A stand-in for llama.cpp's `llama-server` that speaks its /health and streaming /completion
 protocol, for testing fmserve's llama-server peer driver where the real binary is not built.
-It streams `n_predict` tokens (ids 0, 1, ...) one per server-sent event and records the most
+It streams `n_predict` tokens (ids 0, 1, ...) one per server-sent event (FAKE_LLAMA_HOLD=1:
+every third one held back into the next event, as the real server does with a token that ends
+inside a UTF-8 character), and records the most
 requests it had in flight at once in $FAKE_LLAMA_STATS."""
 
 import argparse
@@ -39,8 +41,13 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for i in range(body["n_predict"] - int(os.environ.get("FAKE_LLAMA_SHORT", "0"))):
+        n = body["n_predict"] - int(os.environ.get("FAKE_LLAMA_SHORT", "0"))
+        hold = os.environ.get("FAKE_LLAMA_HOLD") == "1"
+        for i in range(n):
             time.sleep(0.002)
+            if hold and i % 3 == 0 and i < n - 1:
+                continue  # as llama-server holds a token ending inside a UTF-8 character:
+                # the next event carries its text but lists only its own token
             self.wfile.write(b"data: " + json.dumps({"content": "x", "tokens": [i],
                                                      "stop": False}).encode() + b"\n\n")
         with lock:  # recorded before the last event, so a client that got it reads it
@@ -49,7 +56,9 @@ class Handler(BaseHTTPRequestHandler):
             with open(path + ".tmp", "w") as f:
                 json.dump(stats, f)
             os.replace(path + ".tmp", path)
-        self.wfile.write(b'data: {"content": "", "tokens": [], "stop": true}\n\n')
+        self.wfile.write(b"data: " + json.dumps({"content": "", "tokens": [], "stop": True,
+                                                 "stop_type": "limit",
+                                                 "tokens_predicted": n}).encode() + b"\n\n")
 
 
 ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
