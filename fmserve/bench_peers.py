@@ -210,6 +210,24 @@ def selected_peers(args) -> dict[str, str]:
     return out
 
 
+def busy_cores(seconds: float) -> float | None:
+    """How many cores other processes kept busy over the next `seconds` (this one sleeps), from
+    /proc/stat; None where it cannot be read. Unlike the 1-minute load average, it is not
+    raised by work that ended a few seconds ago."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+    try:
+        busy0, total0 = sample()
+        time.sleep(seconds)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (os.cpu_count() or 1) * (busy1 - busy0) / max(total1 - total0, 1)
+
+
 def _importable(module: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(module) is not None
@@ -318,6 +336,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     console = Console()
     load_before = os.getloadavg()
+    busy_before = busy_cores(1.0)
     started = time.time()
     model_path = resolve_model_path(args.model)
     prompts = load_prompts(args.prompts, args.num_prompts, args.max_prompt_tokens,
@@ -352,6 +371,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
         command="fmserve " + shlex.join(getattr(args, "argv", None) or sys.argv[1:]),
         started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         duration_s=time.time() - started, load_before=load_before, load_after=os.getloadavg(),
+        busy_cores_before=busy_before,
         machine=machine_description(), quick=args.quick, note=args.note,
         prompts=args.prompts, num_prompts=args.num_prompts,
         prompt_tokens=[len(p) for p in prompts], max_prompt_tokens=args.max_prompt_tokens,

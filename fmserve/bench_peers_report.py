@@ -216,7 +216,10 @@ def render(meta: dict, all_results: dict, plots: dict) -> str:
     cfg0 = next(iter(meta["configs"].values()), {})
     load = (f"load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in meta['load_before'])} "
             f"before, {'/'.join(f'{x:.1f}' for x in meta['load_after'])} after")
-    contended = meta["load_before"][0] >= 1.0
+    busy = meta.get("busy_cores_before")
+    if busy is not None:  # what others ran as it started; the load average lags a minute
+        load = f"{busy:.1f} cores busy with other work as it started; {load}"
+    contended = busy >= 0.5 if busy is not None else meta["load_before"][0] >= 1.0
     lines = ["# fmserve against its peers (`fmserve bench peers`)", "",
              f"Written by `fmserve bench peers` on {meta['started']} in "
              f"{meta['duration_s']:.0f} s ({'--quick' if meta['quick'] else 'full'} mode). "

@@ -8,6 +8,7 @@ did not run say "skipped" (never a zero), and the plots exist. Shrunk to three m
 import importlib.util
 import json
 import math
+import os
 import re
 
 from fmserve.cli import main
@@ -82,3 +83,17 @@ def test_bench_peers_quick_end_to_end(tmp_path, model_path):
         assert f"]({png})" in report
     raw = json.loads((out / "peers.json").read_text())
     assert raw["results"]["cpu"]["hf-b1"]["figures"]["1"]["output_tps"] > 0
+
+
+def test_busy_cores_sees_a_spinning_neighbour():
+    import subprocess
+    import sys
+    from fmserve.bench_peers import busy_cores
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 3\n"
+                             "while time.time() < t: pass"])
+    try:
+        busy = busy_cores(1.0)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy is not None and 0.6 <= busy <= (os.cpu_count() or 1) + 0.01
