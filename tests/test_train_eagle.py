@@ -211,6 +211,30 @@ def test_resume_continues_where_it_stopped(tiny_run, model_path):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=name)
 
 
+def test_init_head_starts_from_a_trained_head(tiny_run, model_path):
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    first = train(_config(work, ckpt_dir=str(work / "ckpt-i0"), out=str(work / "head-i0"),
+                          ship_dtype="fp32"), model_path, progress=False, data=data, target=target)
+    # lr 0: the one step changes nothing, so the head it writes is the one it started from
+    again = train(_config(work, ckpt_dir=str(work / "ckpt-i1"), out=str(work / "head-i1"),
+                          init_head=str(work / "head-i0"), lr=0.0, max_steps=1),
+                  model_path, progress=False, data=data, target=target)
+    assert again.history[0][1] < first.history[0][1] * 0.9  # it starts where the first ended
+    model_cfg, embed, _, _ = target
+    heads = [load_draft_head(work / d, model_cfg, embed, None, "cpu", torch.float32)
+             for d in ("head-i0", "head-i1")]
+    for (name, a), b in zip(heads[0].state_dict().items(), heads[1].state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3, msg=name)  # d2t included
+    record = json.loads((work / "head-i1" / "training.json").read_text())
+    assert record["init_head"] == str(work / "head-i0")
+    with pytest.raises(SystemExit, match="draft_vocab_size=512, this run 256"):
+        train(_config(work, ckpt_dir=str(work / "ckpt-i2"), out=str(work / "head-i2"),
+                      init_head=str(work / "head-i0"), draft_vocab_size=256),
+              model_path, progress=False, data=data, target=target)
+
+
 def test_prompt_rows_train_but_do_not_count():
     torch.manual_seed(0)
     target = _tiny_target()

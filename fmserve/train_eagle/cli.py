@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--keep-checkpoints", type=int, default=2)
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --work-dir")
+    t.add_argument("--init-head", default="",
+                   help="start from this head directory's weights and draft vocabulary "
+                        "(fine-tune a trained head on more data) instead of a fresh head")
     t.add_argument("--ship-dtype", default="fp16", choices=["fp16", "bf16", "fp32"],
                    help="weight dtype of the written head")
 

@@ -62,6 +62,7 @@ class TrainConfig:
     decay: float = 0.8
     prompt_loss_weight: float = 0.0  # > 0: also train chains rooted in the prompt
     vocab_prior: str | None = None  # JSONL whose prompts/references refine the draft vocabulary
+    init_head: str | None = None  # a head directory to start from (its weights and vocabulary)
     device: str = "cpu"  # "cpu", "cuda" (bf16 autocast, fp32 master weights) or "auto"
 
     @classmethod
@@ -79,6 +80,7 @@ class TrainConfig:
                    resume=args.resume, ship_dtype=args.ship_dtype, seed=args.seed,
                    prompt_loss_weight=args.prompt_loss_weight,
                    vocab_prior=None if args.no_vocab_prior else args.prompts,
+                   init_head=getattr(args, "init_head", None) or None,
                    device=getattr(args, "device", "cpu"))
 
 
@@ -178,6 +180,20 @@ def vocab_counts_with_prior(response_counts: torch.Tensor, prior_file: str,
                 prior += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab)
     scale = max(1, int(prior.sum()) // max(1, int(response_counts.sum())))
     return 10 * scale * response_counts + prior
+
+
+def init_from_head(head, directory: str, model_cfg, embed: torch.Tensor) -> None:
+    """Start ``head`` from a trained head's weights and draft vocabulary (fine-tuning it on more
+    data). The two must have the same shape: the same target, aux layers and vocabulary size."""
+    from gpu.eagle.head_io import load_draft_head
+    src = load_draft_head(directory, model_cfg, embed, None, "cpu", torch.float32)
+    mine, theirs = head.config, src.config
+    for key in ("hidden_size", "draft_vocab_size", "aux_layer_ids", "num_heads"):
+        if getattr(mine, key) != getattr(theirs, key):
+            raise SystemExit(f"train-eagle: --init-head {directory} has {key}="
+                             f"{getattr(theirs, key)}, this run {getattr(mine, key)}: give "
+                             f"matching settings (e.g. --draft-vocab-size) or start fresh")
+    head.load_state_dict(src.state_dict(), strict=True)
 
 
 def draft_embed(head, embed: torch.Tensor) -> torch.Tensor:
@@ -291,6 +307,8 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     if cfg.vocab_prior:
         counts = vocab_counts_with_prior(counts, cfg.vocab_prior, model_path)
     head = build_head(model_cfg, embed, final_norm, counts, cfg.draft_vocab_size, cfg.seed)
+    if cfg.init_head:
+        init_from_head(head, cfg.init_head, model_cfg, embed)
     coverage = float(response_counts[head.t2d].sum() / response_counts.sum().clamp(min=1))
     head.to(device)  # built on the CPU (the same init anywhere), trained here
     n_val = min(cfg.val_sequences, len(data) // 5)
@@ -357,6 +375,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
                 "train_acc_per_position": [round(a, 4) for a in acc],
                 "train_est_accept_length": round(expected_accept_length(acc), 3),
                 "device": device.type,
+                **({"init_head": cfg.init_head} if cfg.init_head else {}),
                 **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
                 "precision": "bf16 autocast, fp32 master weights" if device.type == "cuda"
                 else "fp32",
