@@ -2,8 +2,9 @@
 child process of its own (spawned, so its memory is its own and its peak RSS means something).
 
 A group is one loaded model serving several peers: transformers (batch 1, batched, prompt
-lookup, assisted), llama.cpp (its Python API; its server is bench_peers_llama_server), or one fmserve offline `Engine` per speculation
-setting (overlap is an attribute of the engine, so overlap off and on share the load).
+lookup, assisted), llama.cpp (its Python API; its server is bench_peers_llama_server), or
+one fmserve offline `Engine` per speculation setting (overlap is an attribute of the engine,
+so overlap off and on share the load).
 
 The parent talks to a child over a pipe: the child answers ("ready", info) or ("error", text),
 then for each ("measure", peer, concurrency, requests) one ("point", PointResult) or

@@ -68,19 +68,19 @@ class TorchAttentionBackend:
             self._groups = [self._decode_group(batch.slots, batch.seq_lens, batch.max_seq_len)]
             return
         ext = batch.extend_lens_cpu.numpy().astype(np.int64)
+        starts = np.cumsum(ext) - ext  # each request's first token row
         single = ext == 1
         if batch.tree_mask is not None or single.all() or not single.any():
-            self._groups = [self._extend_group(batch, None)]
+            self._groups = [self._extend_group(batch, ext, starts, None)]
             return
         device = batch.seq_lens.device
-        starts = np.cumsum(ext) - ext
         lens = batch.seq_lens_cpu.numpy()
         rows = np.flatnonzero(single)
         index = host_to_device(rows, device)
         group = self._decode_group(batch.slots[index], batch.seq_lens[index],
                                    int(lens[rows].max()))
         group.tokens = host_to_device(starts[rows], device)
-        self._groups = [group, self._extend_group(batch, np.flatnonzero(~single))]
+        self._groups = [group, self._extend_group(batch, ext, starts, np.flatnonzero(~single))]
 
     def _decode_group(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> _Group:
         in_seq = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
@@ -90,11 +90,11 @@ class TorchAttentionBackend:
         locs = self.req_to_token.req_to_token[slots, :max_len].reshape(-1).long()
         return _Group(int(slots.shape[0]), max_len, locs, in_seq[:, None, None, :], bias)
 
-    def _extend_group(self, batch: ForwardBatch, rows: np.ndarray | None) -> _Group:
-        """The extend requests `rows` (host indices into the batch; None: all of them)."""
+    def _extend_group(self, batch: ForwardBatch, ext_host: np.ndarray, starts_host: np.ndarray,
+                      rows: np.ndarray | None) -> _Group:
+        """The extend requests `rows` (host indices into the batch; None: all of them), given
+        every request's extend length and first token row on the host."""
         device = batch.seq_lens.device
-        ext_host = batch.extend_lens_cpu.numpy().astype(np.int64)
-        starts_host = np.cumsum(ext_host) - ext_host
         if rows is None:
             slots, seq_lens = batch.slots, batch.seq_lens
             prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
