@@ -235,6 +235,37 @@ def test_init_head_starts_from_a_trained_head(tiny_run, model_path):
               model_path, progress=False, data=data, target=target)
 
 
+def test_extra_data_is_trained_on_and_the_held_out_tail_is_the_work_dirs(tiny_run, model_path,
+                                                                          tmp_path):
+    import shutil
+
+    from fmserve.train_eagle.data import load_datasets
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    other = tmp_path / "other-data"
+    shutil.copytree(work / "data", other)
+    both = load_datasets([other, work / "data"])
+    assert len(both) == 2 * len(data) and len(both.shards) == 2 * len(data.shards)
+    for j in range(len(data)):  # the work dir's own sequences come last, unchanged
+        k = len(data) + j
+        assert torch.equal(both.rows(k, "input_ids"), data.rows(j, "input_ids"))
+        assert both.prompt_len[k] == data.prompt_len[j]
+    assert len(load_datasets([other, work / "data"], max_sequences=3)) == 3
+    result = train(_config(work, ckpt_dir=str(tmp_path / "ckpt"), out=str(tmp_path / "head"),
+                           extra_data=(str(other),), val_sequences=2, max_steps=2),
+                   model_path, progress=False, target=target)
+    assert result.steps == 2
+    record = json.loads((tmp_path / "head" / "training.json").read_text())
+    assert record["sequences"] == 8 and record["val_sequences"] == 1  # at most a fifth
+    assert record["extra_data"] == [str(other)]
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["capture_layers"] = [1, 2, 3]
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="mix only data of one model"):
+        load_datasets([other, work / "data"])
+
+
 def test_prompt_rows_train_but_do_not_count():
     torch.manual_seed(0)
     target = _tiny_target()

@@ -5,6 +5,9 @@
     fmserve train-eagle --stage train --resume        continue from the latest checkpoint
     fmserve train-eagle --stage eval --out heads/x    accept length on held-out prompts
     fmserve train-eagle --device cuda                 every stage on the GPU (auto: when present)
+    fmserve train-eagle --stage prompts --synth-prompts 3000
+                                                      user-style prompts written by the target
+                                                      (self-instruct), for --prompts of a data run
 
 Every stage is resumable: data shards and checkpoints on disk are never redone. Shards and
 checkpoints hold CPU tensors, so a run resumes on either device.
@@ -18,7 +21,7 @@ from pathlib import Path
 
 DEFAULT_TRAIN_PROMPTS = "/work/shared/data/prompts/train.jsonl"
 DEFAULT_EVAL_PROMPTS = "/work/shared/data/prompts/dev.jsonl"
-STAGES = ("data", "train", "eval", "all")
+STAGES = ("prompts", "data", "train", "eval", "all")  # all: data, train, eval
 DEVICES = ("auto", "cpu", "cuda")
 GEN_BATCH = {"cpu": 64, "cuda": 256}  # requests generated at once (cpu: the Engine's default)
 MIN_GEN_KV_TOKENS = 65536  # the Engine's default KV pool
@@ -64,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"requests of the longest prompt and response, at least "
                         f"{MIN_GEN_KV_TOKENS})")
 
+    s = p.add_argument_group("prompt synthesis (--stage prompts)")
+    s.add_argument("--synth-prompts", type=int, default=3000,
+                   help="new instructions to write, in the style of --prompts' seed tasks")
+    s.add_argument("--synth-out", default=None,
+                   help="the JSONL written: the seed tasks, then the new instructions "
+                        "(default <work-dir>/synth-prompts.jsonl)")
+
     t = p.add_argument_group("training")
     t.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll depth")
     t.add_argument("--draft-vocab-size", type=int, default=8192)
@@ -100,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--init-head", default="",
                    help="start from this head directory's weights and draft vocabulary "
                         "(fine-tune a trained head on more data) instead of a fresh head")
+    t.add_argument("--extra-data", action="append", default=[], metavar="DIR",
+                   help="also train on the data directory of another work dir (repeatable); "
+                        "the held-out sequences still come from --work-dir's own data")
     t.add_argument("--ship-dtype", default="fp16", choices=["fp16", "bf16", "fp32"],
                    help="weight dtype of the written head")
 
@@ -179,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     log(f"train-eagle: model {model_path}, work dir {work_dir}, head -> {out}, "
         f"device {device_label(args.device)}, {governor.current} threads")
     stages = ("data", "train", "eval") if args.stage == "all" else (args.stage,)
+    if "prompts" in stages:
+        make_prompts(args, model_path, work_dir)
     if "data" in stages:
         make_data(args, model_path, slug, work_dir / "data", governor)
         release_device_memory(args.device)
@@ -191,6 +206,31 @@ def run(args: argparse.Namespace) -> int:
         from fmserve.train_eagle.evaluate import evaluate_from_args
         evaluate_from_args(args, model_path, out, work_dir / "eval-data", governor)
     return 0
+
+
+def make_prompts(args, model_path: Path, work_dir: Path) -> Path:
+    from fmserve.engine import Engine
+    from fmserve.train_eagle.data import log
+    from fmserve.train_eagle.synth_prompts import (SynthConfig, read_seed_instructions,
+                                                   synthesize, write_prompts)
+
+    if args.synth_prompts < 1:
+        raise SystemExit(f"train-eagle: --synth-prompts must be >= 1, got {args.synth_prompts}")
+    try:
+        seeds = read_seed_instructions(args.prompts)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train-eagle: --prompts: {e}") from e
+    cfg = SynthConfig(seed_file=args.prompts, num_prompts=args.synth_prompts, seed=args.seed,
+                      batch_size=args.gen_batch_size or GEN_BATCH[args.device])
+    engine = Engine(str(model_path), device=args.device, dtype=args.dtype,
+                    max_running_requests=cfg.batch_size, progress=not args.no_progress)
+    log(f"prompts: the target writes {cfg.num_prompts} instructions from {len(seeds)} seed "
+        f"tasks of {args.prompts}")
+    tasks = synthesize(engine, cfg, progress=not args.no_progress)
+    out = write_prompts(args.synth_out or work_dir / "synth-prompts.jsonl", tasks, seeds)
+    log(f"prompts: {len(tasks)} new + {len(seeds)} seed instructions -> {out}; make data from "
+        f"them with --stage data --prompts {out}")
+    return out
 
 
 def make_data(args, model_path: Path, slug: str, data_dir: Path, governor) -> None:

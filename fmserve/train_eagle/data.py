@@ -318,17 +318,42 @@ def _write_manifest(work_dir: Path, header: dict, chunks: list) -> None:
                                       "complete": len(shards) == len(chunks)})
 
 
-def load_dataset(work_dir: str | Path, max_sequences: int | None = None) -> CapturedData:
-    """Every shard listed in the manifest (the complete ones), in memory."""
-    from safetensors.torch import load_file
+def load_datasets(work_dirs: list[str | Path], max_sequences: int | None = None
+                  ) -> CapturedData:
+    """Several data directories as one, in the order given (the last directory's sequences come
+    last, so a held-out tail is taken from it). They must hold the same capture layers."""
+    data = CapturedData([], [], [], [], [])
+    layers = None
+    for d in work_dirs:
+        manifest = _read_manifest(Path(d).expanduser())
+        if layers is not None and manifest["capture_layers"] != layers:
+            raise SystemExit(f"train-eagle: {d} captured layers {manifest['capture_layers']}, "
+                             f"but the other data {layers}; mix only data of one model")
+        layers = manifest["capture_layers"]
+        if max_sequences is not None and len(data) >= max_sequences:
+            break
+        load_dataset(d, max_sequences, into=data)
+    return data
 
-    work_dir = Path(work_dir).expanduser()
+
+def _read_manifest(work_dir: Path) -> dict:
     path = work_dir / MANIFEST
     if not path.exists():
         raise SystemExit(f"train-eagle: no training data in {work_dir} (no {MANIFEST}); run "
                          f"the data stage first (--stage data)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    data = CapturedData([], [], [], [], [])
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def load_dataset(work_dir: str | Path, max_sequences: int | None = None,
+                 into: CapturedData | None = None) -> CapturedData:
+    """Every shard listed in the manifest (the complete ones), in memory; appended to ``into``
+    when given."""
+    from safetensors.torch import load_file
+
+    work_dir = Path(work_dir).expanduser()
+    manifest = _read_manifest(work_dir)
+    data = into if into is not None else CapturedData([], [], [], [], [])
+    before = len(data)
     for entry in manifest["shards"]:
         if max_sequences is not None and len(data) >= max_sequences:
             break
@@ -343,7 +368,7 @@ def load_dataset(work_dir: str | Path, max_sequences: int | None = None) -> Capt
             data.start.append(offsets[j])
             data.end.append(offsets[j + 1])
             data.prompt_len.append(p)
-    if not len(data):
+    if len(data) == before:
         raise SystemExit(f"train-eagle: {work_dir} has no complete shard yet")
     return data
 

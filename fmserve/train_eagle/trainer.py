@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from fmserve.train_eagle.data import CapturedData, load_dataset, log, response_token_counts
+from fmserve.train_eagle.data import CapturedData, load_datasets, log, response_token_counts
 from fmserve.train_eagle.ttt import collate, expected_accept_length, ttt_forward
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -63,6 +63,7 @@ class TrainConfig:
     prompt_loss_weight: float = 0.0  # > 0: also train chains rooted in the prompt
     vocab_prior: str | None = None  # JSONL whose prompts/references refine the draft vocabulary
     init_head: str | None = None  # a head directory to start from (its weights and vocabulary)
+    extra_data: tuple[str, ...] = ()  # more data directories, trained on before data_dir's
     device: str = "cpu"  # "cpu", "cuda" (bf16 autocast, fp32 master weights) or "auto"
 
     @classmethod
@@ -81,6 +82,7 @@ class TrainConfig:
                    prompt_loss_weight=args.prompt_loss_weight,
                    vocab_prior=None if args.no_vocab_prior else args.prompts,
                    init_head=getattr(args, "init_head", None) or None,
+                   extra_data=tuple(getattr(args, "extra_data", None) or ()),
                    device=getattr(args, "device", "cpu"))
 
 
@@ -302,7 +304,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     if lm_head is not embed:
         raise SystemExit("train-eagle: only targets with tied embeddings are supported for now")
     if data is None:
-        data = load_dataset(cfg.data_dir, cfg.max_train_sequences)
+        data = load_datasets([*cfg.extra_data, cfg.data_dir], cfg.max_train_sequences)
     response_counts = counts = response_token_counts(data, model_cfg.vocab_size)
     if cfg.vocab_prior:
         counts = vocab_counts_with_prior(counts, cfg.vocab_prior, model_path)
@@ -376,6 +378,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
                 "train_est_accept_length": round(expected_accept_length(acc), 3),
                 "device": device.type,
                 **({"init_head": cfg.init_head} if cfg.init_head else {}),
+                **({"extra_data": list(cfg.extra_data)} if cfg.extra_data else {}),
                 **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
                 "precision": "bf16 autocast, fp32 master weights" if device.type == "cuda"
                 else "fp32",
