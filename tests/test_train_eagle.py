@@ -9,6 +9,7 @@ the last runs every stage with --device cuda (skipped without a GPU).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,6 +335,12 @@ def test_shard_groups_and_engine_sizes():
     assert batch == 256 and kv >= 256 * (384 + 192)
     with pytest.raises(SystemExit):
         p.parse_args(["--device", "tpu"])
+    from fmserve.train_eagle.trainer import TrainConfig
+
+    args = p.parse_args(["--extra-data", "a/data", "--extra-data", "b/data"])
+    cfg = TrainConfig.from_args(args, Path("w"), Path("out"))
+    assert cfg.extra_data == ("a/data", "b/data") and cfg.data_dir == str(Path("w") / "data")
+    assert TrainConfig.from_args(p.parse_args([]), Path("w"), Path("out")).extra_data == ()
 
 
 def test_cli_device_cpu_is_accepted_and_recorded(model_path, tmp_path, keep_torch_threads):
