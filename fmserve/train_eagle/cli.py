@@ -227,7 +227,10 @@ def make_prompts(args, model_path: Path, work_dir: Path) -> Path:
     log(f"prompts: the target writes {cfg.num_prompts} instructions from {len(seeds)} seed "
         f"tasks of {args.prompts}")
     tasks = synthesize(engine, cfg, progress=not args.no_progress)
-    out = write_prompts(args.synth_out or work_dir / "synth-prompts.jsonl", tasks, seeds)
+    try:
+        out = write_prompts(args.synth_out or work_dir / "synth-prompts.jsonl", tasks, seeds)
+    except OSError as e:
+        raise SystemExit(f"train-eagle: cannot write the prompts (--synth-out): {e}") from e
     log(f"prompts: {len(tasks)} new + {len(seeds)} seed instructions -> {out}; make data from "
         f"them with --stage data --prompts {out}")
     return out

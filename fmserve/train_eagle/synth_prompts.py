@@ -45,7 +45,10 @@ def read_seed_instructions(path: str | Path) -> list[str]:
     with open(Path(path).expanduser(), encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                row = json.loads(line)
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                     raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" string")
                 rows.append(row)
@@ -105,9 +108,10 @@ def synthesize(engine, cfg: SynthConfig, progress: bool = True) -> list[str]:
         before = len(out)
         for completion in engine.generate(batch, params):
             task = clean_task(completion.text)
-            if task is None or dedup_key(task) in seen or len(out) >= cfg.num_prompts:
+            key = dedup_key(task) if task is not None else None
+            if key is None or key in seen or len(out) >= cfg.num_prompts:
                 continue
-            seen.add(dedup_key(task))
+            seen.add(key)
             out.append(task)
             bar.update(1)
         rounds_without_gain = 0 if len(out) > before else rounds_without_gain + 1
