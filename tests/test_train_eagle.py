@@ -236,6 +236,68 @@ def test_init_head_starts_from_a_trained_head(tiny_run, model_path):
               model_path, progress=False, data=data, target=target)
 
 
+def test_remap_lm_head_keeps_shared_rows_and_maps_new_ones_through_the_embedding():
+    from types import SimpleNamespace
+
+    from fmserve.train_eagle.trainer import remap_lm_head
+
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(256, 8, generator=gen)
+    linear = torch.randn(8, 8, generator=gen)
+
+    def fake_head(target_ids, rows=None):
+        ids = torch.tensor(target_ids)
+        return SimpleNamespace(config=SimpleNamespace(draft_vocab_size=len(ids)),
+                               d2t=ids - torch.arange(len(ids)),
+                               lm_head=SimpleNamespace(weight=rows))
+
+    src_ids = list(range(0, 256, 2))  # even ids
+    rows = embed[src_ids] @ linear  # trained rows that are exactly linear in the embedding...
+    rows[0] += 1.0  # ...but for token 0, whose row must still be kept as trained
+    src = fake_head(src_ids, rows)
+    new_ids = [0, 1, 2, 3, 5, 7, 9, 11]
+    out = remap_lm_head(src, fake_head(new_ids), embed)
+    assert out.shape == (8, 8)
+    torch.testing.assert_close(out[[0, 2]], rows[[0, 1]])  # tokens 0 and 2: their rows as trained
+    fit = embed[[1, 3, 5, 7, 9, 11]] @ linear  # new odd tokens: the map recovered from the rows
+    torch.testing.assert_close(out[[1, 3, 4, 5, 6, 7]], fit, atol=0.15, rtol=0.05)
+
+
+def test_refresh_vocab_counts_this_runs_vocabulary_and_keeps_the_trained_layers(tiny_run,
+                                                                               model_path):
+    from fmserve.train_eagle.data import response_token_counts
+    from fmserve.train_eagle.trainer import train
+    from gpu.eagle.head_io import build_vocab_map
+
+    work, data, target = tiny_run
+    train(_config(work, ckpt_dir=str(work / "ckpt-v0"), out=str(work / "head-v0"),
+                  ship_dtype="fp32"), model_path, progress=False, data=data, target=target)
+    train(_config(work, ckpt_dir=str(work / "ckpt-v1"), out=str(work / "head-v1"),
+                  ship_dtype="fp32", init_head=str(work / "head-v0"), refresh_vocab=True,
+                  draft_vocab_size=1024, lr=0.0, max_steps=1),
+          model_path, progress=False, data=data, target=target)
+    model_cfg, embed, _, _ = target
+    old, new = (load_draft_head(work / d, model_cfg, embed, None, "cpu", torch.float32)
+                for d in ("head-v0", "head-v1"))
+    assert new.config.draft_vocab_size == 1024
+    d2t, _ = build_vocab_map(response_token_counts(data, model_cfg.vocab_size), 1024)
+    torch.testing.assert_close(new.d2t.cpu(), d2t)  # the vocabulary counted on this run's data
+    for (name, a), b in zip(old.state_dict().items(), new.state_dict().values()):
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    old_ids = (torch.arange(512) + old.d2t.cpu()).tolist()
+    new_ids = (torch.arange(1024) + new.d2t.cpu()).tolist()
+    row = {t: i for i, t in enumerate(old_ids)}
+    shared = [(row[t], i) for i, t in enumerate(new_ids) if t in row]
+    assert len(shared) == 512  # a superset of the old vocabulary here
+    torch.testing.assert_close(new.lm_head.weight[[i for _, i in shared]],
+                               old.lm_head.weight[[j for j, _ in shared]])
+    assert json.loads((work / "head-v1" / "training.json").read_text())["refresh_vocab"]
+    with pytest.raises(SystemExit, match="give --init-head too"):
+        train(_config(work, ckpt_dir=str(work / "ckpt-v2"), refresh_vocab=True), model_path,
+              progress=False, data=data, target=target)
+
+
 def test_extra_data_is_trained_on_and_the_held_out_tail_is_the_work_dirs(tiny_run, model_path,
                                                                           tmp_path):
     import shutil

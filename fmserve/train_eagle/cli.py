@@ -110,6 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--init-head", default="",
                    help="start from this head directory's weights and draft vocabulary "
                         "(fine-tune a trained head on more data) instead of a fresh head")
+    t.add_argument("--refresh-vocab", action="store_true",
+                   help="with --init-head: count the draft vocabulary on this run's data "
+                        "instead of keeping the head's (shared tokens keep their trained "
+                        "lm_head rows, new ones start from a fitted map of their embedding)")
     t.add_argument("--extra-data", action="append", default=[], metavar="DIR",
                    help="also train on the data directory of another work dir (repeatable); "
                         "the held-out sequences still come from --work-dir's own data")

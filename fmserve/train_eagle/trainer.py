@@ -63,6 +63,7 @@ class TrainConfig:
     prompt_loss_weight: float = 0.0  # > 0: also train chains rooted in the prompt
     vocab_prior: str | None = None  # JSONL whose prompts/references refine the draft vocabulary
     init_head: str | None = None  # a head directory to start from (its weights and vocabulary)
+    refresh_vocab: bool = False  # with init_head: count the draft vocabulary on this run's data
     extra_data: tuple[str, ...] = ()  # more data directories, trained on before data_dir's
     device: str = "cpu"  # "cpu", "cuda" (bf16 autocast, fp32 master weights) or "auto"
 
@@ -82,6 +83,7 @@ class TrainConfig:
                    prompt_loss_weight=args.prompt_loss_weight,
                    vocab_prior=None if args.no_vocab_prior else args.prompts,
                    init_head=getattr(args, "init_head", None) or None,
+                   refresh_vocab=bool(getattr(args, "refresh_vocab", False)),
                    extra_data=tuple(getattr(args, "extra_data", None) or ()),
                    device=getattr(args, "device", "cpu"))
 
@@ -184,18 +186,49 @@ def vocab_counts_with_prior(response_counts: torch.Tensor, prior_file: str,
     return 10 * scale * response_counts + prior
 
 
-def init_from_head(head, directory: str, model_cfg, embed: torch.Tensor) -> None:
-    """Start ``head`` from a trained head's weights and draft vocabulary (fine-tuning it on more
-    data). The two must have the same shape: the same target, aux layers and vocabulary size."""
+def init_from_head(head, directory: str, model_cfg, embed: torch.Tensor,
+                   refresh_vocab: bool = False) -> None:
+    """Start ``head`` from a trained head's weights (fine-tuning it on more data). The two must
+    have the same target, aux layers and width. Without ``refresh_vocab`` the trained head's
+    draft vocabulary is kept (and its size must match); with it, ``head`` keeps the vocabulary
+    it was built with (counted on this run's data) and only the lm_head rows change:
+    ``remap_lm_head``."""
     from gpu.eagle.head_io import load_draft_head
     src = load_draft_head(directory, model_cfg, embed, None, "cpu", torch.float32)
     mine, theirs = head.config, src.config
-    for key in ("hidden_size", "draft_vocab_size", "aux_layer_ids", "num_heads"):
+    keys = ("hidden_size", "aux_layer_ids", "num_heads") + (() if refresh_vocab
+                                                             else ("draft_vocab_size",))
+    for key in keys:
         if getattr(mine, key) != getattr(theirs, key):
             raise SystemExit(f"train-eagle: --init-head {directory} has {key}="
                              f"{getattr(theirs, key)}, this run {getattr(mine, key)}: give "
                              f"matching settings (e.g. --draft-vocab-size) or start fresh")
-    head.load_state_dict(src.state_dict(), strict=True)
+    if not refresh_vocab:
+        head.load_state_dict(src.state_dict(), strict=True)
+        return
+    state = {k: v for k, v in src.state_dict().items()
+             if k not in ("lm_head.weight", "d2t", "t2d")}
+    state["lm_head.weight"] = remap_lm_head(src, head, embed)
+    state["d2t"], state["t2d"] = head.d2t.clone(), head.t2d.clone()
+    head.load_state_dict(state, strict=True)
+
+
+def remap_lm_head(src, head, embed: torch.Tensor) -> torch.Tensor:
+    """lm_head rows for ``head``'s draft vocabulary from ``src``'s trained rows: a token in both
+    vocabularies keeps its row; a new token gets the linear map from target embedding rows to
+    trained rows (least squares over the shared tokens) applied to its embedding, so it starts
+    on the trained rows' scale and geometry instead of at random."""
+    def ids(h):
+        return torch.arange(h.config.draft_vocab_size) + h.d2t.cpu()
+    src_ids, new_ids = ids(src), ids(head)
+    src_rows = src.lm_head.weight.detach().float().cpu()
+    row_of = {int(t): i for i, t in enumerate(src_ids)}
+    emb = embed.float().cpu()
+    fit = torch.linalg.lstsq(emb[src_ids], src_rows).solution  # [H, H]
+    out = emb[new_ids] @ fit
+    kept = torch.tensor([int(t) in row_of for t in new_ids])
+    out[kept] = src_rows[[row_of[int(t)] for t in new_ids[kept]]]
+    return out
 
 
 def draft_embed(head, embed: torch.Tensor) -> torch.Tensor:
@@ -289,6 +322,9 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     from fmserve.train_eagle.data import device_label
     from gpu.device import resolve_device
 
+    if cfg.refresh_vocab and not cfg.init_head:
+        raise SystemExit("train-eagle: --refresh-vocab re-counts the vocabulary of the head given "
+                         "by --init-head; give --init-head too (a fresh head always counts it)")
     device = resolve_device(cfg.device)
     where = device_label(device)
     torch.manual_seed(cfg.seed)
@@ -310,7 +346,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
         counts = vocab_counts_with_prior(counts, cfg.vocab_prior, model_path)
     head = build_head(model_cfg, embed, final_norm, counts, cfg.draft_vocab_size, cfg.seed)
     if cfg.init_head:
-        init_from_head(head, cfg.init_head, model_cfg, embed)
+        init_from_head(head, cfg.init_head, model_cfg, embed, cfg.refresh_vocab)
     coverage = float(response_counts[head.t2d].sum() / response_counts.sum().clamp(min=1))
     head.to(device)  # built on the CPU (the same init anywhere), trained here
     n_val = min(cfg.val_sequences, len(data) // 5)
@@ -378,6 +414,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
                 "train_est_accept_length": round(expected_accept_length(acc), 3),
                 "device": device.type,
                 **({"init_head": cfg.init_head} if cfg.init_head else {}),
+                **({"refresh_vocab": True} if cfg.init_head and cfg.refresh_vocab else {}),
                 **({"extra_data": list(cfg.extra_data)} if cfg.extra_data else {}),
                 **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
                 "precision": "bf16 autocast, fp32 master weights" if device.type == "cuda"
