@@ -55,6 +55,8 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-num-steps", type=int, default=4)
     g.add_argument("--tree-topk", type=int, default=4)
     g.add_argument("--tree-draft-tokens", type=int, default=8)
+    g.add_argument("--spec-disable-above-batch-size", type=int, default=0,
+                   help="decode batches larger than this run without drafting (0: never)")
     g.add_argument("--num-prompts", type=int, default=16, help="dev prompts per batch size")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--prompts", default=str(DEV_PROMPTS), help="JSONL with a 'prompt' field")
@@ -65,10 +67,11 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
 def spec_settings_for(name: str, args: argparse.Namespace) -> SpecSettings:
     steps = args.spec_num_steps
     if name == "chain":
-        return SpecSettings(args.spec_algorithm, args.draft_model, steps, 1, steps + 1)
+        return SpecSettings(args.spec_algorithm, args.draft_model, steps, 1, steps + 1,
+                            args.spec_disable_above_batch_size)
     if name == "tree":
         return SpecSettings(args.spec_algorithm, args.draft_model, steps, args.tree_topk,
-                            args.tree_draft_tokens)
+                            args.tree_draft_tokens, args.spec_disable_above_batch_size)
     raise ValueError(f"--spec {name!r}: choose chain, tree or chain,tree")
 
 

@@ -40,6 +40,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-num-steps", type=int, default=4)
     s.add_argument("--spec-topk", type=int, default=1)
     s.add_argument("--spec-num-draft-tokens", type=int, default=5)
+    s.add_argument("--spec-disable-above-batch-size", type=int, default=0,
+                   help="decode batches larger than this run without drafting (0: never)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

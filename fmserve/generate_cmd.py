@@ -27,7 +27,8 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   max_kv_tokens=args.max_kv_tokens, max_running_requests=args.max_running_requests,
                   max_tokens_per_step=args.max_tokens_per_step,
                   spec=SpecSettings(args.spec_algorithm, args.draft_model, args.spec_num_steps,
-                                    args.spec_topk, args.spec_num_draft_tokens))
+                                    args.spec_topk, args.spec_num_draft_tokens,
+                                    args.spec_disable_above_batch_size))
 
 
 def _stream_one(engine: Engine, prompt, params: SamplingParams) -> str:

@@ -23,6 +23,7 @@ FLAG_KEYS = {
     "overlap": "scheduling.overlap", "spec_algorithm": "spec.algorithm",
     "draft_model": "spec.draft_model", "spec_num_steps": "spec.num_steps",
     "spec_topk": "spec.topk", "spec_num_draft_tokens": "spec.num_draft_tokens",
+    "spec_disable_above_batch_size": "spec.disable_above_batch_size",
 }
 
 
@@ -47,6 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-num-steps", type=int, default=None)
     p.add_argument("--spec-topk", type=int, default=None)
     p.add_argument("--spec-num-draft-tokens", type=int, default=None)
+    p.add_argument("--spec-disable-above-batch-size", type=int, default=None,
+                   help="decode batches larger than this run without drafting (0: never)")
     p.add_argument("--log-level", default="INFO")
 
 

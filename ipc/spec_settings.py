@@ -25,6 +25,9 @@ class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_steps: int = 4  # draft depth
     topk: int = 1  # children per draft node; 1 = a chain
     num_draft_tokens: int = 5  # tree nodes verified per step, the root included
+    # Decode batches with more requests than this run without drafting (0: never): on a busy
+    # device verifying num_draft_tokens per request costs more than the accepted drafts save.
+    disable_above_batch_size: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -42,6 +45,9 @@ class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"{', '.join(SPEC_ALGORITHMS)}")
         if not self.enabled:
             return self
+        if self.disable_above_batch_size < 0:
+            raise ValueError(f"spec.disable_above_batch_size must be >= 0 (0: always speculate), "
+                             f"got {self.disable_above_batch_size}")
         if self.num_steps < 1:
             raise ValueError(f"spec.num_steps must be >= 1 (got {self.num_steps})")
         if not 1 <= self.topk <= 8:

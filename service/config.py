@@ -159,6 +159,7 @@ class SpecSection:
     num_steps: int = _key(4, IntIn(1, 16))
     topk: int = _key(1, IntIn(1, 8))
     num_draft_tokens: int = _key(5, IntIn(2, 64))
+    disable_above_batch_size: int = _key(0, IntIn(0, 1 << 16))
 
 
 @dataclass(frozen=True)
@@ -284,8 +285,7 @@ def _check_consistency(config: ServiceConfig, source: str) -> None:
                           f"least runtime.page_size = {r.page_size} (one page)")
     sp = config.spec
     try:
-        SpecSettings(sp.algorithm, sp.draft_model, sp.num_steps, sp.topk,
-                     sp.num_draft_tokens).validate()
+        spec_settings(config).validate()
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if s.client_endpoint == s.telemetry_endpoint:
@@ -309,4 +309,5 @@ def _show(value: Any) -> str:
 
 def spec_settings(config: ServiceConfig) -> SpecSettings:
     sp = config.spec
-    return SpecSettings(sp.algorithm, sp.draft_model, sp.num_steps, sp.topk, sp.num_draft_tokens)
+    return SpecSettings(sp.algorithm, sp.draft_model, sp.num_steps, sp.topk, sp.num_draft_tokens,
+                        sp.disable_above_batch_size)

@@ -213,6 +213,8 @@ class EagleWorker:
         fm = r.future_map
         seq_lens = fm.resolve_seq_lens(slots)  # L: tokens in the target's cache
         root = fm.resolve_future(slots)  # the last bonus token, at position L
+        if s.disable_above_batch_size and bs > s.disable_above_batch_size:
+            return self._decode_plain(slots, slots_host, seq_lens, root)
         topk_p, topk_ids, draft_hidden = fm.resolve_spec(slots)
         tree = self._draft_tree(slots, seq_lens, root, topk_p, topk_ids, draft_hidden)
 
@@ -257,6 +259,35 @@ class EagleWorker:
         for a in acc_host:
             self.accepted_per_position[:a] += 1
         return _Rows(slots_host, [tok_host[i, :a + 1] for i, a in enumerate(acc_host)], acc_host)
+
+    def _decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray, seq_lens: torch.Tensor,
+                      root: torch.Tensor) -> _Rows:
+        """A decode step without drafting, for a batch above spec.disable_above_batch_size
+        (there the cores are busy already and a verify costs num_draft_tokens per request):
+        the target decodes the root and samples the next token exactly as the plain engine
+        does, then the draft extends over that one token, so its KV and the relayed top-k stay
+        complete and a later, smaller batch speculates from where this one left off. Rows
+        report accept length -1: not verify steps, left out of the acceptance statistics."""
+        r, fm = self.runner, self.runner.future_map
+        positions = seq_lens.clamp(max=self.max_position)
+        locs = self._locs(slots, seq_lens[:, None])
+        batch = self._batch(ForwardMode.DECODE, root, positions, slots, seq_lens,
+                            torch.ones_like(seq_lens), seq_lens + 1, locs)
+        hidden, feats = self._target(batch)
+        out = r.sampler.sample(r.model.logits(hidden), slots, batch.seq_lens,
+                               slots_host=slots_host)
+        fm.publish(slots, batch.seq_lens)
+        fm.stash(slots, out.token_ids)
+        r.sampling_state.record_outputs(slots, out.token_ids)
+        # Draft extend: the target's state at L paired with the token just sampled (L + 1).
+        draft_batch = self._batch(ForwardMode.DECODE, out.token_ids, positions, slots, seq_lens,
+                                  torch.ones_like(seq_lens), seq_lens + 1, locs)
+        h_out, h_logits = self._draft(draft_batch, feats)
+        next_p, next_ids = self._draft_topk(h_logits)
+        fm.stash_spec(slots, next_p, next_ids, h_out)
+        tokens = out.token_ids.cpu().numpy()
+        return _Rows(slots_host, [tokens[i:i + 1] for i in range(len(tokens))],
+                     np.full(len(tokens), -1, dtype=np.int64))
 
     def _draft_tree(self, slots, seq_lens, root, topk_p, topk_ids, hidden) -> DraftTree:
         """num_steps levels of drafting from the relayed top-k (SGLang's select_top_k_tokens):
