@@ -36,7 +36,8 @@ def spec_config_telemetry(spec) -> SpecConfigTelemetry | None:
     if spec.algorithm == "none":
         return None
     return SpecConfigTelemetry(algorithm=spec.algorithm, num_steps=spec.num_steps,
-                               topk=spec.topk, num_draft_tokens=spec.num_draft_tokens)
+                               topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
+                               disable_above_batch_size=spec.disable_above_batch_size)
 
 
 class TelemetryPublisher:

@@ -468,6 +468,14 @@ async def test_header_shows_the_speculation_settings(pub):
             # The service's publisher takes them from its config's [spec] section.
             await show(pilot, app, pub, sched.snapshot())
             assert "spec eagle3 (steps 3, topk 2, draft 6)" in header()
+            limited = SchedulerTelemetry(SpecSection(algorithm="eagle3", num_steps=3, topk=2,
+                                                     num_draft_tokens=6,
+                                                     disable_above_batch_size=4))
+            try:
+                await show(pilot, app, pub, limited.snapshot())
+                assert "spec eagle3 (steps 3, topk 2, draft 6, off above batch 4)" in header()
+            finally:
+                limited.close()
             await show(pilot, app, pub, snapshot(9301.0, speculation=True))  # an older service
             assert "spec on (settings n/a)" in header()
             await show(pilot, app, pub, snapshot(9302.0))

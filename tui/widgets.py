@@ -40,8 +40,12 @@ def _fmt_duration(seconds: float) -> str:
 
 def spec_settings_text(cfg: SpecConfigTelemetry) -> str:
     """The published `[spec]` settings, short: "eagle3 (steps 4, topk 1, draft 5)": draft depth,
-    children per draft node, tree nodes verified per step."""
-    return f"{cfg.algorithm} (steps {cfg.num_steps}, topk {cfg.topk}, draft {cfg.num_draft_tokens})"
+    children per draft node, tree nodes verified per step; ", off above batch 4" when larger
+    decode batches run without drafting."""
+    off = (f", off above batch {cfg.disable_above_batch_size}"
+           if cfg.disable_above_batch_size else "")
+    return (f"{cfg.algorithm} (steps {cfg.num_steps}, topk {cfg.topk}, "
+            f"draft {cfg.num_draft_tokens}{off})")
 
 
 def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool,
