@@ -66,12 +66,13 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
 
 def spec_settings_for(name: str, args: argparse.Namespace) -> SpecSettings:
     steps = args.spec_num_steps
+    # (`bench peers` shares these settings but always drafts: it has no such flag.)
+    limit = getattr(args, "spec_disable_above_batch_size", 0)
     if name == "chain":
-        return SpecSettings(args.spec_algorithm, args.draft_model, steps, 1, steps + 1,
-                            args.spec_disable_above_batch_size)
+        return SpecSettings(args.spec_algorithm, args.draft_model, steps, 1, steps + 1, limit)
     if name == "tree":
         return SpecSettings(args.spec_algorithm, args.draft_model, steps, args.tree_topk,
-                            args.tree_draft_tokens, args.spec_disable_above_batch_size)
+                            args.tree_draft_tokens, limit)
     raise ValueError(f"--spec {name!r}: choose chain, tree or chain,tree")
 
 

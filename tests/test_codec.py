@@ -266,10 +266,13 @@ def test_snapshot_spec_config_is_optional():
                 total_output_tokens=0, finished_requests=0, retractions=0, recent_steps=[],
                 worker_idle_share=0.0,
                 worker=WorkerTelemetry(True, 1, 0, "cpu", "fp32", "torch"))
-    snap = TelemetrySnapshot(**base, spec_config=SpecConfigTelemetry("eagle3", 4, 1, 5))
+    snap = TelemetrySnapshot(**base, spec_config=SpecConfigTelemetry("eagle3", 4, 1, 5, 8))
     wire = unpack(pack(snap))
     assert wire["spec_config"] == {"algorithm": "eagle3", "num_steps": 4, "topk": 1,
-                                   "num_draft_tokens": 5}
+                                   "num_draft_tokens": 5, "disable_above_batch_size": 8}
     assert msgspec.msgpack.decode(pack(snap), type=TelemetrySnapshot) == snap
+    del wire["spec_config"]["disable_above_batch_size"]  # a service from before the setting
+    old = msgspec.msgpack.decode(pack(wire), type=TelemetrySnapshot).spec_config
+    assert old == SpecConfigTelemetry("eagle3", 4, 1, 5) and old.disable_above_batch_size == 0
     del wire["spec_config"]  # an older service
     assert msgspec.msgpack.decode(pack(wire), type=TelemetrySnapshot).spec_config is None
