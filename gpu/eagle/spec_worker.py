@@ -279,10 +279,9 @@ class EagleWorker:
         fm.publish(slots, batch.seq_lens)
         fm.stash(slots, out.token_ids)
         r.sampling_state.record_outputs(slots, out.token_ids)
-        # Draft extend: the target's state at L paired with the token just sampled (L + 1).
-        draft_batch = self._batch(ForwardMode.DECODE, out.token_ids, positions, slots, seq_lens,
-                                  torch.ones_like(seq_lens), seq_lens + 1, locs)
-        h_out, h_logits = self._draft(draft_batch, feats)
+        # Draft extend: the target's state at L paired with the token just sampled (L + 1);
+        # the same positions, lengths and KV locations as the target's batch.
+        h_out, h_logits = self._draft(dataclasses.replace(batch, input_ids=out.token_ids), feats)
         next_p, next_ids = self._draft_topk(h_logits)
         fm.stash_spec(slots, next_p, next_ids, h_out)
         tokens = out.token_ids.cpu().numpy()
