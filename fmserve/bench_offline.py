@@ -36,6 +36,7 @@ class Measure:
     prefill_tps: float
     decode_tps: float
     overlap: bool = False
+    q4: bool = False  # small forwards on the GGUF's 4-bit codes (gpu/q4_linear.py)
 
 
 def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -99,21 +100,29 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dtypes = args.dtypes.split(",")
     overlaps = [o == "on" for o in getattr(args, "overlap", "off").split(",")]
+    q4_modes = [o == "on" for o in getattr(args, "q4", "on").split(",")]
+    q4_max = getattr(args, "q4_max_tokens", 12)
     results: list[Measure] = []
     with Progress(console=console) as progress:
         task = progress.add_task("benchmark", total=len(dtypes) * len(batches) * 2)
         for dtype in dtypes:
             engine = Engine(model=str(path), device=args.device, dtype=dtype,
                             attention_backend=args.attention_backend,
-                            max_running_requests=max(batches), progress=False)
+                            max_running_requests=max(batches), progress=False,
+                            q4_max_tokens=q4_max if any(q4_modes) else 0)
+            has_q4 = engine.runner.model.q4_projections > 0
             all_prompts = bench_prompts(engine.tokenizer, max(batches), args.prompt_len)
             for b in batches:
-                for overlap in overlaps:
-                    progress.update(task, description=f"fmserve {dtype} batch {b}"
-                                                      f"{' overlap' if overlap else ''}")
-                    engine.overlap = overlap
-                    pf, dc = measure_fmserve(engine, all_prompts[:b], args.decode_len)
-                    results.append(Measure("fmserve", dtype, b, pf, dc, overlap))
+                # Interleaved per batch size, so drift hits every variant alike.
+                for q4 in sorted({q and has_q4 for q in q4_modes}):
+                    engine.runner.model.set_q4_max_tokens(q4_max if q4 else 0)
+                    for overlap in overlaps:
+                        progress.update(task, description=f"fmserve {dtype} batch {b}"
+                                                          f"{' overlap' if overlap else ''}"
+                                                          f"{' q4' if q4 else ''}")
+                        engine.overlap = overlap
+                        pf, dc = measure_fmserve(engine, all_prompts[:b], args.decode_len)
+                        results.append(Measure("fmserve", dtype, b, pf, dc, overlap, q4))
                 progress.advance(task)
             del engine
             if args.no_baseline:
@@ -139,10 +148,10 @@ def render(results: list[Measure], args: argparse.Namespace, console: Console) -
     base = {(m.dtype, m.batch): m for m in results if m.engine == "transformers"}
     table = Table(title=f"offline: prompt {args.prompt_len} tokens, decode {args.decode_len} "
                         f"tokens, threads {torch.get_num_threads()}")
-    off = {(m.dtype, m.batch): m for m in results if m.engine == "fmserve" and not m.overlap}
-    header = ["dtype", "batch", "overlap", "fmserve prefill tok/s", "fmserve decode tok/s",
+    fm = {(m.dtype, m.batch, m.overlap, m.q4): m for m in results if m.engine == "fmserve"}
+    header = ["dtype", "batch", "overlap", "q4", "fmserve prefill tok/s", "fmserve decode tok/s",
               "transformers prefill tok/s", "transformers decode tok/s", "decode ratio",
-              "prefill ratio", "decode on/off"]
+              "prefill ratio", "decode overlap on/off", "decode q4 on/off"]
     for h in header:
         table.add_column(h, justify="right")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -150,13 +159,16 @@ def render(results: list[Measure], args: argparse.Namespace, console: Console) -
         if m.engine != "fmserve":
             continue
         b = base.get((m.dtype, m.batch))
-        o = off.get((m.dtype, m.batch)) if m.overlap else None
-        row = [m.dtype, str(m.batch), "on" if m.overlap else "off", f"{m.prefill_tps:.0f}",
+        o = fm.get((m.dtype, m.batch, False, m.q4)) if m.overlap else None
+        q = fm.get((m.dtype, m.batch, m.overlap, False)) if m.q4 else None
+        row = [m.dtype, str(m.batch), "on" if m.overlap else "off", "on" if m.q4 else "off",
+               f"{m.prefill_tps:.0f}",
                f"{m.decode_tps:.1f}",
                f"{b.prefill_tps:.0f}" if b else "-", f"{b.decode_tps:.1f}" if b else "-",
                f"{m.decode_tps / b.decode_tps:.2f}x" if b else "-",
                f"{m.prefill_tps / b.prefill_tps:.2f}x" if b else "-",
-               f"{m.decode_tps / o.decode_tps:.2f}x" if o else "-"]
+               f"{m.decode_tps / o.decode_tps:.2f}x" if o else "-",
+               f"{m.decode_tps / q.decode_tps:.2f}x" if q else "-"]
         table.add_row(*row)
         lines.append("| " + " | ".join(row) + " |")
     console.print(table)

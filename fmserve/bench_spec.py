@@ -125,7 +125,9 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     runs: list[SpecRun] = []
     common = dict(model=args.model, device=args.device, dtype=args.spec_dtype,
                   attention_backend=args.attention_backend, progress=False,
-                  max_running_requests=max(batches))
+                  max_running_requests=max(batches),
+                  q4_max_tokens=getattr(args, "q4_max_tokens", 12) if getattr(
+                      args, "q4", "on") != "off" else 0)
     with Progress(console=console) as progress:
         task = progress.add_task("spec benchmark", total=(1 + len(names)) * len(batches))
         for name, spec in [("plain", None)] + list(settings.items()):

@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--overlap", default="off", choices=["off", "on", "off,on"],
                      help="the engine's overlap (plan k+1 launched before step k finishes); "
                           "off,on measures both and prints their ratio")
+    off.add_argument("--q4", default="on", choices=["off", "on", "off,on"],
+                     help="small forwards on the GGUF's own 4-bit weights (bf16 on a CPU; "
+                          "runtime.q4_max_tokens); off,on measures both and prints their ratio")
+    off.add_argument("--q4-max-tokens", type=int, default=12,
+                     help="forwards of at most this many tokens use the 4-bit weights when "
+                          "--q4 is on (also for --spec runs)")
     off.add_argument("--baseline-max-batch", type=int, default=32,
                      help="largest batch to run transformers at (it is slow)")
     off.add_argument("--markdown", default=None, help="also write the table to this file")

@@ -53,7 +53,7 @@ class Engine:
                  max_kv_tokens: int = 65536, max_running_requests: int = 64,
                  max_tokens_per_step: int = 2048, max_context_len: int | None = None,
                  progress: bool = True, overlap: bool = False,
-                 spec: SpecSettings | None = None) -> None:
+                 spec: SpecSettings | None = None, q4_max_tokens: int = 12) -> None:
         path = resolve_model_path(model)
         spec = (spec or SpecSettings()).validate()
         if spec.enabled:
@@ -64,7 +64,7 @@ class Engine:
             model_path=str(path), device=device, dtype=dtype, attention_backend=attention_backend,
             page_size=page_size, max_kv_tokens=max_kv_tokens,
             max_running_requests=max_running_requests, max_context_len=max_context_len,
-            progress=progress, spec=spec))
+            progress=progress, spec=spec, q4_max_tokens=q4_max_tokens))
         self.info = self.runner.info()
         self.scheduler = SchedulerCore(self.info, self.tokenizer,
                                        SchedulerConfig(max_tokens_per_step=max_tokens_per_step))

@@ -2,7 +2,9 @@
 
 The model holds weights only; everything per-forward (token locations, lengths) arrives in a
 `ForwardBatch` and the attention backend reads and writes the KV pool. Projections are linear
-layer objects from `make_linear`: dense in the model dtype, or compressed (`weight_quant`).
+layer objects from `make_linear`: dense in the model dtype, or compressed (`weight_quant`);
+on a bf16 CPU model a GGUF's Q4_0/Q4_1 projections also keep their 4-bit codes for small
+forwards (`q4_max_tokens`, gpu/q4_linear.py).
 """
 
 from __future__ import annotations
@@ -15,23 +17,26 @@ import torch.nn.functional as F
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+from gpu.loader.gguf_q4 import Q4Blocks
 from gpu.model_config import ModelConfig
+from gpu.q4_linear import Q4Linear, q4_applies, q4_shape_ok
 from gpu.quantized_linear import WEIGHT_QUANT_MODES, Linear, make_linear
 
 
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv_proj: Linear
-    o_proj: Linear
+    qkv_proj: Linear | Q4Linear
+    o_proj: Linear | Q4Linear
     post_attn_norm: torch.Tensor
-    gate_up_proj: Linear
-    down_proj: Linear
+    gate_up_proj: Linear | Q4Linear
+    down_proj: Linear | Q4Linear
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, weight_quant: str = "none") -> None:
+                 device: torch.device, dtype: torch.dtype, weight_quant: str = "none",
+                 q4: dict[str, Q4Blocks] | None = None, q4_max_tokens: int = 0) -> None:
         if weight_quant not in WEIGHT_QUANT_MODES:
             raise ValueError(f"weight_quant '{weight_quant}' is unknown; choose one of "
                              f"{WEIGHT_QUANT_MODES}")
@@ -43,8 +48,16 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
-        def linear(name: str) -> Linear:
-            return make_linear(w(name), weight_quant)
+        # Small forwards on the file's 4-bit codes where it has them (gpu/q4_linear.py).
+        use_q4 = bool(q4) and weight_quant == "none" and q4_applies(device, dtype, q4_max_tokens)
+        self.q4_projections = 0
+
+        def linear(name: str) -> Linear | Q4Linear:
+            dense = make_linear(w(name), weight_quant)
+            if not use_q4 or name not in q4 or not q4_shape_ok(q4[name]):
+                return dense
+            self.q4_projections += 1
+            return Q4Linear(dense, q4[name], q4_max_tokens)
 
         self.embed_tokens = w("embed_tokens")
         self.lm_head = make_linear(w("lm_head") if "lm_head" in weights else self.embed_tokens,
@@ -60,6 +73,14 @@ class LlamaModel:
             for i in range(config.num_layers)
         ]
         self.rope = RotaryEmbedding(config, device, dtype)
+
+    def set_q4_max_tokens(self, max_tokens: int) -> None:
+        """Change which forwards use the 4-bit codes (0: none); benchmarks compare both ways
+        on one loaded model."""
+        for layer in self.layers:
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                if isinstance(proj, Q4Linear):
+                    proj.max_tokens = max_tokens
 
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend,
                       capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

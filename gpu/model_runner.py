@@ -24,6 +24,7 @@ from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
 from gpu.plan_check import check_plan
+from gpu.q4_linear import q4_applies
 from gpu.sampler import Sampler, SamplingState
 from gpu.step_streams import ForwardSpan, HostCopy, StepStreams
 from ipc.spec_settings import SpecSettings
@@ -47,6 +48,9 @@ class RunnerConfig:
     wrwr_check: bool | None = None  # None: from FMSERVE_WRWR_CHECK
     cpu_threads: int = 0  # torch threads when running on the CPU; 0 = torch's default
     weight_quant: str = "none"  # "none", "int8" or "fp16": see gpu/quantized_linear.py
+    # Forwards of at most this many tokens multiply with a GGUF's own Q4_0/Q4_1 codes (CPU,
+    # bf16 only; gpu/q4_linear.py); 0: always the dequantized weights.
+    q4_max_tokens: int = 12
     spec: SpecSettings = SpecSettings()  # speculative decoding (EAGLE); off by default
     # The worker launches plan k+1 before finishing step k when one is waiting. None: on GPUs
     # only (there launching is asynchronous; on a CPU launching *is* computing, so finishing
@@ -86,11 +90,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)
-        loaded = load_model(cfg.model_path, dtype=self.dtype, progress=cfg.progress)
+        keep_q4 = cfg.weight_quant == "none" and q4_applies(self.device, self.dtype,
+                                                             cfg.q4_max_tokens)
+        loaded = load_model(cfg.model_path, dtype=self.dtype, progress=cfg.progress,
+                            keep_q4=keep_q4)
         self.model_config = mc = loaded.config
         self.model_name = Path(cfg.model_path).name
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
-                                weight_quant=cfg.weight_quant)
+                                weight_quant=cfg.weight_quant, q4=loaded.q4,
+                                q4_max_tokens=cfg.q4_max_tokens)
         del loaded
         self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)
         self.num_slots = cfg.max_running_requests + 1  # slot 0 is padding

@@ -144,6 +144,7 @@ class RuntimeSection:
     max_context_len: int = _key(0, IntIn(0, 1 << 24))  # 0 = the model's own limit
     wrwr_check: bool = _key(False, Boolean())  # FutureMap write/read invariant checks (debug)
     worker_cpu_threads: int = _key(0, IntIn(0, 1024))  # 0 = auto (see server.py)
+    q4_max_tokens: int = _key(12, IntIn(0, 4096))  # 0 = never (see gpu/q4_linear.py)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class Service:
                                max_context_len=rt.max_context_len or None, progress=False,
                                wrwr_check=rt.wrwr_check or None,
                                cpu_threads=worker_cpu_threads(cfg),
+                               q4_max_tokens=rt.q4_max_tokens,
                                launch_ahead={"auto": None, "on": True, "off": False}[
                                    cfg.scheduling.launch_ahead],
                                spec=msgspec.to_builtins(spec_settings(cfg))),

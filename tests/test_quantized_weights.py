@@ -110,7 +110,7 @@ def prompt_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     cfg, page = model.config, 16
     n = len(ids)
     pool = KVPool(cfg.num_layers, -(-n // page) + 1, page, cfg.num_kv_heads, cfg.head_dim,
-                  torch.float32, "cpu")
+                  model.dtype, "cpu")
     table = ReqToTokenPool(2, cfg.max_context_len, page, "cpu")
     table.grant_pages(1, 0, torch.arange(1, pool.num_pages))
     attn = TorchAttentionBackend(pool, table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

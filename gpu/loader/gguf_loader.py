@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
+from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks
 from gpu.model_config import ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -200,12 +201,15 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
-def load_gguf(path: Path, dtype: torch.dtype,
-              progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """ModelConfig and unfused tensors (our short names, HF [out, in] layout, `dtype`, CPU)."""
+def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Q4Blocks]]:
+    """ModelConfig, unfused tensors (our short names, HF [out, in] layout, `dtype`, CPU) and,
+    with `keep_q4`, the 4-bit codes of the layer projections stored as Q4_0/Q4_1 (same names
+    and row order)."""
     reader = open_gguf(path)
     config = gguf_model_config(reader, path)
     weights: dict[str, torch.Tensor] = {}
+    q4: dict[str, Q4Blocks] = {}
     tensors = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
@@ -215,9 +219,16 @@ def load_gguf(path: Path, dtype: torch.dtype,
             raise ModelLoadError(f"{path}: tensor '{tensor.name}' is not part of a Llama model we "
                                  f"can run (biases, extra heads and the like are not supported)")
         w = torch.from_numpy(_dequantize(tensor, path))
-        if name.endswith(".q_proj"):
-            w = unpermute_rope_rows(w, config.num_heads)
-        elif name.endswith(".k_proj"):
-            w = unpermute_rope_rows(w, config.num_kv_heads)
+        blocks = None
+        if keep_q4 and name.startswith("layers.") and w.dim() == 2 and is_q4(
+                tensor.tensor_type.name):
+            blocks = q4_blocks(tensor.data, tensor.tensor_type.name, *w.shape)
+        if name.endswith(".q_proj") or name.endswith(".k_proj"):
+            heads = config.num_heads if name.endswith(".q_proj") else config.num_kv_heads
+            w = unpermute_rope_rows(w, heads)
+            if blocks is not None:
+                blocks = blocks.map_rows(lambda t: unpermute_rope_rows(t, heads).contiguous())
         weights[name] = w.to(dtype).contiguous()
-    return config, weights
+        if blocks is not None:
+            q4[name] = blocks
+    return config, weights, q4

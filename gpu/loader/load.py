@@ -18,12 +18,13 @@ gate/up instead of five:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from gpu.loader.errors import ModelLoadError
+from gpu.loader.gguf_q4 import Q4Blocks
 from gpu.model_config import ModelConfig
 
 ACCEPTED = ("a .gguf file (Llama architecture), or a Hugging Face model directory holding "
@@ -35,17 +36,22 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     source: Path
+    # Fused projections whose every part the file stores as Q4_0/Q4_1 (`keep_q4` only):
+    # their 4-bit codes, for small-batch matmuls on the file's own weights.
+    q4: dict[str, Q4Blocks] = field(default_factory=dict)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               progress: bool = True) -> LoadedModel:
-    """Read a GGUF file or an HF directory; raises ModelLoadError with a readable message."""
+               progress: bool = True, keep_q4: bool = False) -> LoadedModel:
+    """Read a GGUF file or an HF directory; raises ModelLoadError with a readable message.
+    `keep_q4`: also keep a GGUF's Q4_0/Q4_1 projection codes (LoadedModel.q4)."""
+    q4: dict[str, Q4Blocks] = {}
     source = Path(path).expanduser()
     if not source.exists():
         raise ModelLoadError(f"model path {source} does not exist; expected {ACCEPTED}")
     if source.is_file() and source.suffix.lower() == ".gguf":
         from gpu.loader.gguf_loader import load_gguf
-        config, unfused = load_gguf(source, dtype, progress)
+        config, unfused, q4 = load_gguf(source, dtype, progress, keep_q4)
     elif source.is_dir() and (source / "config.json").is_file():
         from gpu.loader.hf_loader import load_hf_dir
         config, unfused = load_hf_dir(source, dtype, progress)
@@ -57,7 +63,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     else:
         raise ModelLoadError(f"cannot load {source}: expected {ACCEPTED}")
     weights = fuse_llama_weights(config, unfused, source)
-    return LoadedModel(config=config, weights=weights, source=source)
+    return LoadedModel(config=config, weights=weights, source=source,
+                       q4=fuse_q4_blocks(config, q4))
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -109,4 +116,17 @@ def fuse_llama_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
         fused[p + "post_attn_norm"] = take("post_attn_norm").contiguous()
         fused[p + "gate_up_proj"] = torch.cat([take("gate_proj"), take("up_proj")], dim=0)
         fused[p + "down_proj"] = take("down_proj").contiguous()
+    return fused
+
+
+def fuse_q4_blocks(cfg: ModelConfig, unfused: dict[str, Q4Blocks]) -> dict[str, Q4Blocks]:
+    """The fused projections (as in fuse_llama_weights) whose every part has 4-bit codes."""
+    groups = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+              "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+    fused: dict[str, Q4Blocks] = {}
+    for i in range(cfg.num_layers):
+        for name, parts in groups.items():
+            blocks = [unfused.get(f"layers.{i}.{p}") for p in parts]
+            if all(b is not None for b in blocks):
+                fused[f"layers.{i}.{name}"] = Q4Blocks.cat(blocks)
     return fused

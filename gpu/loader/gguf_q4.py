@@ -1,0 +1,71 @@
+"""The 4-bit codes of a GGUF's Q4_0 / Q4_1 tensors, kept as they are in the file.
+
+A Q4_0 or Q4_1 weight is stored in blocks of 32 consecutive inputs of one output row:
+
+    Q4_0 (18 bytes): d (fp16), 16 bytes of nibbles     w = (q - 8) * d
+    Q4_1 (20 bytes): d (fp16), m (fp16), 16 nibbles    w = q * d + m
+
+Byte j of the nibbles holds element j in its low half and element j + 16 in its high half.
+Both forms are exactly `(q - 8) * scale + zero` per block (Q4_0: zero = 0; Q4_1: zero =
+m + 8 d), the layout of torch's CPU int4 matmul, so a decode step can multiply with the file's
+own weights instead of a dequantized copy four times its size (see gpu/q4_linear.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Q4_GROUP = 32  # inputs per block, both formats
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass
+class Q4Blocks:
+    """One [out, in] weight: w[o, i] = (codes[o, i] - 8) * scale[o, i // 32] + zero[o, i // 32]."""
+
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    scale: torch.Tensor  # [out, in / 32] float32
+    zero: torch.Tensor  # [out, in / 32] float32
+
+    def map_rows(self, fn) -> "Q4Blocks":
+        """The same weight with `fn` (a permutation of dim 0) applied to every part."""
+        return Q4Blocks(fn(self.codes), fn(self.scale), fn(self.zero))
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight (tests and checks; the runtime never materialises it from here)."""
+        w = self.codes.float() - 8
+        return (w.view(*self.scale.shape, Q4_GROUP) * self.scale[..., None]
+                + self.zero[..., None]).view(self.codes.shape)
+
+    @staticmethod
+    def cat(parts: list["Q4Blocks"]) -> "Q4Blocks":
+        """Row-wise concatenation (the fused q/k/v and gate/up projections)."""
+        return Q4Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.zero for p in parts]))
+
+
+def is_q4(type_name: str) -> bool:
+    return type_name in _BLOCK_BYTES
+
+
+def q4_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Q4Blocks:
+    """Decode the raw bytes of a Q4_0/Q4_1 tensor (`tensor.data` of gguf's reader) with `rows`
+    outputs of `cols` inputs."""
+    size = _BLOCK_BYTES[type_name]
+    if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * size:
+        raise ValueError(f"a {type_name} tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} "
+                         f"blocks of {size} bytes; got {raw.size} bytes")
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // Q4_GROUP, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = blocks[..., 4:]
+        zero = m + 8 * d
+    else:
+        nibbles = blocks[..., 2:]
+        zero = np.zeros_like(d)
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    return Q4Blocks(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero))
