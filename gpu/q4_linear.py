@@ -6,7 +6,9 @@ CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`, group 32, `(q - 8) * scale 
 those codes as they are. Measured on the 2-core AVX-512/AMX Xeon, the 30 layers' projections
 with weights streamed from DRAM: 3.7 ms at 1 token against 23 ms in bf16, 6.3 ms at 4, 12 ms at
 5-8 and 17 ms at 12; bf16 stays near 25 ms up to 32 tokens, where the int4 kernel takes 58. So a
-projection keeps both forms and picks by the number of tokens in the forward.
+projection keeps both forms and picks by the number of tokens in the forward (the limit,
+`runtime.q4_max_tokens`, defaults to 12): the engine decodes one stream at 66 tok/s instead
+of 31 (docs/benchmarks.md).
 
 The int4 path multiplies with the file's exact weights (scale and zero rounded to bf16, the
 kernel's input dtype); the bf16 path with each weight rounded to bf16. Outputs agree to bf16
