@@ -6,14 +6,19 @@ import math
 from fmserve.cli import main
 
 
-def test_bench_offline_overlap_off_and_on(model_path, tmp_path, one_torch_thread):
+def bench_cells(model, tmp_path, *args: str) -> list[list[str]]:
+    """Run `fmserve bench offline` on 16-token prompts, 4 decoded tokens; its markdown cells."""
     out = tmp_path / "offline.md"
-    rc = main(["bench", "offline", "--model", str(model_path), "--batch-sizes", "1,2",
-               "--dtypes", "fp32", "--prompt-len", "16", "--decode-len", "4", "--no-baseline",
-               "--overlap", "off,on", "--markdown", str(out)])
+    rc = main(["bench", "offline", "--model", str(model), "--prompt-len", "16", "--decode-len",
+               "4", "--no-baseline", "--markdown", str(out), *args])
     assert rc == 0
     rows = [line.strip("|").split("|") for line in out.read_text().splitlines()[2:]]
-    cells = [[c.strip() for c in r] for r in rows]
+    return [[c.strip() for c in r] for r in rows]
+
+
+def test_bench_offline_overlap_off_and_on(model_path, tmp_path, one_torch_thread):
+    cells = bench_cells(model_path, tmp_path, "--batch-sizes", "1,2", "--dtypes", "fp32",
+                        "--overlap", "off,on")
     assert [(c[1], c[2]) for c in cells] == [("1", "off"), ("1", "on"), ("2", "off"), ("2", "on")]
     assert {c[3] for c in cells} == {"off"}  # fp32: never the 4-bit codes
     for c in cells:
@@ -23,13 +28,8 @@ def test_bench_offline_overlap_off_and_on(model_path, tmp_path, one_torch_thread
 
 
 def test_bench_offline_q4_off_and_on(gguf_path, tmp_path, one_torch_thread):
-    out = tmp_path / "offline.md"
-    rc = main(["bench", "offline", "--model", str(gguf_path), "--batch-sizes", "1",
-               "--dtypes", "bf16", "--prompt-len", "16", "--decode-len", "4", "--no-baseline",
-               "--q4", "off,on", "--markdown", str(out)])
-    assert rc == 0
-    rows = [line.strip("|").split("|") for line in out.read_text().splitlines()[2:]]
-    cells = [[c.strip() for c in r] for r in rows]
+    cells = bench_cells(gguf_path, tmp_path, "--batch-sizes", "1", "--dtypes", "bf16",
+                        "--q4", "off,on")
     assert [(c[1], c[3]) for c in cells] == [("1", "off"), ("1", "on")]
     assert all(float(c[5]) > 0 for c in cells)
     ratio = cells[1][11]

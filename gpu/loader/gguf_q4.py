@@ -8,7 +8,7 @@ A Q4_0 or Q4_1 weight is stored in blocks of 32 consecutive inputs of one output
 Byte j of the nibbles holds element j in its low half and element j + 16 in its high half.
 Both forms are exactly `(q - 8) * scale + zero` per block (Q4_0: zero = 0; Q4_1: zero =
 m + 8 d), the layout of torch's CPU int4 matmul, so a decode step can multiply with the file's
-own weights instead of a dequantized copy four times its size (see gpu/q4_linear.py).
+own weights instead of a bf16 copy 3.2-3.6x its size (see gpu/q4_linear.py).
 """
 
 from __future__ import annotations
