@@ -123,8 +123,11 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     except Exception as exc:
         return fail(None, describe_exception(exc))
     sock.send(codec.encode(WorkerReady(info)))
+    q4 = runner.model.q4_projections
+    q4_note = (f", {q4} projections on the file's 4-bit codes up to "
+               f"{runner.cfg.q4_max_tokens} tokens" if q4 else "")
     print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
-          f"{info.dtype}, {info.attention_backend})", file=sys.stderr, flush=True)
+          f"{info.dtype}, {info.attention_backend}{q4_note})", file=sys.stderr, flush=True)
 
     def send_result(pending) -> int | None:
         """Finish a launched step and send its result; an exit code if that failed."""
