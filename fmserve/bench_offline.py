@@ -21,6 +21,7 @@ from rich.table import Table
 
 from fmserve.default_model import resolve_model_path
 from fmserve.engine import Engine
+from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 
 DEV_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "dev.jsonl"
@@ -101,7 +102,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     dtypes = args.dtypes.split(",")
     overlaps = [o == "on" for o in getattr(args, "overlap", "off").split(",")]
     q4_modes = [o == "on" for o in getattr(args, "q4", "on").split(",")]
-    q4_max = getattr(args, "q4_max_tokens", 12)
+    q4_max = getattr(args, "q4_max_tokens", DEFAULT_Q4_MAX_TOKENS)
     results: list[Measure] = []
     with Progress(console=console) as progress:
         task = progress.add_task("benchmark", total=len(dtypes) * len(batches) * 2)

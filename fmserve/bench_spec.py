@@ -22,6 +22,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fmserve.engine import Engine
+from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
 
@@ -126,8 +127,8 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     common = dict(model=args.model, device=args.device, dtype=args.spec_dtype,
                   attention_backend=args.attention_backend, progress=False,
                   max_running_requests=max(batches),
-                  q4_max_tokens=getattr(args, "q4_max_tokens", 12) if getattr(
-                      args, "q4", "on") != "off" else 0)
+                  q4_max_tokens=getattr(args, "q4_max_tokens", DEFAULT_Q4_MAX_TOKENS)
+                  if getattr(args, "q4", "on") != "off" else 0)
     with Progress(console=console) as progress:
         task = progress.add_task("spec benchmark", total=(1 + len(names)) * len(batches))
         for name, spec in [("plain", None)] + list(settings.items()):

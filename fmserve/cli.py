@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--q4", default="on", choices=["off", "on", "off,on"],
                      help="small forwards on the GGUF's own 4-bit weights (bf16 on a CPU; "
                           "runtime.q4_max_tokens); off,on measures both and prints their ratio")
-    off.add_argument("--q4-max-tokens", type=int, default=12,
+    off.add_argument("--q4-max-tokens", type=int, default=12,  # DEFAULT_Q4_MAX_TOKENS
                      help="forwards of at most this many tokens use the 4-bit weights when "
                           "--q4 is on (also for --spec runs)")
     off.add_argument("--baseline-max-batch", type=int, default=32,

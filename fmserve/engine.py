@@ -19,6 +19,7 @@ import msgspec
 
 from fmserve.default_model import resolve_draft_model, resolve_model_path
 from gpu.model_runner import ModelRunner, RunnerConfig
+from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
 from service.request import FinishReason, RequestOutput
@@ -53,7 +54,8 @@ class Engine:
                  max_kv_tokens: int = 65536, max_running_requests: int = 64,
                  max_tokens_per_step: int = 2048, max_context_len: int | None = None,
                  progress: bool = True, overlap: bool = False,
-                 spec: SpecSettings | None = None, q4_max_tokens: int = 12) -> None:
+                 spec: SpecSettings | None = None,
+                 q4_max_tokens: int = DEFAULT_Q4_MAX_TOKENS) -> None:
         path = resolve_model_path(model)
         spec = (spec or SpecSettings()).validate()
         if spec.enabled:

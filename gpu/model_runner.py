@@ -24,7 +24,7 @@ from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
 from gpu.plan_check import check_plan
-from gpu.q4_linear import q4_applies
+from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS, q4_applies
 from gpu.sampler import Sampler, SamplingState
 from gpu.step_streams import ForwardSpan, HostCopy, StepStreams
 from ipc.spec_settings import SpecSettings
@@ -50,7 +50,7 @@ class RunnerConfig:
     weight_quant: str = "none"  # "none", "int8" or "fp16": see gpu/quantized_linear.py
     # Forwards of at most this many tokens multiply with a GGUF's own Q4_0/Q4_1 codes (CPU,
     # bf16 only; gpu/q4_linear.py); 0: always the dequantized weights.
-    q4_max_tokens: int = 12
+    q4_max_tokens: int = DEFAULT_Q4_MAX_TOKENS
     spec: SpecSettings = SpecSettings()  # speculative decoding (EAGLE); off by default
     # The worker launches plan k+1 before finishing step k when one is waiting. None: on GPUs
     # only (there launching is asynchronous; on a CPU launching *is* computing, so finishing
@@ -90,6 +90,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)
+        if cfg.q4_max_tokens < 0:
+            raise ValueError(f"q4_max_tokens is {cfg.q4_max_tokens}: it must be 0 (never use the "
+                             f"file's 4-bit weights) or a positive number of tokens")
         keep_q4 = cfg.weight_quant == "none" and q4_applies(self.device, self.dtype,
                                                              cfg.q4_max_tokens)
         loaded = load_model(cfg.model_path, dtype=self.dtype, progress=cfg.progress,

@@ -24,6 +24,9 @@ import torch
 from gpu.loader.gguf_q4 import Q4_GROUP, Q4Blocks
 from gpu.quantized_linear import Linear
 
+# Forwards of up to this many tokens use the codes by default: above ~12 the bf16 matmul wins.
+DEFAULT_Q4_MAX_TOKENS = 12
+
 
 def q4_kernel_available() -> bool:
     ops = torch.ops.aten
