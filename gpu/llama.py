@@ -4,7 +4,8 @@ The model holds weights only; everything per-forward (token locations, lengths) 
 `ForwardBatch` and the attention backend reads and writes the KV pool. Projections are linear
 layer objects from `make_linear`: dense in the model dtype, or compressed (`weight_quant`);
 on a bf16 CPU model a GGUF's Q4_0/Q4_1 projections also keep their 4-bit codes for small
-forwards (`q4_max_tokens`, gpu/q4_linear.py).
+forwards (`q4_max_tokens`, gpu/q4_linear.py), and so does a Q4_0/Q4_1/Q8_0 lm_head (as 4-bit
+parts) for forwards of up to 4 rows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
 from gpu.loader.gguf_q4 import Q4Blocks
 from gpu.model_config import ModelConfig
-from gpu.q4_linear import Q4Linear, q4_applies, q4_shape_ok
+from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_applies, q4_shape_ok
 from gpu.quantized_linear import WEIGHT_QUANT_MODES, Linear, make_linear
 
 
@@ -36,7 +37,8 @@ class DecoderLayer:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, weight_quant: str = "none",
-                 q4: dict[str, Q4Blocks] | None = None, q4_max_tokens: int = 0) -> None:
+                 q4: dict[str, Q4Blocks] | None = None, q4_max_tokens: int = 0,
+                 lm_head_q4: list[Q4Blocks] | None = None) -> None:
         if weight_quant not in WEIGHT_QUANT_MODES:
             raise ValueError(f"weight_quant '{weight_quant}' is unknown; choose one of "
                              f"{WEIGHT_QUANT_MODES}")
@@ -49,7 +51,8 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
         # Small forwards on the file's 4-bit codes where it has them (gpu/q4_linear.py).
-        use_q4 = bool(q4) and weight_quant == "none" and q4_applies(device, dtype, q4_max_tokens)
+        q4 = q4 or {}
+        use_q4 = weight_quant == "none" and q4_applies(device, dtype, q4_max_tokens)
         self.q4_projections = 0
 
         def linear(name: str) -> Linear | Q4Linear:
@@ -62,6 +65,9 @@ class LlamaModel:
         self.embed_tokens = w("embed_tokens")
         self.lm_head = make_linear(w("lm_head") if "lm_head" in weights else self.embed_tokens,
                                    weight_quant, both_layouts=True)
+        if use_q4 and lm_head_q4 and q4_shape_ok(lm_head_q4):
+            self.lm_head = Q4Linear(self.lm_head, lm_head_q4,
+                                    min(q4_max_tokens, LM_HEAD_Q4_MAX_TOKENS))
         self.final_norm = w("final_norm")
         self.layers = [
             DecoderLayer(input_norm=w(f"layers.{i}.input_norm"),
@@ -81,6 +87,8 @@ class LlamaModel:
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 if isinstance(proj, Q4Linear):
                     proj.max_tokens = max_tokens
+        if isinstance(self.lm_head, Q4Linear):
+            self.lm_head.max_tokens = min(max_tokens, LM_HEAD_Q4_MAX_TOKENS)
 
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend,
                       capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -101,7 +101,7 @@ class ModelRunner:
         self.model_name = Path(cfg.model_path).name
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
                                 weight_quant=cfg.weight_quant, q4=loaded.q4,
-                                q4_max_tokens=cfg.q4_max_tokens)
+                                q4_max_tokens=cfg.q4_max_tokens, lm_head_q4=loaded.lm_head_q4)
         del loaded
         self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)
         self.num_slots = cfg.max_running_requests + 1  # slot 0 is padding

@@ -126,6 +126,9 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     q4 = runner.model.q4_projections
     q4_note = (f", {q4} projections on the file's 4-bit codes up to "
                f"{runner.cfg.q4_max_tokens} tokens" if q4 else "")
+    from gpu.q4_linear import Q4Linear
+    if isinstance(runner.model.lm_head, Q4Linear):
+        q4_note += f", the lm_head up to {runner.model.lm_head.max_tokens}"
     print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
           f"{info.dtype}, {info.attention_backend}{q4_note})", file=sys.stderr, flush=True)
 

@@ -15,9 +15,9 @@ from gguf.quants import dequantize, quantize
 
 from gpu.layers import DenseLinear
 from gpu.llama import LlamaModel
-from gpu.loader.gguf_q4 import q4_blocks
-from gpu.q4_linear import Q4Linear, q4_kernel_available, q4_shape_ok
-from tests.test_quantized_weights import TEXT, prompt_logits
+from gpu.loader.gguf_q4 import q4_blocks, q8_0_as_q4_pair
+from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_kernel_available, q4_shape_ok
+from tests.test_quantized_weights import TEXT, prompt_hidden, prompt_logits
 
 pytestmark = pytest.mark.skipif(not q4_kernel_available(),
                                 reason="this torch build has no CPU int4 matmul")
@@ -70,6 +70,32 @@ def test_small_forwards_use_the_codes_and_larger_ones_the_dense_weight(type_name
     assert torch.equal(layer32(x[:1].float()), dense32(x[:1].float()))
 
 
+def test_q8_0_is_exactly_the_sum_of_two_4bit_weights():
+    raw, exact = quantized("Q8_0")
+    hi, lo = q8_0_as_q4_pair(raw, *exact.shape)
+    assert int(hi.codes.max()) <= 15 and int(lo.codes.max()) <= 15
+    assert torch.equal(hi.dequantize() + lo.dequantize(), exact)
+    with pytest.raises(ValueError, match="needs 144 blocks of 34 bytes"):
+        q8_0_as_q4_pair(raw[:-1], *exact.shape)
+
+
+def test_a_two_part_linear_adds_its_parts_in_fp32():
+    raw, exact = quantized("Q8_0")
+    dense = DenseLinear(exact.to(torch.bfloat16))
+    layer = Q4Linear(dense, q8_0_as_q4_pair(raw, *exact.shape), max_tokens=4)
+    x = torch.randn(5, exact.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
+    reference = x.double() @ exact.double().t()
+    y = layer(x[:4])
+    assert y.dtype == torch.float32  # no second bf16 rounding of the sum
+    err = (y.double() - reference[:4]).abs().mean().item()
+    dense_err = (dense(x[:4]).double() - reference[:4]).abs().mean().item()
+    assert err <= 1.5 * dense_err, (err, dense_err)
+    worst = (y.double() - reference[:4]).abs().max().item()
+    dense_worst = (dense(x[:4]).double() - reference[:4]).abs().max().item()
+    assert worst <= 2 * dense_worst, (worst, dense_worst)
+    assert torch.equal(layer(x), dense(x))  # above max_tokens: the dense weight
+
+
 @pytest.fixture(scope="module")
 def loaded_q4(gguf_path):
     from gpu.loader.load import load_model
@@ -108,16 +134,48 @@ def test_the_bf16_model_on_codes_tracks_the_fp32_model(loaded_q4, model_path):
     assert q4_err <= 1.5 * dense_err, (q4_err, dense_err)
 
 
+def test_the_default_models_lm_head_runs_on_its_q8_0_parts(loaded_q4, model_path):
+    """SmolLM2's GGUF ties the lm_head to a Q8_0 embedding: two 4-bit parts, for forwards of at
+    most 4 rows, with logits as close to the fp32 model's as the bf16 lm_head's."""
+    from service.tokenizer import TextTokenizer
+    parts = loaded_q4.lm_head_q4
+    assert len(parts) == 2
+    assert torch.equal(parts[0].dequantize() + parts[1].dequantize(),
+                       loaded_q4.weights["embed_tokens"])
+    cpu = torch.device("cpu")
+    bf16 = {k: v.to(torch.bfloat16) for k, v in loaded_q4.weights.items()}
+    model = LlamaModel(loaded_q4.config, bf16, cpu, torch.bfloat16, q4=loaded_q4.q4,
+                       q4_max_tokens=12, lm_head_q4=parts)
+    assert isinstance(model.lm_head, Q4Linear)
+    assert model.lm_head.max_tokens == LM_HEAD_Q4_MAX_TOKENS
+    # The final hidden states of 100 real positions, from the fp32 model.
+    ids = TextTokenizer.from_model_path(model_path).encode(TEXT)[:100]
+    fp32_model = LlamaModel(loaded_q4.config, loaded_q4.weights, cpu, torch.float32)
+    hidden = prompt_hidden(fp32_model, ids)
+    fp32 = fp32_model.logits(hidden)
+    on_parts = torch.cat([model.logits(h) for h in hidden.bfloat16().split(4)])
+    dense = model.lm_head.dense(hidden.bfloat16()).float()
+    assert not torch.equal(on_parts, dense)
+    err = (on_parts - fp32).abs().mean().item()
+    dense_err = (dense - fp32).abs().mean().item()
+    agreement = (on_parts.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    assert agreement >= 0.95, f"top-1 agrees with fp32 on {agreement:.0%} of positions"
+    assert err <= 1.5 * dense_err, (err, dense_err)
+    model.set_q4_max_tokens(0)
+    assert model.lm_head.max_tokens == 0
+
+
 def test_fp32_models_and_a_zero_limit_keep_only_dense_weights(loaded_q4):
     cpu = torch.device("cpu")
     fp32 = LlamaModel(loaded_q4.config, loaded_q4.weights, cpu, torch.float32, q4=loaded_q4.q4,
-                      q4_max_tokens=12)
+                      q4_max_tokens=12, lm_head_q4=loaded_q4.lm_head_q4)
     assert fp32.q4_projections == 0  # the fp32 int4 kernel is a slow reference loop
     bf16 = {k: v.to(torch.bfloat16) for k, v in loaded_q4.weights.items()}
     off = LlamaModel(loaded_q4.config, bf16, cpu, torch.bfloat16, q4=loaded_q4.q4,
-                     q4_max_tokens=0)
+                     q4_max_tokens=0, lm_head_q4=loaded_q4.lm_head_q4)
     assert off.q4_projections == 0
     assert isinstance(off.layers[0].qkv_proj, DenseLinear)
+    assert isinstance(off.lm_head, DenseLinear) and isinstance(fp32.lm_head, DenseLinear)
 
 
 def test_a_negative_limit_is_refused_with_what_to_set(model_path):

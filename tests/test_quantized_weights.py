@@ -107,6 +107,12 @@ def text_ids(model_path):
 
 def prompt_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prompt, through a fresh paged KV cache."""
+    with torch.inference_mode():
+        return model.logits(prompt_hidden(model, ids))
+
+
+def prompt_hidden(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Final-normed hidden states at every position of one prompt (one forward)."""
     cfg, page = model.config, 16
     n = len(ids)
     pool = KVPool(cfg.num_layers, -(-n // page) + 1, page, cfg.num_kv_heads, cfg.head_dim,
@@ -123,8 +129,7 @@ def prompt_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
                          seq_lens_sum=n, max_seq_len=n, max_extend_len=n)
     attn.init_forward_metadata(batch)
     with torch.inference_mode():
-        hidden, _ = model.hidden_states(batch, attn)
-        return model.logits(hidden)
+        return model.hidden_states(batch, attn)[0]
 
 
 @pytest.fixture(scope="module")

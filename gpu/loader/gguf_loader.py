@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
-from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks
+from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks, q8_0_as_q4_pair
 from gpu.model_config import ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -202,14 +202,17 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
 
 
 def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bool = False
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Q4Blocks]]:
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Q4Blocks],
+                         list[Q4Blocks]]:
     """ModelConfig, unfused tensors (our short names, HF [out, in] layout, `dtype`, CPU) and,
     with `keep_q4`, the 4-bit codes of the layer projections stored as Q4_0/Q4_1 (same names
-    and row order)."""
+    and row order) and the lm_head's as 4-bit parts whose sum it is (one for Q4_0/Q4_1, two for
+    Q8_0; the embedding's when the model ties them; empty for other types)."""
     reader = open_gguf(path)
     config = gguf_model_config(reader, path)
     weights: dict[str, torch.Tensor] = {}
     q4: dict[str, Q4Blocks] = {}
+    head_parts: dict[str, list[Q4Blocks]] = {}  # embed_tokens / lm_head -> 4-bit parts
     tensors = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
@@ -231,4 +234,11 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bo
         weights[name] = w.to(dtype).contiguous()
         if blocks is not None:
             q4[name] = blocks
-    return config, weights, q4
+        if keep_q4 and name in ("embed_tokens", "lm_head"):
+            type_name = tensor.tensor_type.name
+            if is_q4(type_name):
+                head_parts[name] = [q4_blocks(tensor.data, type_name, *w.shape)]
+            elif type_name == "Q8_0":
+                head_parts[name] = q8_0_as_q4_pair(tensor.data, *w.shape)
+    lm_head_parts = head_parts.get("lm_head" if "lm_head" in weights else "embed_tokens", [])
+    return config, weights, q4, lm_head_parts

@@ -9,6 +9,12 @@ Byte j of the nibbles holds element j in its low half and element j + 16 in its 
 Both forms are exactly `(q - 8) * scale + zero` per block (Q4_0: zero = 0; Q4_1: zero =
 m + 8 d), the layout of torch's CPU int4 matmul, so a decode step can multiply with the file's
 own weights instead of a bf16 copy 3.2-3.6x its size (see gpu/q4_linear.py).
+
+A Q8_0 tensor (34 bytes: d (fp16), 32 int8 q; w = q * d; llama.cpp's usual embedding/lm_head
+type) is the exact sum of two such 4-bit weights: with q + 128 = 16 hi + lo (hi, lo in 0..15),
+q d = 16 d (hi - 8) + d (lo - 8) + 8 d, i.e. hi with scale 16 d and zero 0, lo with scale d and
+zero 8 d. The pair is 1.25 bytes a weight (codes, bf16 scales and zeros) against 2 for the bf16
+copy, so the lm_head of a small decode forward can run on it too (gpu/q4_linear.py).
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-Q4_GROUP = 32  # inputs per block, both formats
+Q4_GROUP = 32  # inputs per block, both formats (and Q8_0)
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_Q8_0_BLOCK_BYTES = 34
 
 
 @dataclass
@@ -69,3 +76,18 @@ def q4_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Q4Blocks
         zero = np.zeros_like(d)
     codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
     return Q4Blocks(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def q8_0_as_q4_pair(raw: np.ndarray, rows: int, cols: int) -> list[Q4Blocks]:
+    """The raw bytes of a Q8_0 tensor as [hi, lo]: two 4-bit weights whose sum is exactly it."""
+    if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * _Q8_0_BLOCK_BYTES:
+        raise ValueError(f"a Q8_0 tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} blocks "
+                         f"of {_Q8_0_BLOCK_BYTES} bytes; got {raw.size} bytes")
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // Q4_GROUP,
+                                                              _Q8_0_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    biased = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # 0..255
+    hi = torch.from_numpy((biased >> 4).reshape(rows, cols))
+    lo = torch.from_numpy((biased & 0x0F).reshape(rows, cols))
+    d = torch.from_numpy(d)
+    return [Q4Blocks(hi, 16 * d, torch.zeros_like(d)), Q4Blocks(lo, d.clone(), 8 * d)]

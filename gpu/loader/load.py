@@ -39,19 +39,24 @@ class LoadedModel:
     # Fused projections whose every part the file stores as Q4_0/Q4_1 (`keep_q4` only):
     # their 4-bit codes, for small-batch matmuls on the file's own weights.
     q4: dict[str, Q4Blocks] = field(default_factory=dict)
+    # The lm_head (or the tied embedding) as 4-bit parts that sum to it, when the file stores
+    # it as Q4_0/Q4_1/Q8_0 (`keep_q4` only; see gpu/loader/gguf_q4.py).
+    lm_head_q4: list[Q4Blocks] = field(default_factory=list)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                progress: bool = True, keep_q4: bool = False) -> LoadedModel:
     """Read a GGUF file or an HF directory; raises ModelLoadError with a readable message.
-    `keep_q4`: also keep a GGUF's Q4_0/Q4_1 projection codes (LoadedModel.q4)."""
+    `keep_q4`: also keep a GGUF's Q4_0/Q4_1 projection codes (LoadedModel.q4) and its
+    lm_head's 4-bit parts (LoadedModel.lm_head_q4)."""
     q4: dict[str, Q4Blocks] = {}
+    lm_head_q4: list[Q4Blocks] = []
     source = Path(path).expanduser()
     if not source.exists():
         raise ModelLoadError(f"model path {source} does not exist; expected {ACCEPTED}")
     if source.is_file() and source.suffix.lower() == ".gguf":
         from gpu.loader.gguf_loader import load_gguf
-        config, unfused, q4 = load_gguf(source, dtype, progress, keep_q4)
+        config, unfused, q4, lm_head_q4 = load_gguf(source, dtype, progress, keep_q4)
     elif source.is_dir() and (source / "config.json").is_file():
         from gpu.loader.hf_loader import load_hf_dir
         config, unfused = load_hf_dir(source, dtype, progress)
@@ -64,7 +69,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         raise ModelLoadError(f"cannot load {source}: expected {ACCEPTED}")
     weights = fuse_llama_weights(config, unfused, source)
     return LoadedModel(config=config, weights=weights, source=source,
-                       q4=fuse_q4_blocks(config, q4))
+                       q4=fuse_q4_blocks(config, q4), lm_head_q4=lm_head_q4)
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
