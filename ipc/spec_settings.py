@@ -22,9 +22,9 @@ def accept_length(accepted_drafts: int, verify_steps: int) -> float | None:
 class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     algorithm: str = "none"  # "none" | "eagle3" | "eagle"
     draft_model: str = ""  # HF-style head directory; "" = the shipped head for the default model
-    num_steps: int = 4  # draft depth
+    num_steps: int = 3  # draft depth
     topk: int = 1  # children per draft node; 1 = a chain
-    num_draft_tokens: int = 5  # tree nodes verified per step, the root included
+    num_draft_tokens: int = 4  # tree nodes verified per step, the root included
     # Decode batches with more requests than this run without drafting (0: never): on a busy
     # device verifying num_draft_tokens per request costs more than the accepted drafts save.
     disable_above_batch_size: int = 0

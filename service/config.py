@@ -157,9 +157,9 @@ class SchedulingSection:
 class SpecSection:
     algorithm: str = _key("none", OneOf(("none", "eagle3", "eagle")))
     draft_model: str = _key("", Matches(r".*", "must be a head directory, or empty"))
-    num_steps: int = _key(4, IntIn(1, 16))
+    num_steps: int = _key(3, IntIn(1, 16))
     topk: int = _key(1, IntIn(1, 8))
-    num_draft_tokens: int = _key(5, IntIn(2, 64))
+    num_draft_tokens: int = _key(4, IntIn(2, 64))
     disable_above_batch_size: int = _key(0, IntIn(0, 1 << 16))
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from gpu.layers import apply_rope, rms_norm, rope_inv_freq
 from gpu.model_config import RopeScaling
+from gpu.quantized_linear import quantize_int8_per_channel
 
 ALGORITHMS = ("eagle3", "eagle")
 
@@ -111,6 +112,33 @@ def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> n
     # kaiming init over a large lm_head would be wasted time.
     return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias,
                                     device=device, dtype=dtype)
+
+
+class SmallRowsInt8Linear(nn.Module):
+    """An nn.Linear (no bias) that also keeps its weight as per-output-channel int8, for
+    forwards of at most ``max_rows`` rows in bf16 on the CPU (``aten._weight_int8pack_mm``).
+
+    A draft step at batch 1 multiplies one row by each of the head's weights, and on the CPU that
+    costs what reading the weight costs: int8 halves the bytes. The draft only proposes tokens
+    (the target verifies them), so its rounding can change the accept length, never the output.
+    Same state_dict as the nn.Linear it wraps."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("SmallRowsInt8Linear wraps linears without a bias")
+        self.weight = linear.weight
+        self.max_rows = max_rows
+        q, scale = quantize_int8_per_channel(linear.weight.detach())
+        self.register_buffer("qweight", q, persistent=False)
+        self.register_buffer("qscale", scale.to(torch.bfloat16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > self.max_rows or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return F.linear(x, self.weight)
+        y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.qweight, self.qscale)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class RMSNorm(nn.Module):
@@ -240,6 +268,17 @@ class DraftHead(nn.Module):
         # inv_freq stays fp32 whatever dtype the module is cast to: one copy per device.
         self._inv_freq_cpu = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def use_int8_for_small_forwards(self, max_rows: int) -> int:
+        """Serve forwards of at most ``max_rows`` rows on int8 copies of every bias-free linear
+        (bf16 on the CPU; see SmallRowsInt8Linear). Returns how many linears it wrapped."""
+        wrapped = 0
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and child.bias is None:
+                    setattr(module, name, SmallRowsInt8Linear(child, max_rows))
+                    wrapped += 1
+        return wrapped
 
     @property
     def weight_dtype(self) -> torch.dtype:

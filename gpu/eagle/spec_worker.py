@@ -24,6 +24,7 @@ import torch
 
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.draft_head import DraftHead
+from gpu.q4_linear import q4_applies
 from gpu.eagle.head_io import load_draft_head
 from gpu.eagle.tree import DraftTree, organize_draft_tree
 from gpu.forward_batch import ForwardBatch, ForwardMode
@@ -74,6 +75,10 @@ class EagleWorker:
         self.head: DraftHead = load_draft_head(settings.draft_model, mc, model.embed_tokens,
                                                lm_head, runner.device, runner.dtype)
         self.head.eval()
+        # Where the target's small forwards run on the file's 4-bit codes, the head's run on
+        # int8 copies of its weights (the draft step is one row per request at batch 1).
+        if q4_applies(runner.device, runner.dtype, runner.cfg.q4_max_tokens):
+            self.head.use_int8_for_small_forwards(runner.cfg.q4_max_tokens)
         hc = self.head.config
         if hc.algorithm != settings.algorithm:
             raise ValueError(f"spec.algorithm is '{settings.algorithm}' but the head in "
