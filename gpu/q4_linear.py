@@ -8,8 +8,9 @@ those codes as they are. Measured on the 2-core AVX-512/AMX Xeon, the 30 layers'
 with weights streamed from DRAM: 3.7 ms at 1 token against 23 ms in bf16, 6.3 ms at 4, 12 ms at
 5-8 and 17 ms at 12; bf16 stays near 25 ms up to 32 tokens, where the int4 kernel takes 58. So a
 projection keeps both forms and picks by the number of tokens in the forward (the limit,
-`runtime.q4_max_tokens`, defaults to 12): the engine decodes one stream at 66 tok/s instead
-of 31 (docs/benchmarks.md).
+`runtime.q4_max_tokens`, defaults to 12). The lm_head runs on its 4-bit parts up to 4 rows
+(a Q8_0 lm_head as two int4 matmuls, see gpu/loader/gguf_q4.py). With both, the engine decodes
+one stream at 78 tok/s instead of 32 (docs/benchmarks.md).
 
 The int4 path multiplies with the file's exact weights (scale and zero rounded to bf16, the
 kernel's input dtype); the bf16 path with each weight rounded to bf16. Outputs agree to bf16
