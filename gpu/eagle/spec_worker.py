@@ -24,11 +24,11 @@ import torch
 
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.draft_head import DraftHead
-from gpu.q4_linear import q4_applies
 from gpu.eagle.head_io import load_draft_head
 from gpu.eagle.tree import DraftTree, organize_draft_tree
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
+from gpu.q4_linear import q4_applies
 from ipc.spec_settings import SpecSettings
 from ipc.worker_messages import ExtendEntry, StepPlan, StepResult, pack_i32, unpack_i32
 
