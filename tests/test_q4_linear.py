@@ -125,13 +125,20 @@ def test_the_bf16_model_on_codes_tracks_the_fp32_model(loaded_q4, model_path):
     q4_logits = prompt_logits(on_codes, ids)
     on_codes.set_q4_max_tokens(0)
     dense_logits = prompt_logits(on_codes, ids)
-    assert not torch.equal(q4_logits, dense_logits)
-    q4_err = (q4_logits - fp32).abs().mean().item()
-    dense_err = (dense_logits - fp32).abs().mean().item()
-    agreement = (q4_logits.argmax(-1) == fp32.argmax(-1)).float().mean().item()
     # Measured: top-1 agreement 0.98 (bf16 dense: 0.97); mean |error| 0.079 against 0.098.
-    assert agreement >= 0.93, f"top-1 agrees with fp32 on {agreement:.0%} of positions"
-    assert q4_err <= 1.5 * dense_err, (q4_err, dense_err)
+    assert_tracks_fp32(q4_logits, dense_logits, fp32, min_agreement=0.93)
+
+
+def assert_tracks_fp32(on_codes: torch.Tensor, dense: torch.Tensor, fp32: torch.Tensor,
+                       min_agreement: float) -> None:
+    """Logits on the codes: not the dense ones, top-1 as the fp32 model's at `min_agreement` of
+    the positions at least, and a mean |error| at most 1.5x the dense bf16 logits'."""
+    assert not torch.equal(on_codes, dense)
+    err = (on_codes - fp32).abs().mean().item()
+    dense_err = (dense - fp32).abs().mean().item()
+    agreement = (on_codes.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    assert agreement >= min_agreement, f"top-1 agrees with fp32 on {agreement:.0%} of positions"
+    assert err <= 1.5 * dense_err, (err, dense_err)
 
 
 def test_the_default_models_lm_head_runs_on_its_q8_0_parts(loaded_q4, model_path):
@@ -155,12 +162,8 @@ def test_the_default_models_lm_head_runs_on_its_q8_0_parts(loaded_q4, model_path
     fp32 = fp32_model.logits(hidden)
     on_parts = torch.cat([model.logits(h) for h in hidden.bfloat16().split(4)])
     dense = model.lm_head.dense(hidden.bfloat16()).float()
-    assert not torch.equal(on_parts, dense)
-    err = (on_parts - fp32).abs().mean().item()
-    dense_err = (dense - fp32).abs().mean().item()
-    agreement = (on_parts.argmax(-1) == fp32.argmax(-1)).float().mean().item()
-    assert agreement >= 0.95, f"top-1 agrees with fp32 on {agreement:.0%} of positions"
-    assert err <= 1.5 * dense_err, (err, dense_err)
+    # Measured: top-1 agreement 0.99 (bf16 dense: 0.99); mean |error| 0.023 against 0.019.
+    assert_tracks_fp32(on_parts, dense, fp32, min_agreement=0.95)
     model.set_q4_max_tokens(0)
     assert model.lm_head.max_tokens == 0
 
