@@ -403,6 +403,12 @@ def test_shard_groups_and_engine_sizes():
     cfg = TrainConfig.from_args(args, Path("w"), Path("out"))
     assert cfg.extra_data == ("a/data", "b/data") and cfg.data_dir == str(Path("w") / "data")
     assert TrainConfig.from_args(p.parse_args([]), Path("w"), Path("out")).extra_data == ()
+    assert TrainConfig.from_args(p.parse_args([]), Path("w"), Path("out")).decay == 0.8
+    args = p.parse_args(["--step-loss-decay", "1.0"])
+    assert TrainConfig.from_args(args, Path("w"), Path("out")).decay == 1.0
+    from fmserve.train_eagle.cli import run
+    with pytest.raises(SystemExit, match="--step-loss-decay must be in"):
+        run(p.parse_args(["--step-loss-decay", "0"]))
 
 
 def test_cli_device_cpu_is_accepted_and_recorded(model_path, tmp_path, keep_torch_threads):

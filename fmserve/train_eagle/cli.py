@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     t = p.add_argument_group("training")
     t.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll depth")
+    t.add_argument("--step-loss-decay", type=float, default=0.8,
+                   help="the loss of unroll step k is weighted by this ** k (1: all alike)")
     t.add_argument("--draft-vocab-size", type=int, default=8192)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup-steps", type=int, default=None,
@@ -185,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
     from fmserve.train_eagle.data import device_label, log
     from fmserve.train_eagle.threads import ThreadGovernor
 
+    if not 0.0 < args.step_loss_decay <= 2.0:
+        raise SystemExit(f"train-eagle: --step-loss-decay must be in (0, 2], got "
+                         f"{args.step_loss_decay} (1 weights every unroll step alike)")
     args.device = resolve_device_arg(args.device)
     governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads, device=args.device)
     model_path = resolve_model_path(args.model, progress=not args.no_progress)

@@ -81,6 +81,7 @@ class TrainConfig:
                    log_every=args.log_every, keep_checkpoints=args.keep_checkpoints,
                    resume=args.resume, ship_dtype=args.ship_dtype, seed=args.seed,
                    prompt_loss_weight=args.prompt_loss_weight,
+                   decay=getattr(args, "step_loss_decay", 0.8),
                    vocab_prior=None if args.no_vocab_prior else args.prompts,
                    init_head=getattr(args, "init_head", None) or None,
                    refresh_vocab=bool(getattr(args, "refresh_vocab", False)),
@@ -408,6 +409,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     def record(acc: list[float]) -> dict:
         return {"step": step, "total_steps": total_steps, "sequences": len(data),
                 "tokens": data.num_tokens, "ttt_steps": cfg.ttt_steps,
+                "step_loss_decay": cfg.decay,
                 "draft_vocab_size": head.config.draft_vocab_size,
                 "draft_vocab_coverage": round(coverage, 4),
                 "train_acc_per_position": [round(a, 4) for a in acc],
