@@ -238,25 +238,45 @@ class ModelRunner:
 
         For draft-head training data. It borrows slot 1 and the first pages of the pool, so call
         it only while the runner has no requests (e.g. between offline engine runs)."""
+        return self.capture_hidden_states_many([token_ids], capture_layers)
+
+    @torch.inference_mode()
+    def capture_hidden_states_many(self, seqs: list[list[int]], capture_layers: tuple[int, ...]
+                                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`capture_hidden_states` for several sequences in one packed prefill (each attends
+        only to itself): their rows come back concatenated in the order given. It borrows slots
+        1..len(seqs) and the first pages of the pool (same rule: only while no request runs)."""
         self.streams.synchronize()  # steps launched on other streams are done with the pool
-        n = len(token_ids)
-        if not 0 < n <= self.max_context_len:
-            raise ValueError(f"capture needs 1..{self.max_context_len} tokens, got {n}")
+        lens = [len(s) for s in seqs]
+        if not 0 < len(seqs) < self.req_to_token.num_slots:
+            raise ValueError(f"capture takes 1..{self.req_to_token.num_slots - 1} sequences at "
+                             f"once, got {len(seqs)}")
+        if not all(0 < n <= self.max_context_len for n in lens):
+            raise ValueError(f"capture needs 1..{self.max_context_len} tokens per sequence, "
+                             f"got lengths {min(lens)}..{max(lens)}")
         page = self.cfg.page_size
-        num_pages = -(-n // page)
-        if num_pages >= self.kv_pool.num_pages:
-            raise ValueError(f"{n} tokens do not fit the KV pool of {self.kv_pool.num_pages - 1} pages")
+        pages = [-(-n // page) for n in lens]
+        if sum(pages) >= self.kv_pool.num_pages:
+            raise ValueError(f"{sum(lens)} tokens do not fit the KV pool of "
+                             f"{self.kv_pool.num_pages - 1} pages")
         dev = self.device
-        self.req_to_token.grant_pages(1, 0, torch.arange(1, num_pages + 1, device=dev))
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        positions = torch.arange(n, device=dev)
-        one = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
+        first = 1  # page 0 is the pool's padding page
+        for slot, k in enumerate(pages, 1):
+            self.req_to_token.grant_pages(slot, 0, torch.arange(first, first + k, device=dev))
+            first += k
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        slots = torch.arange(1, len(seqs) + 1, dtype=torch.long, device=dev)
+        seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+        out_loc = torch.cat([self.req_to_token.req_to_token[slot, :n]
+                             for slot, n in enumerate(lens, 1)]).long()
         batch = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=ids, positions=positions,
-                             slots=one(1), seq_lens=one(n), prefix_lens=one(0), extend_lens=one(n),
-                             out_cache_loc=self.req_to_token.req_to_token[1, :n].long())
-        batch.seq_lens_cpu, batch.seq_lens_sum = batch.seq_lens.cpu(), n
-        batch.prefix_lens_cpu, batch.extend_lens_cpu = batch.prefix_lens.cpu(), batch.extend_lens.cpu()
-        batch.max_seq_len = batch.max_extend_len = n
+                             slots=slots, seq_lens=seq_lens, prefix_lens=torch.zeros_like(seq_lens),
+                             extend_lens=seq_lens, out_cache_loc=out_loc)
+        batch.seq_lens_cpu, batch.seq_lens_sum = torch.tensor(lens), sum(lens)
+        batch.prefix_lens_cpu = torch.zeros(len(lens), dtype=torch.long)
+        batch.extend_lens_cpu = batch.seq_lens_cpu
+        batch.max_seq_len = batch.max_extend_len = max(lens)
         self.attn.init_forward_metadata(batch)
         return self.model.hidden_states(batch, self.attn, capture_layers)
 

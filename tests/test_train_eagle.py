@@ -165,6 +165,52 @@ def test_data_shards_are_resumable(tiny_run, model_path):
                   progress=False)
 
 
+def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_path, tmp_path,
+                                                            keep_torch_threads):
+    """--stage tokens keeps every sequence's ids; capturing them again in packed prefills
+    (several sequences in one forward) gives what one-at-a-time capture gives."""
+    from fmserve.engine import Engine
+    from fmserve.train_eagle.cli import main
+    from fmserve.train_eagle.data import capture_sequence, load_dataset
+    from fmserve.train_eagle.portable import export_tokens, read_tokens, recapture
+
+    work, data, _ = tiny_run
+    tokens = tmp_path / "t.safetensors"
+    assert export_tokens([work / "data", work / "data"], tokens) == (8, 2 * data.num_tokens)
+    seqs, prompt_lens, sampled, meta = read_tokens(tokens)
+    for j in range(4):
+        assert seqs[j] == seqs[j + 4] == data.rows(j, "input_ids").tolist()
+        assert prompt_lens[j] == data.prompt_len[j]
+    assert sum(sampled) == 2 * sum(int(s["sampled"].sum()) for s in data.shards)
+    # The CLI stage writes the same sequences (the work dir's own data).
+    assert main(["--model", str(model_path), "--work-dir", str(work), "--device", "cpu",
+                 "--no-progress", "--stage", "tokens", "--tokens-file",
+                 str(tmp_path / "t2.safetensors")]) == 0
+    assert read_tokens(tmp_path / "t2.safetensors")[0] == seqs[:4]
+
+    engine = Engine(str(model_path), dtype="fp32", max_kv_tokens=2048, max_running_requests=4,
+                    progress=False)
+    layers = tuple(json.loads(meta["capture_layers"]))
+    longest = max(map(len, seqs))
+    recapture(engine.runner, tokens, tmp_path / "data", layers, "test", shard_size=3,
+              max_batch_tokens=2 * longest + 1, progress=False)  # packs of two
+    again = load_dataset(tmp_path / "data")
+    assert len(again) == 8 and len(again.shards) == 3
+    for j in range(8):
+        assert again.rows(j, "input_ids").tolist() == seqs[j]
+        assert again.prompt_len[j] == prompt_lens[j]
+        aux, final, argmax = capture_sequence(engine.runner, seqs[j], layers)
+        torch.testing.assert_close(again.rows(j, "aux_hidden").float(), aux.float(),
+                                   rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(again.rows(j, "final_hidden").float(), final.float(),
+                                   rtol=2e-3, atol=2e-3)
+        assert torch.equal(again.rows(j, "target_argmax"), argmax)
+    with pytest.raises(SystemExit, match="not a tokens file"):
+        read_tokens(work / "data" / "shard-00000.safetensors")
+    with pytest.raises(SystemExit, match="captured at layers"):
+        recapture(engine.runner, tokens, tmp_path / "other", (1, 2, 3), "test", progress=False)
+
+
 def test_training_lowers_the_loss_and_writes_a_loadable_head(tiny_run, model_path):
     from fmserve.train_eagle.trainer import train
 

@@ -8,6 +8,11 @@
     fmserve train-eagle --stage prompts --synth-prompts 3000
                                                       user-style prompts written by the target
                                                       (self-instruct), for --prompts of a data run
+    fmserve train-eagle --stage tokens --tokens-file t.safetensors
+                                                      the data's sequences as token ids (MBs, not
+                                                      the GBs of hidden states), to move them
+    fmserve train-eagle --stage data --tokens-file t.safetensors
+                                                      capture their hidden states again (on a GPU)
 
 Every stage is resumable: data shards and checkpoints on disk are never redone. Shards and
 checkpoints hold CPU tensors, so a run resumes on either device.
@@ -21,7 +26,7 @@ from pathlib import Path
 
 DEFAULT_TRAIN_PROMPTS = "/work/shared/data/prompts/train.jsonl"
 DEFAULT_EVAL_PROMPTS = "/work/shared/data/prompts/dev.jsonl"
-STAGES = ("prompts", "data", "train", "eval", "all")  # all: data, train, eval
+STAGES = ("prompts", "tokens", "data", "train", "eval", "all")  # all: data, train, eval
 DEVICES = ("auto", "cpu", "cuda")
 GEN_BATCH = {"cpu": 64, "cuda": 256}  # requests generated at once (cpu: the Engine's default)
 MIN_GEN_KV_TOKENS = 65536  # the Engine's default KV pool
@@ -56,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of responses sampled at temperature 0.7-1.0 (the rest greedy)")
     d.add_argument("--shard-size", type=int, default=200, help="sequences per data shard")
+    d.add_argument("--tokens-file", default=None,
+                   help="--stage tokens writes the data's sequences (work dir and --extra-data) "
+                        "here as token ids; --stage data with it captures those sequences "
+                        "instead of generating new ones")
     d.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="the target's dtype while making data (as when serving)")
     d.add_argument("--gen-batch-size", type=int, default=None,
@@ -203,7 +212,12 @@ def run(args: argparse.Namespace) -> int:
     stages = ("data", "train", "eval") if args.stage == "all" else (args.stage,)
     if "prompts" in stages:
         make_prompts(args, model_path, work_dir)
-    if "data" in stages:
+    if "tokens" in stages:
+        export_data_tokens(args, work_dir)
+    if "data" in stages and args.tokens_file:
+        recapture_data(args, model_path, slug, work_dir / "data")
+        release_device_memory(args.device)
+    elif "data" in stages:
         make_data(args, model_path, slug, work_dir / "data", governor)
         release_device_memory(args.device)
     if "train" in stages:
@@ -243,6 +257,40 @@ def make_prompts(args, model_path: Path, work_dir: Path) -> Path:
     log(f"prompts: {len(tasks)} new + {len(seeds)} seed instructions -> {out}; make data from "
         f"them with --stage data --prompts {out}")
     return out
+
+
+def export_data_tokens(args, work_dir: Path) -> None:
+    from fmserve.train_eagle.data import log
+    from fmserve.train_eagle.portable import export_tokens
+
+    own = work_dir / "data"  # the work dir's own data, when it has any
+    dirs = [own] * (own / "manifest.json").exists() + [Path(d) for d in args.extra_data]
+    out = Path(args.tokens_file or work_dir / "tokens.safetensors").expanduser()
+    n_seq, n_tok = export_tokens(dirs, out)
+    log(f"tokens: {n_seq} sequences, {n_tok} tokens of {', '.join(map(str, dirs))} -> {out} "
+        f"({out.stat().st_size / 1e6:.1f} MB); capture them elsewhere with --stage data "
+        f"--tokens-file {out}")
+
+
+def recapture_data(args, model_path: Path, slug: str, data_dir: Path) -> None:
+    from fmserve.engine import Engine
+    from fmserve.train_eagle.data import log
+    from fmserve.train_eagle.portable import recapture
+    from gpu.eagle.draft_head import default_aux_layer_ids
+
+    batch_tokens = 32768 if args.device == "cuda" else 4096
+    engine = Engine(str(model_path), device=args.device, dtype=args.dtype,
+                    max_running_requests=GEN_BATCH[args.device],
+                    max_kv_tokens=max(MIN_GEN_KV_TOKENS, 2 * batch_tokens),
+                    progress=not args.no_progress)
+    mc = engine.runner.model_config
+    capture_layers = tuple(i + 1 for i in default_aux_layer_ids(mc.num_layers))
+    log(f"data: capturing the sequences of {args.tokens_file} on {args.device} "
+        f"({engine.info.dtype}), up to {batch_tokens} tokens a prefill")
+    recapture(engine.runner, args.tokens_file, data_dir, capture_layers, slug,
+              shard_size=args.shard_size, max_batch_tokens=batch_tokens,
+              progress=not args.no_progress)
+    del engine
 
 
 def make_data(args, model_path: Path, slug: str, data_dir: Path, governor) -> None:

@@ -143,12 +143,49 @@ def capture_sequence(runner, token_ids: list[int], capture_layers: tuple[int, ..
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(aux hidden [n, k*H] fp16, final-normed hidden [n, H] fp16, target argmax [n] int32)."""
     final, captured = runner.capture_hidden_states(token_ids, tuple(capture_layers))
+    return _captured_rows(runner, final, captured)
+
+
+def _captured_rows(runner, final: torch.Tensor, captured: list[torch.Tensor],
+                   logits_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     aux = torch.cat(captured, dim=-1)
-    argmax = runner.model.logits(final).argmax(-1).to(torch.int32)
+    # The full-vocabulary logits of a long packed batch are large: argmax them in pieces.
+    argmax = torch.cat([runner.model.logits(final[i:i + logits_rows]).argmax(-1)
+                        for i in range(0, final.shape[0], logits_rows)]).to(torch.int32)
     aux16, final16 = aux.to("cpu", torch.float16), final.to("cpu", torch.float16)
     if not (torch.isfinite(aux16).all() and torch.isfinite(final16).all()):
         raise ValueError("captured hidden states overflow fp16; this model needs bf16 shards")
     return aux16, final16, argmax.cpu()
+
+
+@torch.inference_mode()
+def capture_sequences(runner, seqs: list[list[int]], capture_layers: tuple[int, ...],
+                      max_batch_tokens: int = 32768) -> dict[str, torch.Tensor]:
+    """The shard rows (ids, aux and final hidden states, target argmax, offsets) of ``seqs``,
+    captured in packed prefills of up to ``max_batch_tokens`` tokens (a longer sequence alone)."""
+    max_seqs = runner.req_to_token.num_slots - 1
+    ids, aux, final, argmax, offsets = [], [], [], [], [0]
+    group: list[list[int]] = []
+
+    def flush() -> None:
+        f, captured = runner.capture_hidden_states_many(group, tuple(capture_layers))
+        a, fi, m = _captured_rows(runner, f, captured)
+        aux.append(a)
+        final.append(fi)
+        argmax.append(m)
+        group.clear()
+
+    for seq in seqs:
+        if group and (sum(map(len, group)) + len(seq) > max_batch_tokens or len(group) >= max_seqs):
+            flush()
+        group.append(seq)
+        ids.append(torch.tensor(seq, dtype=torch.int32))
+        offsets.append(offsets[-1] + len(seq))
+    if group:
+        flush()
+    return {"input_ids": torch.cat(ids), "aux_hidden": torch.cat(aux),
+            "final_hidden": torch.cat(final), "target_argmax": torch.cat(argmax),
+            "offsets": torch.tensor(offsets, dtype=torch.int64)}
 
 
 def generate_responses(engine, items: list[PromptItem], params: list, governor=None,
