@@ -32,12 +32,13 @@ def wrwr_check_from_env() -> bool:
     return os.environ.get("FMSERVE_WRWR_CHECK", "0").lower() in ("1", "true", "yes", "on")
 
 
-def _check_all(cond: torch.Tensor, message: str) -> None:
+def _check_all(cond: torch.Tensor, message: str, slots: torch.Tensor) -> None:
     if cond.device.type == "cpu":  # the value is at hand: raise a readable error
         if not bool(cond.all()):
-            raise FutureMapInvariantError(message)
-    else:  # no host sync on a GPU: the device raises at the next synchronisation
-        torch._assert_async(cond.all(), message)
+            raise FutureMapInvariantError(f"{message} (slots {slots[~cond].tolist()})")
+    else:  # no host sync on a GPU: the device raises at the next synchronisation. Its message
+        # is fixed text (no slot list: reading one would sync, and CUDA caps it at 255 bytes).
+        torch._assert_async(cond.all(), message[:250])
 
 
 class FutureMap:
@@ -71,8 +72,8 @@ class FutureMap:
             return
         if self.wrwr_check:
             _check_all(self.output_tokens_buf[slots] == EMPTY,
-                       f"FutureMap WRWR violation: double write (stash into a slot whose token "
-                       f"was never read) at slots {slots.tolist()}")
+                       "FutureMap WRWR violation: double write (stash into a slot whose token "
+                       "was never read)", slots)
         self.output_tokens_buf.index_copy_(0, slots, token_ids.to(torch.long))
 
     def stash_spec(self, slots: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor,
@@ -109,8 +110,8 @@ class FutureMap:
         """The input token of each decoding slot: the token its previous step stashed."""
         tokens = self.output_tokens_buf[slots]
         if self.wrwr_check and slots.numel():
-            _check_all(tokens >= 0, f"FutureMap WRWR violation: read before write (a decode "
-                                    f"read a slot with no stashed token) at slots {slots.tolist()}")
+            _check_all(tokens >= 0, "FutureMap WRWR violation: read before write (a decode "
+                                    "read a slot with no stashed token)", slots)
             self.output_tokens_buf.index_fill_(0, slots, EMPTY)
         return tokens
 
@@ -122,8 +123,8 @@ class FutureMap:
         """Each slot's length in the KV cache as the last step left it."""
         lens = self.new_seq_lens_buf[slots]
         if self.wrwr_check and slots.numel():
-            _check_all(lens > 0, f"FutureMap: resolved a sequence length <= 0 at slots "
-                                 f"{slots.tolist()} (a slot decoded before its prefill published)")
+            _check_all(lens > 0, "FutureMap: resolved a sequence length <= 0 (a slot "
+                                 "decoded before its prefill published)", slots)
         return lens
 
     def resolve_seq_lens_host(self, slots_host: np.ndarray) -> np.ndarray:
