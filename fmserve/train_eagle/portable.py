@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fmserve.train_eagle.data import (FORMAT_VERSION, MANIFEST, _check_manifest, _write_json,
-                                      capture_sequences, log, shard_path)
+from fmserve.train_eagle.data import (FORMAT_VERSION, MANIFEST, _check_manifest, _shard_done,
+                                      _write_json, capture_sequences, log, shard_path)
 
 TOKENS_FORMAT = "fmserve-eagle-tokens-1"
 
@@ -30,6 +30,9 @@ def export_tokens(data_dirs: list[str | Path], out: str | Path) -> tuple[int, in
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    if not data_dirs:
+        raise SystemExit("train-eagle: no data to export: the work dir has no data/manifest.json "
+                         "and no --extra-data was given")
     ids, offsets, prompt_lens, sampled, layers, models = [], [0], [], [], None, set()
     for d in data_dirs:
         d = Path(d).expanduser()
@@ -112,7 +115,7 @@ def recapture(runner, tokens_file: str | Path, work_dir: str | Path,
     for i, a in enumerate(starts):
         b = min(a + shard_size, len(seqs))
         shards.append({"file": shard_path(work_dir, i).name, "num_prompts": b - a})
-        if shard_path(work_dir, i).exists():
+        if _shard_done(work_dir, i, b - a):
             bar.update(b - a)
             continue
         shard = capture_sequences(runner, seqs[a:b], capture_layers, max_batch_tokens)
