@@ -205,6 +205,13 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
         torch.testing.assert_close(again.rows(j, "final_hidden").float(), final.float(),
                                    rtol=2e-3, atol=2e-3)
         assert torch.equal(again.rows(j, "target_argmax"), argmax)
+    # The CLI's data stage with --tokens-file captures instead of generating.
+    assert main(["--model", str(model_path), "--work-dir", str(tmp_path / "cli"), "--device",
+                 "cpu", "--dtype", "fp32", "--no-progress", "--stage", "data", "--shard-size",
+                 "5", "--tokens-file", str(tokens)]) == 0
+    from_cli = load_dataset(tmp_path / "cli" / "data")
+    assert len(from_cli) == 8 and len(from_cli.shards) == 2
+    assert [from_cli.rows(j, "input_ids").tolist() for j in range(8)] == seqs
     with pytest.raises(SystemExit, match="not a tokens file"):
         read_tokens(work / "data" / "shard-00000.safetensors")
     with pytest.raises(SystemExit, match="captured at layers"):
