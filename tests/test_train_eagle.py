@@ -462,6 +462,8 @@ def test_shard_groups_and_engine_sizes():
     from fmserve.train_eagle.cli import run
     with pytest.raises(SystemExit, match="--step-loss-decay must be in"):
         run(p.parse_args(["--step-loss-decay", "0"]))
+    with pytest.raises(SystemExit, match="--shard-size must be >= 1"):
+        run(p.parse_args(["--shard-size", "0"]))
 
 
 def test_cli_device_cpu_is_accepted_and_recorded(model_path, tmp_path, keep_torch_threads):

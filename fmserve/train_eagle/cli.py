@@ -199,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.step_loss_decay <= 2.0:
         raise SystemExit(f"train-eagle: --step-loss-decay must be in (0, 2], got "
                          f"{args.step_loss_decay} (1 weights every unroll step alike)")
+    if args.shard_size < 1:
+        raise SystemExit(f"train-eagle: --shard-size must be >= 1, got {args.shard_size}")
     args.device = resolve_device_arg(args.device)
     governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads, device=args.device)
     model_path = resolve_model_path(args.model, progress=not args.no_progress)

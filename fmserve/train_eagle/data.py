@@ -175,10 +175,13 @@ def capture_sequences(runner, seqs: list[list[int]], capture_layers: tuple[int, 
         argmax.append(m)
         group.clear()
 
+    group_tokens = 0
     for seq in seqs:
-        if group and (sum(map(len, group)) + len(seq) > max_batch_tokens or len(group) >= max_seqs):
+        if group and (group_tokens + len(seq) > max_batch_tokens or len(group) >= max_seqs):
             flush()
+            group_tokens = 0
         group.append(seq)
+        group_tokens += len(seq)
         ids.append(torch.tensor(seq, dtype=torch.int32))
         offsets.append(offsets[-1] + len(seq))
     if group:

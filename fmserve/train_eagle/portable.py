@@ -59,10 +59,15 @@ def export_tokens(data_dirs: list[str | Path], out: str | Path) -> tuple[int, in
                "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),
                "sampled": torch.tensor(sampled, dtype=torch.int8)}
     out = Path(out).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={
-        "format": TOKENS_FORMAT, "capture_layers": json.dumps(layers),
-        "models": json.dumps(sorted(models)), "sources": json.dumps([str(d) for d in data_dirs])})
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out), metadata={
+            "format": TOKENS_FORMAT, "capture_layers": json.dumps(layers),
+            "models": json.dumps(sorted(models)),
+            "sources": json.dumps([str(d) for d in data_dirs])})
+    except OSError as e:
+        raise SystemExit(f"train-eagle: cannot write the tokens file (--tokens-file {out}): "
+                         f"{e}") from e
     return len(prompt_lens), int(tensors["input_ids"].numel())
 
 
