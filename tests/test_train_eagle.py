@@ -238,6 +238,24 @@ def test_training_lowers_the_loss_and_writes_a_loadable_head(tiny_run, model_pat
     assert record["step"] == 6 and len(record["train_acc_per_position"]) == 4
 
 
+def test_bf16_autocast_on_the_cpu_trains_like_fp32(tiny_run, model_path):
+    """--precision bf16 on a CPU: the same first loss as fp32 (same init, same batch) to bf16's
+    precision, the loss still falls, and the record says which arithmetic ran."""
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    runs = {p: train(_config(work, ckpt_dir=str(work / f"ckpt-{p}"), out=str(work / f"head-{p}"),
+                             precision=p), model_path, progress=False, data=data, target=target)
+            for p in ("fp32", "bf16")}
+    fp32, bf16 = ([loss for _, loss, _ in runs[p].history] for p in ("fp32", "bf16"))
+    assert bf16[0] == pytest.approx(fp32[0], rel=0.03)
+    assert bf16[0] != fp32[0]  # it did run in bf16
+    assert bf16[-1] < bf16[0] * 0.9, bf16
+    records = {p: json.loads((work / f"head-{p}" / "training.json").read_text()) for p in runs}
+    assert records["fp32"]["precision"] == "fp32"
+    assert records["bf16"]["precision"] == "bf16 autocast, fp32 master weights"
+
+
 def test_resume_continues_where_it_stopped(tiny_run, model_path):
     from fmserve.train_eagle.trainer import train
 

@@ -6,11 +6,11 @@
 2. The target answers them with fmserve's own offline Engine, batched: greedy for most, seeded
    sampling (temperature 0.7-1.0) for a ``sampled_fraction`` of them, so the head also sees
    text off the greedy path.
-3. A teacher-forced prefill of prompt + response (on the Engine's device) captures, per
-   position, the input residual of the head's capture layers (concatenated: the head's
-   first-step input), the target's final-normed hidden state (target logits over the draft
-   vocabulary are computed from it at train time) and the target's argmax over the full
-   vocabulary (for accuracy).
+3. Teacher-forced prefills of prompt + response (on the Engine's device, several sequences
+   packed into one forward) capture, per position, the input residual of the head's capture
+   layers (concatenated: the head's first-step input), the target's final-normed hidden state
+   (target logits over the draft vocabulary are computed from it at train time) and the
+   target's argmax over the full vocabulary (for accuracy).
 
 Shard ``i`` holds the sequences of selected prompts ``[i * shard_size, (i + 1) * shard_size)``
 as one safetensors file of concatenated rows plus offsets (CPU tensors, whatever the device).
@@ -203,31 +203,28 @@ def generate_responses(engine, items: list[PromptItem], params: list, governor=N
     return [out[rid] for rid, _ in submitted]
 
 
+def capture_tokens_for(device) -> int:
+    """Tokens per packed capture prefill: a GPU takes many sequences at once; on a CPU a pack
+    of a few thousand tokens keeps the (full-vocabulary) argmax pieces and memory small."""
+    return 32768 if device is not None and device.type != "cpu" else 4096
+
+
 def capture_shard(runner, items: list[PromptItem], responses: list[list[int]], params: list,
                   capture_layers: tuple[int, ...], governor=None) -> dict[str, torch.Tensor]:
-    """One capture per (prompt, response) on the runner's device; the shard's CPU tensors."""
-    ids, aux, final, argmax, offsets, prompt_lens, sampled = [], [], [], [], [0], [], []
-    for n, (it, resp, p) in enumerate(zip(items, responses, params)):
-        if governor is not None and n % 20 == 0:
-            governor.update()
-        seq = list(it.prompt_ids) + list(resp)
-        if len(resp) < 2:  # nothing to draft
-            continue
-        a, f, m = capture_sequence(runner, seq, capture_layers)
-        ids.append(torch.tensor(seq, dtype=torch.int32))
-        aux.append(a)
-        final.append(f)
-        argmax.append(m)
-        offsets.append(offsets[-1] + len(seq))
-        prompt_lens.append(len(it.prompt_ids))
-        sampled.append(int(not p.greedy))
-    return {
-        "input_ids": torch.cat(ids), "aux_hidden": torch.cat(aux),
-        "final_hidden": torch.cat(final), "target_argmax": torch.cat(argmax),
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
-        "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),
-        "sampled": torch.tensor(sampled, dtype=torch.int8),
-    }
+    """The shard's CPU tensors: every (prompt, response) with something to draft, captured in
+    packed prefills on the runner's device."""
+    kept = [(it, resp, p) for it, resp, p in zip(items, responses, params) if len(resp) >= 2]
+    if not kept:
+        raise ValueError(f"none of the {len(items)} responses of this shard has the 2+ tokens "
+                         f"a draft needs; raise --max-new-tokens")
+    if governor is not None:
+        governor.update()
+    shard = capture_sequences(runner, [list(it.prompt_ids) + list(resp) for it, resp, _ in kept],
+                              capture_layers, capture_tokens_for(runner.device))
+    shard["prompt_lens"] = torch.tensor([len(it.prompt_ids) for it, _, _ in kept],
+                                        dtype=torch.int64)
+    shard["sampled"] = torch.tensor([int(not p.greedy) for _, _, p in kept], dtype=torch.int8)
+    return shard
 
 
 def shard_groups(todo: list[int], sizes: list[int], gen_batch_size: int | None

@@ -66,6 +66,7 @@ class TrainConfig:
     refresh_vocab: bool = False  # with init_head: count the draft vocabulary on this run's data
     extra_data: tuple[str, ...] = ()  # more data directories, trained on before data_dir's
     device: str = "cpu"  # "cpu", "cuda" (bf16 autocast, fp32 master weights) or "auto"
+    precision: str = "auto"  # "bf16": autocast over fp32 master weights; auto: bf16 on a GPU
 
     @classmethod
     def from_args(cls, args, work_dir: Path, out: Path) -> "TrainConfig":
@@ -86,7 +87,8 @@ class TrainConfig:
                    init_head=getattr(args, "init_head", None) or None,
                    refresh_vocab=bool(getattr(args, "refresh_vocab", False)),
                    extra_data=tuple(getattr(args, "extra_data", None) or ()),
-                   device=getattr(args, "device", "cpu"))
+                   device=getattr(args, "device", "cpu"),
+                   precision=getattr(args, "precision", "auto"))
 
 
 # -- batches and schedule -----------------------------------------------------------------------
@@ -307,11 +309,21 @@ class TrainResult:
     history: list[tuple[int, float, list[float]]]  # (step, loss, per-step accuracy) per step
 
 
-def autocast_for(device: torch.device):
-    """bf16 autocast on a GPU (fp32 master weights); nothing on the CPU (plain fp32)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def uses_bf16(device: torch.device, precision: str) -> bool:
+    """auto: bf16 on a GPU; on a CPU plain fp32 (bf16 pays only where the cores have bf16
+    matrix units, AMX say: 1.4x on the 2-core Xeon, so it is asked for there)."""
+    return device.type == "cuda" if precision == "auto" else precision == "bf16"
+
+
+def autocast_for(device: torch.device, precision: str = "auto"):
+    """bf16 autocast over fp32 master weights, or nothing (plain fp32)."""
+    if uses_bf16(device, precision):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+def precision_label(device: torch.device, precision: str) -> str:
+    return "bf16 autocast, fp32 master weights" if uses_bf16(device, precision) else "fp32"
 
 
 def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = True,
@@ -404,7 +416,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
         + f", lr {cfg.lr}, TTT {cfg.ttt_steps} steps; "
         f"draft vocab {head.config.draft_vocab_size} covers {coverage:.1%} of response tokens; "
         f"{n_params / 1e6:.1f}M trainable parameters; on {where}"
-        + (" (bf16 autocast, fp32 master weights)" if device.type == "cuda" else " (fp32)"))
+        + f" ({precision_label(device, cfg.precision)})")
 
     def record(acc: list[float]) -> dict:
         return {"step": step, "total_steps": total_steps, "sequences": len(data),
@@ -419,8 +431,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
                 **({"refresh_vocab": True} if cfg.init_head and cfg.refresh_vocab else {}),
                 **({"extra_data": list(cfg.extra_data)} if cfg.extra_data else {}),
                 **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
-                "precision": "bf16 autocast, fp32 master weights" if device.type == "cuda"
-                else "fp32",
+                "precision": precision_label(device, cfg.precision),
                 **({"val_sequences": n_val, "val_acc_per_position": [round(a, 4) for a in
                                                                      best["acc"]],
                     "val_est_accept_length": round(best["accept"], 3)} if n_val else {})}
@@ -483,7 +494,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
             if governor is not None and step % 10 == 0:
                 governor.update()
             batch = collate(data, [train_ids[p] for p in batches[pos_in_epoch]], device)
-            with autocast_for(device):
+            with autocast_for(device, cfg.precision):
                 stats = ttt_forward(head, batch, dembed, K, cfg.decay,
                                     prompt_weight=cfg.prompt_loss_weight)
             opt.zero_grad(set_to_none=True)
