@@ -8,6 +8,7 @@ the last runs every stage with --device cuda (skipped without a GPU).
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
     (several sequences in one forward) gives what one-at-a-time capture gives."""
     from fmserve.engine import Engine
     from fmserve.train_eagle.cli import main
-    from fmserve.train_eagle.data import capture_sequence, load_dataset
+    from fmserve.train_eagle.data import capture_sequence, capture_sequences, load_dataset
     from fmserve.train_eagle.portable import export_tokens, read_tokens, recapture
 
     work, data, _ = tiny_run
@@ -205,6 +206,15 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
         torch.testing.assert_close(again.rows(j, "final_hidden").float(), final.float(),
                                    rtol=2e-3, atol=2e-3)
         assert torch.equal(again.rows(j, "target_argmax"), argmax)
+    # Packs also stop at what the KV pool holds: a pool of two longest sequences, no token cap.
+    small = Engine(str(model_path), dtype="fp32", max_kv_tokens=2 * longest,
+                   max_running_requests=4, progress=False)
+    rows = capture_sequences(small.runner, seqs, layers, max_batch_tokens=1 << 20)
+    assert rows["offsets"].tolist() == [0] + list(itertools.accumulate(map(len, seqs)))
+    for key in ("aux_hidden", "final_hidden"):
+        torch.testing.assert_close(rows[key].float(), torch.cat(
+            [again.rows(j, key) for j in range(8)]).float(), rtol=2e-3, atol=2e-3)
+    del small
     # The CLI's data stage with --tokens-file captures instead of generating.
     assert main(["--model", str(model_path), "--work-dir", str(tmp_path / "cli"), "--device",
                  "cpu", "--dtype", "fp32", "--no-progress", "--stage", "data", "--shard-size",

@@ -164,6 +164,8 @@ def capture_sequences(runner, seqs: list[list[int]], capture_layers: tuple[int, 
     """The shard rows (ids, aux and final hidden states, target argmax, offsets) of ``seqs``,
     captured in packed prefills of up to ``max_batch_tokens`` tokens (a longer sequence alone)."""
     max_seqs = runner.req_to_token.num_slots - 1
+    page = runner.cfg.page_size
+    free_pages = runner.kv_pool.num_pages - 1  # page 0 is the pool's padding page
     ids, aux, final, argmax, offsets = [], [], [], [], [0]
     group: list[list[int]] = []
 
@@ -175,13 +177,16 @@ def capture_sequences(runner, seqs: list[list[int]], capture_layers: tuple[int, 
         argmax.append(m)
         group.clear()
 
-    group_tokens = 0
+    group_tokens = group_pages = 0
     for seq in seqs:
-        if group and (group_tokens + len(seq) > max_batch_tokens or len(group) >= max_seqs):
+        pages = -(-len(seq) // page)
+        if group and (group_tokens + len(seq) > max_batch_tokens or len(group) >= max_seqs
+                      or group_pages + pages > free_pages):
             flush()
-            group_tokens = 0
+            group_tokens = group_pages = 0
         group.append(seq)
         group_tokens += len(seq)
+        group_pages += pages
         ids.append(torch.tensor(seq, dtype=torch.int32))
         offsets.append(offsets[-1] + len(seq))
     if group:
