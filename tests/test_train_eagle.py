@@ -145,6 +145,17 @@ def test_data_shards_are_resumable(tiny_run, model_path):
     assert len(data) == 4 and len(data.shards) == 2
     manifest = json.loads((work / "data" / "manifest.json").read_text())
     assert manifest["complete"] and len(manifest["shards"]) == 2
+    # The hidden states stay on disk until read: each sequence's rows are its slice of the file.
+    from safetensors.torch import load_file
+
+    from fmserve.train_eagle.data import ShardFile
+    assert all(isinstance(s, ShardFile) for s in data.shards)
+    assert not any(k in s._small for s in data.shards for k in ShardFile.ON_DISK)
+    whole = [load_file(str(work / "data" / e["file"])) for e in manifest["shards"]]
+    for j in range(len(data)):
+        for key in ("aux_hidden", "final_hidden", "input_ids", "target_argmax"):
+            assert torch.equal(data.rows(j, key),
+                               whole[data.shard[j]][key][data.start[j]:data.end[j]])
     for j in range(len(data)):
         n = data.length(j)
         assert data.rows(j, "aux_hidden").shape == (n, 3 * 576)

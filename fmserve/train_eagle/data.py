@@ -25,6 +25,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,6 +59,36 @@ class PromptItem:
     prompt_ids: list[int]
 
 
+class ShardFile(Mapping):
+    """A shard on disk, read as the trainer needs it: the small per-token and per-sequence
+    tensors in memory, the hidden states (nearly all of its bytes) sliced per sequence from the
+    memory-mapped file. Holding them all would not fit a small machine: 15,726 sequences are
+    14 GB of fp16 states."""
+
+    ON_DISK = ("aux_hidden", "final_hidden")
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(str(path), "pt")
+        self._keys = list(self._file.keys())
+        self._small = {k: self._file.get_tensor(k) for k in self._keys if k not in self.ON_DISK}
+
+    def __getitem__(self, key: str) -> torch.Tensor:  # the whole tensor (read from disk)
+        return self._small[key] if key in self._small else self._file.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def rows(self, key: str, start: int, end: int) -> torch.Tensor:
+        if key in self._small:
+            return self._small[key][start:end]
+        return self._file.get_slice(key)[start:end]
+
+
 @dataclass
 class CapturedData:
     """Every captured sequence, rows of all shards concatenated per shard.
@@ -66,7 +97,7 @@ class CapturedData:
     ``prompt_len[j]`` rows in.
     """
 
-    shards: list[dict[str, torch.Tensor]]
+    shards: list[Mapping[str, torch.Tensor]]  # ShardFile when read from disk
     shard: list[int]
     start: list[int]
     end: list[int]
@@ -79,7 +110,10 @@ class CapturedData:
         return self.end[j] - self.start[j]
 
     def rows(self, j: int, key: str) -> torch.Tensor:
-        return self.shards[self.shard[j]][key][self.start[j]:self.end[j]]
+        shard = self.shards[self.shard[j]]
+        if isinstance(shard, ShardFile):
+            return shard.rows(key, self.start[j], self.end[j])
+        return shard[key][self.start[j]:self.end[j]]
 
     @property
     def num_tokens(self) -> int:
@@ -388,10 +422,8 @@ def _read_manifest(work_dir: Path) -> dict:
 
 def load_dataset(work_dir: str | Path, max_sequences: int | None = None,
                  into: CapturedData | None = None) -> CapturedData:
-    """Every shard listed in the manifest (the complete ones), in memory; appended to ``into``
-    when given."""
-    from safetensors.torch import load_file
-
+    """Every shard listed in the manifest (the complete ones), as ShardFiles (hidden states
+    stay on disk until a batch reads them); appended to ``into`` when given."""
     work_dir = Path(work_dir).expanduser()
     manifest = _read_manifest(work_dir)
     data = into if into is not None else CapturedData([], [], [], [], [])
@@ -399,7 +431,7 @@ def load_dataset(work_dir: str | Path, max_sequences: int | None = None,
     for entry in manifest["shards"]:
         if max_sequences is not None and len(data) >= max_sequences:
             break
-        shard = load_file(str(work_dir / entry["file"]))
+        shard = ShardFile(work_dir / entry["file"])
         k = len(data.shards)
         data.shards.append(shard)
         offsets = shard["offsets"].tolist()

@@ -52,8 +52,8 @@ def collate(data: CapturedData, seqs: list[int], device: torch.device | str | No
     device = torch.device(device) if device is not None else None
     pin = device is not None and device.type == "cuda"
     B, L = len(seqs), max(data.length(j) for j in seqs)
-    aux_w = data.shards[data.shard[seqs[0]]]["aux_hidden"].shape[1]
-    h = data.shards[data.shard[seqs[0]]]["final_hidden"].shape[1]
+    aux_w = data.rows(seqs[0], "aux_hidden").shape[1]
+    h = data.rows(seqs[0], "final_hidden").shape[1]
     ids = torch.zeros(B, L, dtype=torch.int64, pin_memory=pin)
     aux = torch.zeros(B, L, aux_w, pin_memory=pin)
     final = torch.zeros(B, L, h, pin_memory=pin)
