@@ -231,21 +231,14 @@ class ModelRunner:
         return batch, host_to_device(np.asarray(sample_rows, dtype=np.int64), dev)
 
     @torch.inference_mode()
-    def capture_hidden_states(self, token_ids: list[int], capture_layers: tuple[int, ...]
-                              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A teacher-forced prefill of one sequence, returning the final-normed hidden state of
-        every position and the input residual of each layer in `capture_layers` ([n, H] each).
-
-        For draft-head training data. It borrows slot 1 and the first pages of the pool, so call
-        it only while the runner has no requests (e.g. between offline engine runs)."""
-        return self.capture_hidden_states_many([token_ids], capture_layers)
-
-    @torch.inference_mode()
     def capture_hidden_states_many(self, seqs: list[list[int]], capture_layers: tuple[int, ...]
                                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`capture_hidden_states` for several sequences in one packed prefill (each attends
-        only to itself): their rows come back concatenated in the order given. It borrows slots
-        1..len(seqs) and the first pages of the pool (same rule: only while no request runs)."""
+        """A teacher-forced prefill of one or more sequences, packed (each attends only to
+        itself): the final-normed hidden state of every position and the input residual of each
+        layer in `capture_layers` ([n, H] each), rows concatenated in the order given.
+
+        For draft-head training data. It borrows slots 1..len(seqs) and the first pages of the
+        pool, so call it only while the runner has no requests (between offline engine runs)."""
         self.streams.synchronize()  # steps launched on other streams are done with the pool
         lens = [len(s) for s in seqs]
         if not 0 < len(seqs) < self.req_to_token.num_slots:

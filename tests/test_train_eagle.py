@@ -183,7 +183,7 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
     (several sequences in one forward) gives what one-at-a-time capture gives."""
     from fmserve.engine import Engine
     from fmserve.train_eagle.cli import main
-    from fmserve.train_eagle.data import capture_sequence, capture_sequences, load_dataset
+    from fmserve.train_eagle.data import capture_sequences, load_dataset
     from fmserve.train_eagle.portable import export_tokens, read_tokens, recapture
 
     work, data, _ = tiny_run
@@ -211,7 +211,8 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
     for j in range(8):
         assert again.rows(j, "input_ids").tolist() == seqs[j]
         assert again.prompt_len[j] == prompt_lens[j]
-        aux, final, argmax = capture_sequence(engine.runner, seqs[j], layers)
+        alone = capture_sequences(engine.runner, [seqs[j]], layers)  # one sequence a prefill
+        aux, final, argmax = alone["aux_hidden"], alone["final_hidden"], alone["target_argmax"]
         torch.testing.assert_close(again.rows(j, "aux_hidden").float(), aux.float(),
                                    rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(again.rows(j, "final_hidden").float(), final.float(),

@@ -172,14 +172,6 @@ def sampling_for(item: PromptItem, cfg: DataConfig):
     return SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens)
 
 
-@torch.inference_mode()
-def capture_sequence(runner, token_ids: list[int], capture_layers: tuple[int, ...]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(aux hidden [n, k*H] fp16, final-normed hidden [n, H] fp16, target argmax [n] int32)."""
-    final, captured = runner.capture_hidden_states(token_ids, tuple(capture_layers))
-    return _captured_rows(runner, final, captured)
-
-
 def _captured_rows(runner, final: torch.Tensor, captured: list[torch.Tensor],
                    logits_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     aux = torch.cat(captured, dim=-1)
