@@ -78,6 +78,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
     p.add_argument("--poisson-requests", type=int, default=32)
     p.add_argument("--overlap", default="on", help="on, off, or on,off to compare in one run")
+    p.add_argument("--launch-ahead", default=None, metavar="MODES",
+                   help="with overlap on, the worker's scheduling.launch_ahead: one of off, "
+                        "prepare, on, auto, or several (off,prepare) to compare in one run "
+                        "(default: config.toml's)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed on to `fmserve serve --set` (e.g. runtime.worker_cpu_threads=2)")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
@@ -185,11 +189,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     baseline = offline_baseline(args, path, prompts[:n], params)
     console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
     results: list[RunResult] = []
-    for overlap in [o.strip() == "on" for o in args.overlap.split(",")]:
+    for overlap, launch_ahead in service_variants(args.overlap, args.launch_ahead):
         tag = "overlap " + ("on" if overlap else "off")
+        extra = [f for kv in args.set for f in ("--set", kv)]
+        if launch_ahead is not None:
+            tag += f" (launch-ahead {launch_ahead})"
+            extra += ["--set", f"scheduling.launch_ahead={launch_ahead}"]
         console.print(f"starting fmserve serve ({tag}) ...")
-        proc, endpoint = start_service(args, path, overlap,
-                                       [f for kv in args.set for f in ("--set", kv)])
+        proc, endpoint = start_service(args, path, overlap, extra)
         try:
             top = max(levels)  # warm-up at the widest level (GPU kernels compile per shape)
             asyncio.run(run_closed_loop(endpoint, prompts[:top], top,
@@ -240,19 +247,39 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def service_variants(overlap: str, launch_ahead: str | None) -> list[tuple[bool, str | None]]:
+    """The services one run starts: (overlap, launch-ahead mode or None for the config's), each
+    overlap-on service once per launch-ahead mode (without overlap no plan ever waits, so the
+    mode changes nothing there)."""
+    modes: list[str | None] = [None]
+    if launch_ahead is not None:
+        modes = [m.strip() for m in launch_ahead.split(",")]
+        unknown = sorted(set(modes) - {"off", "prepare", "on", "auto"})
+        if unknown:
+            raise SystemExit(f"fmserve bench serve: --launch-ahead {launch_ahead!r} has "
+                             f"{unknown}; the modes are off, prepare, on and auto")
+    variants = []
+    for o in overlap.split(","):
+        on = o.strip() == "on"
+        variants += [(True, m) for m in modes] if on else [(False, None)]
+    return variants
+
+
 def overlap_summary(results: list[RunResult]) -> list[str]:
     """Per workload run both ways: the on/off throughput ratio, and the most overlap could give
     there, 1 / (1 - idle share without it): hiding all of the worker's idle time for free."""
     by_name = {r.name: r for r in results}
     out = []
     for r in results:
-        if not r.name.startswith("overlap on, "):
+        tag, _, workload = r.name.partition(", ")
+        if not tag.startswith("overlap on"):
             continue
-        workload = r.name.removeprefix("overlap on, ")
         off = by_name.get("overlap off, " + workload)
         if off is None or not off.output_tps:
             continue
-        line = (f"- {workload}: overlap on/off throughput {r.output_tps / off.output_tps:.3f}x")
+        mode = tag.removeprefix("overlap on").strip()
+        line = (f"- {workload}: overlap on{' ' + mode if mode else ''}/off throughput "
+                f"{r.output_tps / off.output_tps:.3f}x")
         if off.idle_share is not None and r.idle_share is not None:
             line += (f"; worker idle {100 * r.idle_share:.1f}% on, {100 * off.idle_share:.1f}% "
                      f"off; ceiling {1 / max(1 - off.idle_share, 1e-9):.3f}x")

@@ -32,6 +32,13 @@ from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, StepPlan, StepResult, 
                                  pack_f32, pack_i32, unpack_i32)
 
 ATTENTION_BACKENDS = ("torch", "triton")
+# The worker's order when plan k+1 is already waiting while step k is launched but not sent:
+#   off:     finish and send step k, then prepare and launch k+1
+#   prepare: prepare k+1 (bookkeeping and batch, on the schedule stream), send k, launch k+1:
+#            the device's gap between the forwards holds only the sending of result k
+#   on:      prepare and launch k+1, then send k (the device never waits, but a host-bound
+#            launch holds result k back by a whole step)
+LAUNCH_AHEAD_MODES = ("off", "prepare", "on", "auto")
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,23 @@ class RunnerConfig:
     # bf16 only; gpu/q4_linear.py); 0: always the dequantized weights.
     q4_max_tokens: int = DEFAULT_Q4_MAX_TOKENS
     spec: SpecSettings = SpecSettings()  # speculative decoding (EAGLE); off by default
-    # The worker launches plan k+1 before finishing step k when one is waiting. None: on GPUs
-    # only (there launching is asynchronous; on a CPU launching *is* computing, so finishing
-    # first sends the result sooner). Tests turn it on for the CPU to run that order too.
-    launch_ahead: bool | None = None
+    # What the worker does with plan k+1 when it is already waiting before step k's result is
+    # sent (see LAUNCH_AHEAD_MODES). "auto": "on" on GPUs (launching is asynchronous there),
+    # "off" on a CPU (there launching *is* computing, so finishing first sends the result
+    # sooner). Tests force the other modes on the CPU to run those orders too.
+    launch_ahead: str = "auto"
+
+
+@dataclass
+class PreparedStep:
+    """A plan applied and its batch built (ModelRunner.prepare), its forward not launched yet."""
+
+    plan: StepPlan
+    start: float  # host clock when preparing began
+    prepare_s: float = 0.0  # host time spent preparing
+    batch: ForwardBatch | None = None  # None: an EAGLE step, which prepares inside its launch
+    sample_rows: torch.Tensor | None = None
+    sample_slots_host: np.ndarray | None = None  # the sampled slots, for a sync-free sampler
 
 
 @dataclass
@@ -63,8 +83,9 @@ class PendingStep:
     """A launched step whose result is still on its way (see ModelRunner.launch/finish)."""
 
     step_id: int
-    launch_start: float  # host clock at launch
+    launch_start: float  # host clock when preparing began
     launch_end: float
+    busy_s: float = 0.0  # host time preparing and launching (on the CPU: computing)
     copy: HostCopy | None = None  # None: nothing to copy (idle, or a ready result)
     span: ForwardSpan | None = None  # device timing (GPU)
     ready: StepResult | None = None  # the EAGLE step finishes inside launch
@@ -122,8 +143,11 @@ class ModelRunner:
         # Per-slot relay buffers (see module docstring).
         self.future_map = FutureMap(self.num_slots, self.device, cfg.wrwr_check)
         self.streams = StepStreams(self.device)
-        self.launch_ahead = (self.device.type == "cuda" if cfg.launch_ahead is None
-                             else cfg.launch_ahead)
+        if cfg.launch_ahead not in LAUNCH_AHEAD_MODES:
+            raise ValueError(f"launch_ahead '{cfg.launch_ahead}' is unknown; choose one of "
+                             f"{LAUNCH_AHEAD_MODES}")
+        self.launch_ahead = cfg.launch_ahead if cfg.launch_ahead != "auto" else (
+            "on" if self.device.type == "cuda" else "off")
         self._last_forward_end: float | None = None  # host clock (CPU)
         self._last_span: ForwardSpan | None = None  # device events (GPU)
         self.eagle = None
@@ -158,8 +182,9 @@ class ModelRunner:
             pages = host_to_device(unpack_i32(grant.pages).copy(), self.device)
             self.req_to_token.grant_pages(grant.slot, grant.first_page_index, pages)
 
-    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
-        """Returns the batch and the row index (into requests) of each request that samples."""
+    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor, np.ndarray]:
+        """Returns the batch, the row index (into requests) of each request that samples, and
+        those requests' slots on the host."""
         dev = self.device
         ext_ids, ext_slots, ext_prefix, ext_lens, ext_sample = [], [], [], [], []
         for e in plan.extends:
@@ -225,10 +250,11 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(ext_sample) if s] + list(
             range(num_extend, num_extend + num_decode))
         # The sampled slots on the host too, so the sampler needs no device->host sync.
-        self._sample_slots_host = np.concatenate(
+        sample_slots_host = np.concatenate(
             [np.asarray([s for s, smp in zip(ext_slots, ext_sample) if smp], dtype=np.int64),
              decode_host])
-        return batch, host_to_device(np.asarray(sample_rows, dtype=np.int64), dev)
+        return (batch, host_to_device(np.asarray(sample_rows, dtype=np.int64), dev),
+                sample_slots_host)
 
     @torch.inference_mode()
     def capture_hidden_states_many(self, seqs: list[list[int]], capture_layers: tuple[int, ...]
@@ -281,7 +307,7 @@ class ModelRunner:
         final hidden state of every new token (None for an idle batch) and the rows (requests)
         that sample."""
         self._apply_bookkeeping(plan)
-        batch, sample_rows = self._build_batch(plan)
+        batch, sample_rows, _ = self._build_batch(plan)
         if batch.mode == ForwardMode.IDLE:
             return batch, None, sample_rows
         return batch, self._run_model(batch), sample_rows
@@ -298,36 +324,58 @@ class ModelRunner:
         """Launch and finish one step (no overlap)."""
         return self.finish(self.launch(plan))
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         """Enqueue one step: bookkeeping and batch on the schedule stream, forward, sampling,
         stash and publish on the forward stream, the result's host copy on the copy stream.
         On a GPU this returns before the device has run it; on the CPU it has run."""
+        return self.launch_prepared(self.prepare(plan))
+
+    @torch.inference_mode()
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """The first half of `launch`: apply the plan's bookkeeping and build its batch (on the
+        schedule stream, which first waits for the previous forward's reads). Call it after the
+        previous step's `launch_prepared`; the worker may send that step's result between the
+        two halves (launch_ahead "prepare")."""
         start = time.perf_counter()
+        step = PreparedStep(plan, start)
+        if self.eagle is None:  # the EAGLE step runs whole in launch_prepared
+            with self.streams.scheduling():
+                self._apply_bookkeeping(plan)
+                step.batch, step.sample_rows, step.sample_slots_host = self._build_batch(plan)
+        step.prepare_s = time.perf_counter() - start
+        return step
+
+    @torch.inference_mode()
+    def launch_prepared(self, step: PreparedStep) -> PendingStep:
+        """The second half of `launch`: the forward, sampling, stash and publish."""
+        start = time.perf_counter()
+        plan = step.plan
         if self.eagle is not None:  # the EAGLE step syncs inside (accept lengths): run it whole
             with self.streams.forwarding() as span:
                 ready = self.eagle.step(plan, start)
-            return PendingStep(plan.step_id, start, time.perf_counter(), span=span, ready=ready)
-        with self.streams.scheduling():
-            self._apply_bookkeeping(plan)
-            batch, sample_rows = self._build_batch(plan)
-        pending = PendingStep(plan.step_id, start, 0.0)
+            end = time.perf_counter()
+            return PendingStep(plan.step_id, step.start, end, busy_s=step.prepare_s + end - start,
+                               span=span, ready=ready)
+        batch = step.batch
+        pending = PendingStep(plan.step_id, step.start, 0.0)
         with self.streams.forwarding() as span:
             pending.span = span
             if batch.mode != ForwardMode.IDLE:
                 hidden = self._run_model(batch)
-                if sample_rows.numel():  # else only non-final prefill chunks: nothing to emit
-                    pending.copy, pending.n_top = self._sample(batch, hidden, sample_rows)
+                if step.sample_rows.numel():  # else only non-final prefill chunks: nothing to emit
+                    pending.copy, pending.n_top = self._sample(batch, hidden, step.sample_rows,
+                                                               step.sample_slots_host)
         pending.launch_end = time.perf_counter()
+        pending.busy_s = step.prepare_s + pending.launch_end - start
         return pending
 
-    def _sample(self, batch: ForwardBatch, hidden: torch.Tensor, sample_rows: torch.Tensor
-                ) -> tuple[HostCopy, int]:
+    def _sample(self, batch: ForwardBatch, hidden: torch.Tensor, sample_rows: torch.Tensor,
+                sample_slots_host: np.ndarray) -> tuple[HostCopy, int]:
         last_token = torch.cumsum(batch.extend_lens, 0) - 1
         logits = self.model.logits(hidden[last_token[sample_rows]])
         sample_slots = batch.slots[sample_rows]
         out = self.sampler.sample(logits, sample_slots, batch.seq_lens[sample_rows],
-                                  slots_host=self._sample_slots_host)
+                                  slots_host=sample_slots_host)
         self.future_map.stash(sample_slots, out.token_ids)
         self.sampling_state.record_outputs(sample_slots, out.token_ids)
         outputs = {"slots": sample_slots, "token_ids": out.token_ids}
@@ -348,10 +396,11 @@ class ModelRunner:
             idle_ms = 0.0 if self._last_span is None else float(
                 self._last_span.end.elapsed_time(pending.span.start))
             self._last_span = pending.span
-        else:  # CPU: launching is running
-            forward_ms = (pending.launch_end - pending.launch_start) * 1e3
-            idle_ms = 0.0 if self._last_forward_end is None else (
-                pending.launch_start - self._last_forward_end) * 1e3
+        else:  # CPU: launching is running; idle is the time since the last step's end that
+            # this step did not spend preparing or launching (a result sent between the two)
+            forward_ms = pending.busy_s * 1e3
+            idle_ms = 0.0 if self._last_forward_end is None else max(0.0, (
+                pending.launch_end - self._last_forward_end - pending.busy_s) * 1e3)
             self._last_forward_end = pending.launch_end
         if pending.ready is not None:
             return msgspec.structs.replace(pending.ready, forward_ms=forward_ms, idle_ms=idle_ms)

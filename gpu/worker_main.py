@@ -132,6 +132,14 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
           f"{info.dtype}, {info.attention_backend}{q4_note})", file=sys.stderr, flush=True)
 
+    return answer_plans(sock, codec, runner, fail)
+
+
+def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, runner, fail) -> int:
+    """Answer plans with results, in order, until Shutdown (EXIT_OK) or a failure (`fail`'s
+    exit code, after sending WorkerFailed). `runner` is a loaded ModelRunner."""
+    from gpu.model_runner import PreparedStep
+
     def send_result(pending) -> int | None:
         """Finish a launched step and send its result; an exit code if that failed."""
         try:
@@ -142,12 +150,13 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
         sock.send(codec.encode(result))
         return None
 
-    # One launched step may wait for its result while the next is launched: with plans queued
-    # (overlap) on a GPU, step k+1 is enqueued before step k's result is copied and sent, so
-    # the device never waits for the host between them (runner.launch_ahead).
+    # One launched step may wait for its result while the next plan is taken up: with plans
+    # queued (overlap), plan k+1 is prepared (launch_ahead "prepare") or prepared and launched
+    # ("on") before step k's result is copied and sent, so the device waits for the host
+    # between the two forwards for the sending at most, or not at all (runner.launch_ahead).
     pending = None
     while True:
-        if pending is not None and not (runner.launch_ahead and sock.poll(0)):
+        if pending is not None and not (runner.launch_ahead != "off" and sock.poll(0)):
             code, pending = send_result(pending), None
             if code is not None:
                 return code
@@ -160,10 +169,12 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
         if not isinstance(msg, (StepPlan, Shutdown)):
             return fail(None, f"the worker received a {type(msg).__name__}, which it does not "
                               f"handle (it takes StepPlan and Shutdown)")
-        launched, failure = None, None
+        step, failure = None, None
         if isinstance(msg, StepPlan):
             try:
-                launched = runner.launch(msg)
+                step = runner.prepare(msg)
+                if pending is None or runner.launch_ahead == "on":
+                    step = runner.launch_prepared(step)
             except Exception as exc:
                 failure = exc
         if pending is not None:  # the earlier step's result goes first, whatever comes next
@@ -172,10 +183,15 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
                 return code
         if isinstance(msg, Shutdown):
             return EXIT_OK
+        if isinstance(step, PreparedStep) and failure is None:
+            try:
+                step = runner.launch_prepared(step)
+            except Exception as exc:
+                failure = exc
         if failure is not None:
             return fail(msg.step_id, f"step {msg.step_id} failed in the worker: "
                                      f"{describe_exception(failure)}", failure)
-        pending = launched
+        pending = step
 
 
 def main(argv: list[str] | None = None) -> int:

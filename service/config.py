@@ -150,7 +150,7 @@ class RuntimeSection:
 @dataclass(frozen=True)
 class SchedulingSection:
     overlap: bool = _key(True, Boolean())
-    launch_ahead: str = _key("off", OneOf(("auto", "on", "off")))
+    launch_ahead: str = _key("off", OneOf(("auto", "on", "prepare", "off")))
 
 
 @dataclass(frozen=True)

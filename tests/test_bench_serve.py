@@ -3,7 +3,9 @@ off, against the offline engine), and the overlap summary's arithmetic."""
 
 import re
 
-from fmserve.bench_serve import RequestTiming, RunResult, overlap_summary
+import pytest
+
+from fmserve.bench_serve import RequestTiming, RunResult, overlap_summary, service_variants
 from fmserve.cli import main
 
 
@@ -11,17 +13,18 @@ def test_bench_serve_overlap_on_off_end_to_end(tmp_path, model_path):
     md = tmp_path / "serve.md"
     argv = ["bench", "serve", "--model", str(model_path), "--dtype", "fp32",
             "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "4",
-            "--poisson-requests", "0", "--overlap", "on,off", "--markdown", str(md)]
+            "--poisson-requests", "0", "--overlap", "on,off", "--launch-ahead", "prepare",
+            "--markdown", str(md)]
     assert main(argv) == 0
     text = md.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| overlap")]
-    assert [r.split("|")[1].strip() for r in rows] == ["overlap on, concurrency 2",
-                                                       "overlap off, concurrency 2"]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "overlap on (launch-ahead prepare), concurrency 2", "overlap off, concurrency 2"]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] == "2" and float(cells[8]) > 0  # requests, output tok/s
         assert 0 <= float(cells[10]) <= 100  # worker idle %
-    summary = re.search(r"- concurrency 2: overlap on/off throughput ([\d.]+)x; worker idle "
+    summary = re.search(r"- concurrency 2: overlap on \(launch-ahead prepare\)/off throughput ([\d.]+)x; worker idle "
                         r"([\d.]+)% on, ([\d.]+)% off; ceiling ([\d.]+)x", text)
     assert summary, text
     assert float(summary.group(1)) > 0 and float(summary.group(4)) >= 1.0
@@ -44,3 +47,26 @@ def test_overlap_summary_pairs_workloads_and_bounds_the_gain():
         "ceiling 1.250x",
         "- poisson 2/s: overlap on/off throughput 1.000x",
     ]
+
+
+def test_overlap_summary_names_each_launch_ahead_mode():
+    lines = overlap_summary([
+        run("overlap on (launch-ahead off), concurrency 8", 105, 1.0, 0.05),
+        run("overlap on (launch-ahead prepare), concurrency 8", 120, 1.0, 0.01),
+        run("overlap off, concurrency 8", 100, 1.0, 0.2),
+    ])
+    assert lines == [
+        "- concurrency 8: overlap on (launch-ahead off)/off throughput 1.050x; worker idle "
+        "5.0% on, 20.0% off; ceiling 1.250x",
+        "- concurrency 8: overlap on (launch-ahead prepare)/off throughput 1.200x; worker idle "
+        "1.0% on, 20.0% off; ceiling 1.250x",
+    ]
+
+
+def test_service_variants_run_each_launch_ahead_mode_with_overlap_only():
+    assert service_variants("on,off", None) == [(True, None), (False, None)]
+    assert service_variants("on,off", "off, prepare") == [(True, "off"), (True, "prepare"),
+                                                          (False, None)]
+    assert service_variants("off", "on") == [(False, None)]
+    with pytest.raises(SystemExit, match="'sideways'"):
+        service_variants("on", "off,sideways")

@@ -118,11 +118,12 @@ def assert_idle(client: Client) -> None:
         time.sleep(0.1)
 
 
-def test_concurrent_clients_stream_the_offline_greedy_output(service, reference):
+def assert_concurrent_streams_match(endpoint: str, reference) -> None:
+    """Every question on its own connection at once: each stream equals the offline engine's."""
     results: dict[str, tuple[str, list[int], str]] = {}
 
     def run(q: str) -> None:
-        with Client(service.endpoint) as client:
+        with Client(endpoint) as client:
             text, ids, reason = "", [], None
             for msg in client.generate(messages=messages(q), params=GREEDY):
                 if isinstance(msg, Chunk):
@@ -142,6 +143,10 @@ def test_concurrent_clients_stream_the_offline_greedy_output(service, reference)
         assert ids == reference[q].token_ids
         assert text == reference[q].text
         assert reason == reference[q].finish_reason.value
+
+
+def test_concurrent_clients_stream_the_offline_greedy_output(service, reference):
+    assert_concurrent_streams_match(service.endpoint, reference)
 
 
 def test_many_requests_on_one_connection_and_non_streaming(service, reference):
@@ -184,6 +189,28 @@ def test_abort_mid_stream_frees_pages_and_slot(service):
         assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
         assert sum(isinstance(m, (Finished, Error)) for m in got) == 1
         assert_idle(client)
+
+
+def test_worker_preparing_ahead_streams_the_same_and_aborts_cleanly(model_path, reference):
+    # launch_ahead "prepare" (meant for GPUs, forced here): with overlap the worker applies
+    # plan k+1 before it sends result k. Same streams, an abort mid-stream ends with exactly one
+    # terminal message, and the accounting returns to idle.
+    svc = ServiceProcess(model_path, "--overlap", "--set", "scheduling.launch_ahead=prepare")
+    try:
+        assert_concurrent_streams_match(svc.endpoint, reference)
+        params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+        with Client(svc.endpoint) as client:
+            got = []
+            for msg in client.generate(messages=messages("Count to one thousand."),
+                                       params=params, request_id="long-2"):
+                got.append(msg)
+                if sum(isinstance(m, Chunk) for m in got) == 3:
+                    client.abort("long-2")
+            assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
+            assert sum(isinstance(m, (Finished, Error)) for m in got) == 1
+            assert_idle(client)
+    finally:
+        assert svc.stop() == 0, svc.log_text()
 
 
 def test_vanished_client_is_detected_and_its_requests_aborted(service):

@@ -226,12 +226,12 @@ async def test_sigkill_during_step_raises_worker_died_then_restart_works(loaded,
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("launch_ahead", [False, True])
+@pytest.mark.parametrize("launch_ahead", ["off", "prepare", "on"])
 async def test_pipelined_plans_match_an_in_process_runner(tiny_model, launch_ahead):
     # Overlap scheduling sends plan k+1 before result k: all plans go out at once here, the
     # decodes read their input tokens from the worker's own buffers, results come back in order.
-    # With launch_ahead (the GPU order, forced here on the CPU) the worker launches plan k+1
-    # before it finishes step k.
+    # With launch_ahead "prepare" or "on" (GPU orders, forced here on the CPU) the worker
+    # prepares, or prepares and launches, plan k+1 before it finishes step k.
     plans = tiny_plans()
     runner = ModelRunner(RunnerConfig(model_path=tiny_model, progress=False, **TINY))
     expected = [unpack_i32(runner.step(p).token_ids).tolist() for p in plans]
@@ -262,11 +262,71 @@ async def test_step_that_fails_in_the_worker_raises_worker_died(tiny_model):
         assert h.returncode == 1
 
 
+@pytest.mark.parametrize("launch_ahead", ["off", "prepare", "on"])
+def test_worker_loop_takes_up_a_waiting_plan_in_the_launch_ahead_order(tiny_model, launch_ahead):
+    # The worker's loop, in-process over a real PAIR socket pair, with every plan (and the
+    # Shutdown) already waiting: the order of the runner's calls is what launch_ahead says.
+    import zmq
+
+    from gpu.worker_main import EXIT_OK, answer_plans
+    from ipc.worker_messages import Shutdown
+    from ipc.zmq_util import SchedulerSideCodec, WorkerSideCodec
+
+    calls: list[str] = []
+
+    class LoggingRunner(ModelRunner):
+        def prepare(self, plan):
+            calls.append(f"prepare {plan.step_id}")
+            return super().prepare(plan)
+
+        def launch_prepared(self, step):
+            calls.append(f"launch {step.plan.step_id}")
+            return super().launch_prepared(step)
+
+        def finish(self, pending):
+            calls.append(f"send {pending.step_id}")
+            return super().finish(pending)
+
+    plans = tiny_plans()[:3]
+    reference = ModelRunner(RunnerConfig(model_path=tiny_model, progress=False, **TINY))
+    expected = [unpack_i32(reference.step(p).token_ids).tolist() for p in plans]
+    runner = LoggingRunner(RunnerConfig(model_path=tiny_model, progress=False,
+                                        launch_ahead=launch_ahead, **TINY))
+    ctx = zmq.Context()
+    worker_side, scheduler_side = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        worker_side.bind("inproc://worker-loop")
+        scheduler_side.connect("inproc://worker-loop")
+        codec = SchedulerSideCodec()
+        for msg in [*plans, Shutdown()]:
+            scheduler_side.send(codec.encode(msg))
+
+        def fail(step_id, message, exc=None):
+            raise AssertionError(f"step {step_id} failed: {message}") from exc
+
+        assert answer_plans(worker_side, WorkerSideCodec(), runner, fail) == EXIT_OK
+        results = [codec.decode(scheduler_side.recv()) for _ in plans]
+    finally:
+        worker_side.close(0), scheduler_side.close(0), ctx.term()
+    assert [r.step_id for r in results] == [1, 2, 3]
+    assert [unpack_i32(r.token_ids).tolist() for r in results] == expected
+    assert calls == {
+        "off": ["prepare 1", "launch 1", "send 1", "prepare 2", "launch 2", "send 2",
+                "prepare 3", "launch 3", "send 3"],
+        "prepare": ["prepare 1", "launch 1", "prepare 2", "send 1", "launch 2", "prepare 3",
+                    "send 2", "launch 3", "send 3"],
+        "on": ["prepare 1", "launch 1", "prepare 2", "launch 2", "send 1", "prepare 3",
+               "launch 3", "send 2", "send 3"],
+    }[launch_ahead]
+
+
 @pytest.mark.anyio
-async def test_launched_ahead_step_failure_comes_after_the_earlier_result(tiny_model):
-    # Plan 2 is launched (and fails) while step 1 is still pending: step 1's result must still
+@pytest.mark.parametrize("launch_ahead", ["prepare", "on"])
+async def test_launched_ahead_step_failure_comes_after_the_earlier_result(tiny_model,
+                                                                          launch_ahead):
+    # Plan 2 is prepared (and fails) while step 1 is still pending: step 1's result must still
     # arrive first, then the failure of step 2.
-    async with WorkerHandle({"model_path": tiny_model, "launch_ahead": True, **TINY},
+    async with WorkerHandle({"model_path": tiny_model, "launch_ahead": launch_ahead, **TINY},
                             ready_timeout_s=60, env=WORKER_ENV) as h:
         await h.send_plan(tiny_plans()[0])
         await h.send_plan(StepPlan(2, [], [], [], pack_i32([99]), pack_i32([])))
