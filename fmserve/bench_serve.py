@@ -7,6 +7,8 @@
    request a dev prompt as a chat, greedy, exactly --max-new-tokens tokens (eos ignored).
 4. Poisson arrivals at --rate requests/s.
 Reported per run: TTFT, inter-token latency (ITL) and end-to-end p50/p99, output tokens/s.
+Steps 2-4 repeat per service variant: --overlap on,off, and with overlap on each
+--launch-ahead mode; --rounds N starts the variants in turn N times and pools their runs.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with overlap on, the worker's scheduling.launch_ahead: one of off, "
                         "prepare, on, auto, or several (off,prepare) to compare in one run "
                         "(default: config.toml's)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="start the services this many times, in turn (A B A B ...), and pool "
+                        "each one's runs: on a machine whose speed drifts, interleaving keeps "
+                        "the drift out of the ratios")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed on to `fmserve serve --set` (e.g. runtime.worker_cpu_threads=2)")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
@@ -188,8 +194,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     console.print(f"offline baseline: batch 32, {n} requests ...")
     baseline = offline_baseline(args, path, prompts[:n], params)
     console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
+    if args.rounds < 1:
+        raise SystemExit(f"fmserve bench serve: --rounds is {args.rounds}; it must be at least 1")
     results: list[RunResult] = []
-    for overlap, launch_ahead in service_variants(args.overlap, args.launch_ahead):
+    variants = service_variants(args.overlap, args.launch_ahead)
+    for overlap, launch_ahead in [v for _ in range(args.rounds) for v in variants]:
         tag = "overlap " + ("on" if overlap else "off")
         extra = [f for kv in args.set for f in ("--set", kv)]
         if launch_ahead is not None:
@@ -220,11 +229,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+    per_round = results
+    results = pool_rounds(results)
     header = ["run", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
               "E2E p50 ms", "E2E p99 ms", "output tok/s", "vs offline b32",
               "worker idle %"]
+    rounds_note = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
     table = Table(title=f"serve: {args.dtype}, {args.max_new_tokens} new tokens/request, "
-                        f"offline batch-32 baseline {baseline:.1f} tok/s")
+                        f"offline batch-32 baseline {baseline:.1f} tok/s{rounds_note}")
     for h in header:
         table.add_column(h, justify="right")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -240,6 +252,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         lines.append("| " + " | ".join(row) + " |")
     console.print(table)
     summary = overlap_summary(results)
+    if args.rounds > 1:
+        summary += round_ratios(per_round)
     for line in summary:
         console.print(line)
     if args.markdown:
@@ -263,6 +277,41 @@ def service_variants(overlap: str, launch_ahead: str | None) -> list[tuple[bool,
         on = o.strip() == "on"
         variants += [(True, m) for m in modes] if on else [(False, None)]
     return variants
+
+
+def pool_rounds(results: list[RunResult]) -> list[RunResult]:
+    """One result per run name, in first-seen order: the rounds' requests pooled, their wall
+    times summed (so output tok/s is over all rounds) and their idle shares averaged."""
+    pooled: dict[str, RunResult] = {}
+    shares: dict[str, list[float]] = {}
+    for r in results:
+        if r.name not in pooled:
+            pooled[r.name], shares[r.name] = RunResult(r.name, [], 0.0), []
+        pooled[r.name].timings += r.timings
+        pooled[r.name].wall += r.wall
+        if r.idle_share is not None:
+            shares[r.name].append(r.idle_share)
+    for name, r in pooled.items():
+        r.idle_share = float(np.mean(shares[name])) if shares[name] else None
+    return list(pooled.values())
+
+
+def round_ratios(results: list[RunResult]) -> list[str]:
+    """Each overlap-on run against overlap off, round by round (the k-th run of a name is in
+    round k): the spread says how far to trust the pooled ratio."""
+    runs: dict[str, list[RunResult]] = {}
+    for r in results:
+        runs.setdefault(r.name, []).append(r)
+    out = []
+    for name, ons in runs.items():
+        tag, _, workload = name.partition(", ")
+        offs = runs.get("overlap off, " + workload)
+        if not tag.startswith("overlap on") or not offs:
+            continue
+        ratios = " ".join(f"{on.output_tps / off.output_tps:.3f}x"
+                          for on, off in zip(ons, offs) if off.output_tps)
+        out.append(f"- {workload}: {tag}/off by round: {ratios}")
+    return out
 
 
 def overlap_summary(results: list[RunResult]) -> list[str]:

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from fmserve.bench_serve import RequestTiming, RunResult, overlap_summary, service_variants
+from fmserve.bench_serve import (RequestTiming, RunResult, overlap_summary, pool_rounds,
+                                 round_ratios, service_variants)
 from fmserve.cli import main
 
 
@@ -70,3 +71,16 @@ def test_service_variants_run_each_launch_ahead_mode_with_overlap_only():
     assert service_variants("off", "on") == [(False, None)]
     with pytest.raises(SystemExit, match="'sideways'"):
         service_variants("on", "off,sideways")
+
+
+def test_rounds_pool_per_run_and_keep_each_rounds_ratio():
+    rounds = [run("overlap on, concurrency 8", 110, 1.0, 0.01),
+              run("overlap off, concurrency 8", 100, 1.0, 0.03),
+              run("overlap on, concurrency 8", 90, 1.0, 0.03),
+              run("overlap off, concurrency 8", 100, 1.0, 0.05)]
+    pooled = pool_rounds(rounds)
+    assert [r.name for r in pooled] == ["overlap on, concurrency 8", "overlap off, concurrency 8"]
+    assert [len(r.timings) for r in pooled] == [2, 2]
+    assert [r.output_tps for r in pooled] == [100.0, 100.0]  # (110 + 90) / 2 s
+    assert [round(r.idle_share, 3) for r in pooled] == [0.02, 0.04]
+    assert round_ratios(rounds) == ["- concurrency 8: overlap on/off by round: 1.100x 0.900x"]

@@ -177,18 +177,24 @@ def test_stop_string_cuts_exactly(service, reference):
     assert c.finish_reason == "stop"
 
 
-def test_abort_mid_stream_frees_pages_and_slot(service):
+def assert_abort_mid_stream_ends_once(endpoint: str, request_id: str) -> None:
+    """Abort a long request after three chunks: exactly one terminal message (the abort), and
+    its pages and slot come back."""
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
-    with Client(service.endpoint) as client:
+    with Client(endpoint) as client:
         got = []
         for msg in client.generate(messages=messages("Count to one thousand."), params=params,
-                                   request_id="long-1"):
+                                   request_id=request_id):
             got.append(msg)
             if sum(isinstance(m, Chunk) for m in got) == 3:
-                client.abort("long-1")
+                client.abort(request_id)
         assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
         assert sum(isinstance(m, (Finished, Error)) for m in got) == 1
         assert_idle(client)
+
+
+def test_abort_mid_stream_frees_pages_and_slot(service):
+    assert_abort_mid_stream_ends_once(service.endpoint, "long-1")
 
 
 def test_worker_preparing_ahead_streams_the_same_and_aborts_cleanly(model_path, reference):
@@ -198,17 +204,7 @@ def test_worker_preparing_ahead_streams_the_same_and_aborts_cleanly(model_path, 
     svc = ServiceProcess(model_path, "--overlap", "--set", "scheduling.launch_ahead=prepare")
     try:
         assert_concurrent_streams_match(svc.endpoint, reference)
-        params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
-        with Client(svc.endpoint) as client:
-            got = []
-            for msg in client.generate(messages=messages("Count to one thousand."),
-                                       params=params, request_id="long-2"):
-                got.append(msg)
-                if sum(isinstance(m, Chunk) for m in got) == 3:
-                    client.abort("long-2")
-            assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
-            assert sum(isinstance(m, (Finished, Error)) for m in got) == 1
-            assert_idle(client)
+        assert_abort_mid_stream_ends_once(svc.endpoint, "long-2")
     finally:
         assert svc.stop() == 0, svc.log_text()
 
