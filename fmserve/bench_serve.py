@@ -186,6 +186,9 @@ def pct(values: list[float], q: float) -> str:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     console = Console()
+    if args.rounds < 1:  # checked before the baseline spends minutes
+        raise SystemExit(f"fmserve bench serve: --rounds is {args.rounds}; it must be at least 1")
+    variants = service_variants(args.overlap, args.launch_ahead)
     path = resolve_model_path(args.model)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -194,10 +197,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     console.print(f"offline baseline: batch 32, {n} requests ...")
     baseline = offline_baseline(args, path, prompts[:n], params)
     console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
-    if args.rounds < 1:
-        raise SystemExit(f"fmserve bench serve: --rounds is {args.rounds}; it must be at least 1")
     results: list[RunResult] = []
-    variants = service_variants(args.overlap, args.launch_ahead)
     for overlap, launch_ahead in [v for _ in range(args.rounds) for v in variants]:
         tag = "overlap " + ("on" if overlap else "off")
         extra = [f for kv in args.set for f in ("--set", kv)]
