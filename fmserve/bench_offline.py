@@ -38,6 +38,7 @@ class Measure:
     decode_tps: float
     overlap: bool = False
     q4: bool = False  # small forwards on the GGUF's 4-bit codes (gpu/q4_linear.py)
+    graphs: bool = False  # decode batches replay CUDA graphs (gpu/decode_graphs.py)
 
 
 def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -103,6 +104,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     overlaps = [o == "on" for o in getattr(args, "overlap", "off").split(",")]
     q4_modes = [o == "on" for o in getattr(args, "q4", "on").split(",")]
     q4_max = getattr(args, "q4_max_tokens", DEFAULT_Q4_MAX_TOKENS)
+    graph_modes = [o == "on" for o in getattr(args, "cuda_graphs", "off").split(",")]
     results: list[Measure] = []
     with Progress(console=console) as progress:
         task = progress.add_task("benchmark", total=len(dtypes) * len(batches) * 2)
@@ -110,20 +112,31 @@ def run_bench_offline(args: argparse.Namespace) -> int:
             engine = Engine(model=str(path), device=args.device, dtype=dtype,
                             attention_backend=args.attention_backend,
                             max_running_requests=max(batches), progress=False,
-                            q4_max_tokens=q4_max if any(q4_modes) else 0)
+                            q4_max_tokens=q4_max if any(q4_modes) else 0,
+                            cuda_graph_max_batch=max(batches) if any(graph_modes)
+                            and args.attention_backend == "triton" else 0)
             has_q4 = engine.runner.model.q4_projections > 0
+            graphs = engine.runner.decode_graphs  # None on a CPU: only "off" runs there
+            if any(graph_modes) and graphs is None:
+                console.print("[yellow]--cuda-graphs on: no CUDA graphs on this device "
+                              "(they need CUDA and --attention-backend triton); measuring "
+                              "without[/]")
             all_prompts = bench_prompts(engine.tokenizer, max(batches), args.prompt_len)
             for b in batches:
                 # Interleaved per batch size, so drift hits every variant alike.
                 for q4 in sorted({q and has_q4 for q in q4_modes}):
                     engine.runner.model.set_q4_max_tokens(q4_max if q4 else 0)
-                    for overlap in overlaps:
-                        progress.update(task, description=f"fmserve {dtype} batch {b}"
-                                                          f"{' overlap' if overlap else ''}"
-                                                          f"{' q4' if q4 else ''}")
-                        engine.overlap = overlap
-                        pf, dc = measure_fmserve(engine, all_prompts[:b], args.decode_len)
-                        results.append(Measure("fmserve", dtype, b, pf, dc, overlap, q4))
+                    for graphed in sorted({g and graphs is not None for g in graph_modes}):
+                        engine.runner.decode_graphs = graphs if graphed else None
+                        for overlap in overlaps:
+                            progress.update(task, description=f"fmserve {dtype} batch {b}"
+                                                              f"{' overlap' if overlap else ''}"
+                                                              f"{' q4' if q4 else ''}"
+                                                              f"{' graphs' if graphed else ''}")
+                            engine.overlap = overlap
+                            pf, dc = measure_fmserve(engine, all_prompts[:b], args.decode_len)
+                            results.append(Measure("fmserve", dtype, b, pf, dc, overlap, q4,
+                                                   graphed))
                 progress.advance(task)
             del engine
             if args.no_baseline:
@@ -149,10 +162,12 @@ def render(results: list[Measure], args: argparse.Namespace, console: Console) -
     base = {(m.dtype, m.batch): m for m in results if m.engine == "transformers"}
     table = Table(title=f"offline: prompt {args.prompt_len} tokens, decode {args.decode_len} "
                         f"tokens, threads {torch.get_num_threads()}")
-    fm = {(m.dtype, m.batch, m.overlap, m.q4): m for m in results if m.engine == "fmserve"}
-    header = ["dtype", "batch", "overlap", "q4", "fmserve prefill tok/s", "fmserve decode tok/s",
-              "transformers prefill tok/s", "transformers decode tok/s", "decode ratio",
-              "prefill ratio", "decode overlap on/off", "decode q4 on/off"]
+    fm = {(m.dtype, m.batch, m.overlap, m.q4, m.graphs): m for m in results
+          if m.engine == "fmserve"}
+    header = ["dtype", "batch", "overlap", "q4", "graphs", "fmserve prefill tok/s",
+              "fmserve decode tok/s", "transformers prefill tok/s", "transformers decode tok/s",
+              "decode ratio", "prefill ratio", "decode overlap on/off", "decode q4 on/off",
+              "decode graphs on/off"]
     for h in header:
         table.add_column(h, justify="right")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -160,16 +175,19 @@ def render(results: list[Measure], args: argparse.Namespace, console: Console) -
         if m.engine != "fmserve":
             continue
         b = base.get((m.dtype, m.batch))
-        o = fm.get((m.dtype, m.batch, False, m.q4)) if m.overlap else None
-        q = fm.get((m.dtype, m.batch, m.overlap, False)) if m.q4 else None
+        o = fm.get((m.dtype, m.batch, False, m.q4, m.graphs)) if m.overlap else None
+        q = fm.get((m.dtype, m.batch, m.overlap, False, m.graphs)) if m.q4 else None
+        g = fm.get((m.dtype, m.batch, m.overlap, m.q4, False)) if m.graphs else None
         row = [m.dtype, str(m.batch), "on" if m.overlap else "off", "on" if m.q4 else "off",
+               "on" if m.graphs else "off",
                f"{m.prefill_tps:.0f}",
                f"{m.decode_tps:.1f}",
                f"{b.prefill_tps:.0f}" if b else "-", f"{b.decode_tps:.1f}" if b else "-",
                f"{m.decode_tps / b.decode_tps:.2f}x" if b else "-",
                f"{m.prefill_tps / b.prefill_tps:.2f}x" if b else "-",
                f"{m.decode_tps / o.decode_tps:.2f}x" if o else "-",
-               f"{m.decode_tps / q.decode_tps:.2f}x" if q else "-"]
+               f"{m.decode_tps / q.decode_tps:.2f}x" if q else "-",
+               f"{m.decode_tps / g.decode_tps:.2f}x" if g else "-"]
         table.add_row(*row)
         lines.append("| " + " | ".join(row) + " |")
     console.print(table)

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--q4-max-tokens", type=int, default=12,  # DEFAULT_Q4_MAX_TOKENS
                      help="forwards of at most this many tokens use the 4-bit weights when "
                           "--q4 is on (also for --spec runs)")
+    off.add_argument("--cuda-graphs", default="off", choices=["off", "on", "off,on"],
+                     help="decode batches replay CUDA graphs (runtime.cuda_graph_max_batch; "
+                          "CUDA and --attention-backend triton only); off,on measures both "
+                          "and prints their ratio")
     off.add_argument("--baseline-max-batch", type=int, default=32,
                      help="largest batch to run transformers at (it is slow)")
     off.add_argument("--markdown", default=None, help="also write the table to this file")

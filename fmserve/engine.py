@@ -55,7 +55,8 @@ class Engine:
                  max_tokens_per_step: int = 2048, max_context_len: int | None = None,
                  progress: bool = True, overlap: bool = False,
                  spec: SpecSettings | None = None,
-                 q4_max_tokens: int = DEFAULT_Q4_MAX_TOKENS) -> None:
+                 q4_max_tokens: int = DEFAULT_Q4_MAX_TOKENS,
+                 cuda_graph_max_batch: int = 0) -> None:
         path = resolve_model_path(model)
         spec = (spec or SpecSettings()).validate()
         if spec.enabled:
@@ -66,7 +67,8 @@ class Engine:
             model_path=str(path), device=device, dtype=dtype, attention_backend=attention_backend,
             page_size=page_size, max_kv_tokens=max_kv_tokens,
             max_running_requests=max_running_requests, max_context_len=max_context_len,
-            progress=progress, spec=spec, q4_max_tokens=q4_max_tokens))
+            progress=progress, spec=spec, q4_max_tokens=q4_max_tokens,
+            cuda_graph_max_batch=cuda_graph_max_batch))
         self.info = self.runner.info()
         self.scheduler = SchedulerCore(self.info, self.tokenizer,
                                        SchedulerConfig(max_tokens_per_step=max_tokens_per_step))

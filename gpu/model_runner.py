@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from gpu.attention.base import AttentionBackend
+from gpu.decode_graphs import DecodeGraphs
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.future_map import FutureMap
@@ -64,6 +65,10 @@ class RunnerConfig:
     # "off" on a CPU (there launching *is* computing, so finishing first sends the result
     # sooner). Tests force the other modes on the CPU to run those orders too.
     launch_ahead: str = "auto"
+    # Decode batches of up to this many requests replay a captured CUDA graph of the decoder
+    # (gpu/decode_graphs.py); 0: never. CUDA only, with an attention backend that reads no host
+    # lengths (triton); ignored on the CPU and under speculative decoding.
+    cuda_graph_max_batch: int = 0
 
 
 @dataclass
@@ -71,7 +76,6 @@ class PreparedStep:
     """A plan applied and its batch built (ModelRunner.prepare), its forward not launched yet."""
 
     plan: StepPlan
-    start: float  # host clock when preparing began
     prepare_s: float = 0.0  # host time spent preparing
     batch: ForwardBatch | None = None  # None: an EAGLE step, which prepares inside its launch
     sample_rows: torch.Tensor | None = None
@@ -83,8 +87,7 @@ class PendingStep:
     """A launched step whose result is still on its way (see ModelRunner.launch/finish)."""
 
     step_id: int
-    launch_start: float  # host clock when preparing began
-    launch_end: float
+    launch_end: float  # host clock when launching returned
     busy_s: float = 0.0  # host time preparing and launching (on the CPU: computing)
     copy: HostCopy | None = None  # None: nothing to copy (idle, or a ready result)
     span: ForwardSpan | None = None  # device timing (GPU)
@@ -154,6 +157,19 @@ class ModelRunner:
         if cfg.spec.enabled:
             from gpu.eagle.spec_worker import EagleWorker
             self.eagle = EagleWorker(self, cfg.spec)
+        self.decode_graphs: DecodeGraphs | None = None
+        if cfg.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch is {cfg.cuda_graph_max_batch}: it must be 0 "
+                             f"(no CUDA graphs) or the largest decode batch to capture")
+        if cfg.cuda_graph_max_batch and self.device.type == "cuda" and self.eagle is None:
+            self.decode_graphs = self.make_decode_graphs(cfg.cuda_graph_max_batch)
+            self.decode_graphs.capture()
+
+    def make_decode_graphs(self, max_batch: int) -> DecodeGraphs:
+        """Decode graphs for this runner's model and attention backend, not captured yet (the
+        CPU tests capture them as EagerReplay; see gpu/decode_graphs.py)."""
+        return DecodeGraphs(self.model, self.attn, min(max_batch, self.num_slots - 1),
+                            self.model_config.hidden_size, self.device, self.dtype)
 
     def info(self) -> WorkerInfo:
         mc = self.model_config
@@ -316,6 +332,8 @@ class ModelRunner:
         # The new lengths are known before the forward: publishing them first lets the next
         # plan's host lengths (GPU) wait for this forward's start rather than its end.
         self.future_map.publish(batch.slots, batch.seq_lens)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.run(batch)
         self.attn.init_forward_metadata(batch)
         hidden, _ = self.model.hidden_states(batch, self.attn)
         return hidden
@@ -337,7 +355,7 @@ class ModelRunner:
         previous step's `launch_prepared`; the worker may send that step's result between the
         two halves (launch_ahead "prepare")."""
         start = time.perf_counter()
-        step = PreparedStep(plan, start)
+        step = PreparedStep(plan)
         if self.eagle is None:  # the EAGLE step runs whole in launch_prepared
             with self.streams.scheduling():
                 self._apply_bookkeeping(plan)
@@ -354,10 +372,10 @@ class ModelRunner:
             with self.streams.forwarding() as span:
                 ready = self.eagle.step(plan, start)
             end = time.perf_counter()
-            return PendingStep(plan.step_id, step.start, end, busy_s=step.prepare_s + end - start,
+            return PendingStep(plan.step_id, end, busy_s=step.prepare_s + end - start,
                                span=span, ready=ready)
         batch = step.batch
-        pending = PendingStep(plan.step_id, step.start, 0.0)
+        pending = PendingStep(plan.step_id, 0.0)
         with self.streams.forwarding() as span:
             pending.span = span
             if batch.mode != ForwardMode.IDLE:

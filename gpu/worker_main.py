@@ -129,6 +129,10 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     from gpu.q4_linear import Q4Linear
     if isinstance(runner.model.lm_head, Q4Linear):
         q4_note += f", the lm_head up to {runner.model.lm_head.max_tokens}"
+    if runner.decode_graphs is not None:
+        q4_note += f", CUDA graphs for decode batches up to {runner.decode_graphs.max_batch}"
+    elif runner.cfg.cuda_graph_max_batch:
+        q4_note += ", no CUDA graphs (they need a CUDA device and no speculative decoding)"
     print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
           f"{info.dtype}, {info.attention_backend}{q4_note})", file=sys.stderr, flush=True)
 

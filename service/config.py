@@ -145,6 +145,7 @@ class RuntimeSection:
     wrwr_check: bool = _key(False, Boolean())  # FutureMap write/read invariant checks (debug)
     worker_cpu_threads: int = _key(0, IntIn(0, 1024))  # 0 = auto (see server.py)
     q4_max_tokens: int = _key(12, IntIn(0, 4096))  # 0 = never (see gpu/q4_linear.py)
+    cuda_graph_max_batch: int = _key(0, IntIn(0, 4096))  # 0 = never (gpu/decode_graphs.py)
 
 
 @dataclass(frozen=True)

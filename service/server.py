@@ -74,6 +74,7 @@ class Service:
                                wrwr_check=rt.wrwr_check or None,
                                cpu_threads=worker_cpu_threads(cfg),
                                q4_max_tokens=rt.q4_max_tokens,
+                               cuda_graph_max_batch=rt.cuda_graph_max_batch,
                                launch_ahead=cfg.scheduling.launch_ahead,
                                spec=msgspec.to_builtins(spec_settings(cfg))),
             ready_timeout_s=cfg.worker.ready_timeout_s, step_timeout_s=cfg.worker.step_timeout_s)

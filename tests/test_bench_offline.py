@@ -1,5 +1,6 @@
 """`fmserve bench offline --overlap off,on` and `--q4 off,on` measure both and print their
-ratio (figures are not asserted, only that every number is there and finite)."""
+ratio (figures are not asserted, only that every number is there and finite); `--cuda-graphs
+on` falls back to measuring without where there are no CUDA graphs (the CPU)."""
 
 import math
 
@@ -18,12 +19,13 @@ def bench_cells(model, tmp_path, *args: str) -> list[list[str]]:
 
 def test_bench_offline_overlap_off_and_on(model_path, tmp_path, one_torch_thread):
     cells = bench_cells(model_path, tmp_path, "--batch-sizes", "1,2", "--dtypes", "fp32",
-                        "--overlap", "off,on")
+                        "--overlap", "off,on", "--cuda-graphs", "off,on")
     assert [(c[1], c[2]) for c in cells] == [("1", "off"), ("1", "on"), ("2", "off"), ("2", "on")]
     assert {c[3] for c in cells} == {"off"}  # fp32: never the 4-bit codes
+    assert {c[4] for c in cells} == {"off"}  # the CPU has no CUDA graphs
     for c in cells:
-        assert math.isfinite(float(c[4])) and float(c[5]) > 0  # prefill, decode tok/s
-    ratios = [c[10] for c in cells if c[2] == "on"]
+        assert math.isfinite(float(c[5])) and float(c[6]) > 0  # prefill, decode tok/s
+    ratios = [c[11] for c in cells if c[2] == "on"]
     assert all(r.endswith("x") and float(r[:-1]) > 0 for r in ratios), ratios
 
 
@@ -31,6 +33,6 @@ def test_bench_offline_q4_off_and_on(gguf_path, tmp_path, one_torch_thread):
     cells = bench_cells(gguf_path, tmp_path, "--batch-sizes", "1", "--dtypes", "bf16",
                         "--q4", "off,on")
     assert [(c[1], c[3]) for c in cells] == [("1", "off"), ("1", "on")]
-    assert all(float(c[5]) > 0 for c in cells)
-    ratio = cells[1][11]
+    assert all(float(c[6]) > 0 for c in cells)
+    ratio = cells[1][12]
     assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])), ratio

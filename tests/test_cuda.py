@@ -51,6 +51,28 @@ def test_cuda_greedy_equals_the_cpu_with_overlap_on_and_off(model_path, cpu_refe
     assert greedy(engine, overlap=True) == cpu_reference
 
 
+def test_cuda_graph_decode_equals_the_cpu(model_path, cpu_reference):
+    """Captured decode graphs (buckets 1, 2, 4 and 6 for 6 requests that finish one by one, so
+    5 and 3 replay with padding rows) give the CPU's tokens, with overlap off and on."""
+    engine = Engine(model=str(model_path), device="cuda", dtype="fp32", max_kv_tokens=4096,
+                    max_running_requests=8, attention_backend="triton", progress=False,
+                    cuda_graph_max_batch=6)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 6]
+    assert greedy(engine, overlap=False) == cpu_reference
+    replays = graphs.replays
+    assert replays > 0
+    assert greedy(engine, overlap=True) == cpu_reference
+    assert graphs.replays > replays
+
+
+def test_cuda_graphs_refuse_the_torch_backend(model_path):
+    with pytest.raises(ValueError, match="triton"):
+        Engine(model=str(model_path), device="cuda", dtype="fp32", max_kv_tokens=1024,
+               max_running_requests=2, attention_backend="torch", progress=False,
+               cuda_graph_max_batch=2)
+
+
 def test_pinned_length_copy_follows_the_last_publish():
     fm = FutureMap(num_slots=6, device=torch.device("cuda"), wrwr_check=True)
     slots = torch.tensor([1, 4], device="cuda")
