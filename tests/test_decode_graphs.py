@@ -1,6 +1,7 @@
-"""Decode graphs (gpu/decode_graphs.py) on the CPU: the static buffers, buckets and padding rows
-around the graph, run as EagerReplay (the CPU has no graphs), must give exactly the tokens of
-the plain decode path. The capture itself runs on a GPU in tests/test_cuda.py.
+"""Decode graphs (gpu/decode_graphs.py): the static buffers, buckets and padding rows around
+the graph must give exactly the tokens of the plain decode path. On the CPU the graphs are
+EagerReplay (the CPU has none), so everything around them is tested; on a GPU the same tests
+capture real CUDA graphs (and tests/test_cuda.py runs the real model with them).
 
 Graphs need the Triton backend, which runs in Triton's interpreter here (slow per launch), so
 the model is a tiny random Llama written by transformers (2 layers) with a word-level
@@ -21,6 +22,7 @@ from tests.engine_runs import assert_accounting_empty
 
 pytest.importorskip("triton")
 VOCAB = 96
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
 PROMPTS = [[1, 7, 9, 30], [1, 40, 2, 11, 12, 60, 61], [1, 5], [1, 88, 17, 17, 3, 4, 50, 51, 52],
            [1, 33, 34], [1, 70, 71, 72, 73]]
 
@@ -53,7 +55,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model) -> Engine:
-    return Engine(model=str(tiny_model), device="cpu", dtype="fp32", attention_backend="triton",
+    return Engine(model=str(tiny_model), device=DEVICE, dtype="fp32", attention_backend="triton",
                   max_kv_tokens=1024, max_running_requests=8, progress=False)
 
 
@@ -69,7 +71,7 @@ def greedy(engine: Engine, overlap: bool) -> list[list[int]]:
 
 def test_padded_replays_give_the_tokens_of_the_plain_decode(engine):
     runner = engine.runner
-    assert runner.decode_graphs is None  # the CPU never captures on its own
+    assert runner.decode_graphs is None  # cuda_graph_max_batch = 0: never captured on its own
     plain = greedy(engine, overlap=False)
     assert len({tuple(t) for t in plain}) > 1  # the prompts lead to different outputs
     # Buckets 1, 2, 4: batches of 6 and 5 run eagerly, 4 / 2 / 1 replay exactly, 3 replays the
@@ -131,7 +133,7 @@ def test_padding_rows_touch_only_the_padding_page(engine):
 
 
 def test_graphs_refuse_a_backend_that_reads_host_lengths(tiny_model):
-    engine = Engine(model=str(tiny_model), device="cpu", dtype="fp32", attention_backend="torch",
+    engine = Engine(model=str(tiny_model), device=DEVICE, dtype="fp32", attention_backend="torch",
                     max_kv_tokens=256, max_running_requests=2, progress=False)
     with pytest.raises(ValueError, match="triton"):
         DecodeGraphs(engine.runner.model, engine.runner.attn, 2, 64, engine.runner.device,
