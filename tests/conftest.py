@@ -41,3 +41,24 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A random 2-layer Llama written by transformers, with the default model's attention
+    geometry (9 heads, 3 KV heads of 64) and a 96-token word-level tokenizer (prompts are token
+    ids below 96). For engine tests whose cost is per layer, such as Triton's interpreter."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=576, intermediate_size=384,
+                         num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=512, rope_theta=100000.0, bos_token_id=1,
+                         eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path

@@ -4,12 +4,10 @@ EagerReplay (the CPU has none), so everything around them is tested; on a GPU th
 capture real CUDA graphs (and tests/test_cuda.py runs the real model with them).
 
 Graphs need the Triton backend, which runs in Triton's interpreter here (slow per launch), so
-the model is a tiny random Llama written by transformers (2 layers) with a word-level
-tokenizer: every code path is the real one, only the weights are small."""
+the model is conftest's tiny_llama (2 random layers of the default model's attention geometry,
+a word-level tokenizer): every code path is the real one, only the weights are few."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +19,9 @@ from ipc.sampling import SamplingParams
 from tests.engine_runs import assert_accounting_empty
 
 pytest.importorskip("triton")
-VOCAB = 96
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
 PROMPTS = [[1, 7, 9, 30], [1, 40, 2, 11, 12, 60, 61], [1, 5], [1, 88, 17, 17, 3, 4, 50, 51, 52],
-           [1, 33, 34], [1, 70, 71, 72, 73]]
+           [1, 33, 34]]
 
 
 def test_bucket_sizes_cover_every_batch_up_to_the_largest():
@@ -37,32 +34,15 @@ def test_bucket_sizes_cover_every_batch_up_to_the_largest():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(path / "tokenizer.json"))
-    return path
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model) -> Engine:
-    return Engine(model=str(tiny_model), device=DEVICE, dtype="fp32", attention_backend="triton",
+def engine(tiny_llama) -> Engine:
+    return Engine(model=str(tiny_llama), device=DEVICE, dtype="fp32", attention_backend="triton",
                   max_kv_tokens=1024, max_running_requests=8, progress=False)
 
 
 def greedy(engine: Engine, overlap: bool) -> list[list[int]]:
-    """Six requests whose token budgets differ, so the decode batch shrinks 6, 5, ..., 1."""
+    """Five requests whose token budgets differ, so the decode batch shrinks 5, 4, ..., 1."""
     engine.overlap = overlap
-    params = [SamplingParams(temperature=0.0, max_new_tokens=3 + i, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=2 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
     out = [c.token_ids for c in engine.generate(PROMPTS, params)]
     assert_accounting_empty(engine)
@@ -74,7 +54,7 @@ def test_padded_replays_give_the_tokens_of_the_plain_decode(engine):
     assert runner.decode_graphs is None  # cuda_graph_max_batch = 0: never captured on its own
     plain = greedy(engine, overlap=False)
     assert len({tuple(t) for t in plain}) > 1  # the prompts lead to different outputs
-    # Buckets 1, 2, 4: batches of 6 and 5 run eagerly, 4 / 2 / 1 replay exactly, 3 replays the
+    # Buckets 1, 2, 4: a batch of 5 runs eagerly, 4 / 2 / 1 replay exactly, 3 replays the
     # 4-row graph with one padding row (slot 0, KV location 0) beside live requests.
     graphs = runner.make_decode_graphs(4)
     graphs.capture()
@@ -132,9 +112,9 @@ def test_padding_rows_touch_only_the_padding_page(engine):
     assert written <= set(range(page)) | set(three.out_cache_loc.tolist()), sorted(written)
 
 
-def test_graphs_refuse_a_backend_that_reads_host_lengths(tiny_model):
-    engine = Engine(model=str(tiny_model), device=DEVICE, dtype="fp32", attention_backend="torch",
+def test_graphs_refuse_a_backend_that_reads_host_lengths(tiny_llama):
+    engine = Engine(model=str(tiny_llama), device=DEVICE, dtype="fp32", attention_backend="torch",
                     max_kv_tokens=256, max_running_requests=2, progress=False)
     with pytest.raises(ValueError, match="triton"):
-        DecodeGraphs(engine.runner.model, engine.runner.attn, 2, 64, engine.runner.device,
+        DecodeGraphs(engine.runner.model, engine.runner.attn, 2, 576, engine.runner.device,
                      engine.runner.dtype)
