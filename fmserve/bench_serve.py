@@ -8,7 +8,8 @@
 4. Poisson arrivals at --rate requests/s.
 Reported per run: TTFT, inter-token latency (ITL) and end-to-end p50/p99, output tokens/s.
 Steps 2-4 repeat per service variant: --overlap on,off, and with overlap on each
---launch-ahead mode; --rounds N starts the variants in turn N times and pools their runs.
+--launch-ahead mode; --rounds N starts the variants in turn N times (the order reversed every
+other round) and pools their runs.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                         "prepare, on, auto, or several (off,prepare) to compare in one run "
                         "(default: config.toml's)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="start the services this many times, in turn (A B A B ...), and pool "
-                        "each one's runs: on a machine whose speed drifts, interleaving keeps "
-                        "the drift out of the ratios")
+                   help="start the services this many times, in turn and in alternating "
+                        "order (A B, B A, A B ...), and pool each one's runs: on a machine "
+                        "whose speed drifts, or favours the first or last service started, "
+                        "this keeps the drift and the position out of the ratios")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed on to `fmserve serve --set` (e.g. runtime.worker_cpu_threads=2)")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
@@ -198,7 +200,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     baseline = offline_baseline(args, path, prompts[:n], params)
     console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
     results: list[RunResult] = []
-    for overlap, launch_ahead in [v for _ in range(args.rounds) for v in variants]:
+    for overlap, launch_ahead in run_order(variants, args.rounds):
         tag = "overlap " + ("on" if overlap else "off")
         extra = [f for kv in args.set for f in ("--set", kv)]
         if launch_ahead is not None:
@@ -277,6 +279,14 @@ def service_variants(overlap: str, launch_ahead: str | None) -> list[tuple[bool,
         on = o.strip() == "on"
         variants += [(True, m) for m in modes] if on else [(False, None)]
     return variants
+
+
+def run_order(variants: list, rounds: int) -> list:
+    """The services in the order they start: every variant once a round, the order reversed
+    every other round (A B, B A, ...). Runs on 2-core machines favoured the service started
+    first or last by up to 15% (docs/benchmarks.md); over an even number of rounds every
+    variant holds every position equally often."""
+    return [v for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
 
 
 def pool_rounds(results: list[RunResult]) -> list[RunResult]:

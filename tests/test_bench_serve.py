@@ -6,7 +6,7 @@ import re
 import pytest
 
 from fmserve.bench_serve import (RequestTiming, RunResult, overlap_summary, pool_rounds,
-                                 round_ratios, service_variants)
+                                 round_ratios, run_order, service_variants)
 from fmserve.cli import main
 
 
@@ -71,6 +71,17 @@ def test_service_variants_run_each_launch_ahead_mode_with_overlap_only():
     assert service_variants("off", "on") == [(False, None)]
     with pytest.raises(SystemExit, match="'sideways'"):
         service_variants("on", "off,sideways")
+
+
+def test_rounds_alternate_the_order_so_every_variant_holds_every_position():
+    a, b, c = (True, "off"), (True, "prepare"), (False, None)
+    assert run_order([a, c], 1) == [a, c]
+    assert run_order([a, c], 4) == [a, c, c, a, a, c, c, a]
+    order = run_order([a, b, c], 2)
+    assert order == [a, b, c, c, b, a]
+    for v in (a, b, c):  # over two rounds, each variant's mean position is the middle one
+        positions = [i % 3 for i, w in enumerate(order) if w == v]
+        assert sum(positions) == 2
 
 
 def test_rounds_pool_per_run_and_keep_each_rounds_ratio():
