@@ -163,7 +163,13 @@ class ModelRunner:
                              f"(no CUDA graphs) or the largest decode batch to capture")
         if cfg.cuda_graph_max_batch and self.device.type == "cuda" and self.eagle is None:
             self.decode_graphs = self.make_decode_graphs(cfg.cuda_graph_max_batch)
-            self.decode_graphs.capture()
+            try:
+                self.decode_graphs.capture()
+            except Exception as exc:
+                raise RuntimeError(
+                    f"capturing CUDA graphs for decode batches up to "
+                    f"{self.decode_graphs.max_batch} failed ({type(exc).__name__}: {exc}); set "
+                    f"runtime.cuda_graph_max_batch = 0 to run without them") from exc
 
     def make_decode_graphs(self, max_batch: int) -> DecodeGraphs:
         """Decode graphs for this runner's model and attention backend, not captured yet (the
