@@ -62,15 +62,14 @@ class EagerReplay:
 class DecodeGraphs:
     """Captured decoder forwards for decode batches of up to ``max_batch`` requests."""
 
-    def __init__(self, model, attn, max_batch: int, hidden_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, model, attn, max_batch: int) -> None:
         if getattr(attn, "needs_cpu_seq_lens", True):
             raise ValueError(
                 f"decode graphs need an attention backend that reads no host lengths; "
                 f"{type(attn).__name__} does (use runtime.attention_backend = \"triton\", or "
                 f"set runtime.cuda_graph_max_batch = 0)")
         self.model, self.attn = model, attn
-        self.device = device
+        self.device = device = model.device
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.ints = torch.zeros(len(_FIELDS), self.max_batch, dtype=torch.int64, device=device)
@@ -78,7 +77,8 @@ class DecodeGraphs:
                                 dtype=torch.int64, device=device)
         self.ints.copy_(self.pad)
         self.ones = torch.ones(self.max_batch, dtype=torch.int64, device=device)
-        self.hidden = torch.zeros(self.max_batch, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(self.max_batch, model.config.hidden_size, dtype=model.dtype,
+                                  device=device)
         self.graphs: dict[int, object] = {}
         self.replays = 0  # decode steps that ran a graph (tests and benchmarks read it)
 
@@ -94,7 +94,7 @@ class DecodeGraphs:
         self.hidden[:size].copy_(hidden)
 
     @torch.inference_mode()
-    def capture(self, progress: Callable[[int], None] | None = None) -> None:
+    def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool. On the CPU: EagerReplay."""
         cuda = self.device.type == "cuda"
         pool = None
@@ -118,8 +118,6 @@ class DecodeGraphs:
                     fn()
                 pool = graph.pool()
                 self.graphs[size] = graph
-            if progress is not None:
-                progress(size)
         if cuda:
             torch.cuda.synchronize(self.device)
         self.ints.copy_(self.pad)

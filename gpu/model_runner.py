@@ -174,8 +174,7 @@ class ModelRunner:
     def make_decode_graphs(self, max_batch: int) -> DecodeGraphs:
         """Decode graphs for this runner's model and attention backend, not captured yet (the
         CPU tests capture them as EagerReplay; see gpu/decode_graphs.py)."""
-        return DecodeGraphs(self.model, self.attn, min(max_batch, self.num_slots - 1),
-                            self.model_config.hidden_size, self.device, self.dtype)
+        return DecodeGraphs(self.model, self.attn, min(max_batch, self.num_slots - 1))
 
     def info(self) -> WorkerInfo:
         mc = self.model_config

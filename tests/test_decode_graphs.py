@@ -116,5 +116,4 @@ def test_graphs_refuse_a_backend_that_reads_host_lengths(tiny_llama):
     engine = Engine(model=str(tiny_llama), device=DEVICE, dtype="fp32", attention_backend="torch",
                     max_kv_tokens=256, max_running_requests=2, progress=False)
     with pytest.raises(ValueError, match="triton"):
-        DecodeGraphs(engine.runner.model, engine.runner.attn, 2, 576, engine.runner.device,
-                     engine.runner.dtype)
+        DecodeGraphs(engine.runner.model, engine.runner.attn, 2)
