@@ -68,16 +68,15 @@ def _byte_level_pre_tokenizer(pre: str | None):
 
 
 def _gguf_metadata(path: Path) -> dict[str, Any]:
-    import gguf
+    from ipc.gguf_file import GGUFFile  # the gguf package, only for GGUF models
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:
         reason = str(e).rstrip(".")
         raise TokenizerLoadError(f"could not read GGUF file {path}: {reason}. The file looks "
                                  f"truncated or corrupt; download it again.") from e
-    return {key: field.contents() for key, field in reader.fields.items()
-            if key.startswith("tokenizer.")}
+    return {key: value for key, value in reader.fields.items() if key.startswith("tokenizer.")}
 
 
 def _build_gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks, q8_0_as_q4_pair
 from gpu.model_config import ModelConfig, RopeScaling
+from ipc.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -45,27 +46,24 @@ _ROPE_FREQS = "rope_freqs.weight"
 _REQUIRED = object()
 
 
-def open_gguf(path: Path):
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files
+        return GGUFFile(path)
+    except Exception as e:  # GGUFFormatError (truncated, corrupt, big-endian), OSError
         reason = str(e).rstrip(".")
         raise ModelLoadError(
             f"could not read GGUF file {path}: {reason}. The file looks truncated or corrupt "
             f"(an interrupted download?); download it again.") from e
 
 
-def gguf_value(reader, key: str, path: Path, default=_REQUIRED):
+def gguf_value(reader: GGUFFile, key: str, path: Path, default=_REQUIRED):
     """One metadata value as a Python scalar, string or list."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.fields:
         if default is _REQUIRED:
             raise ModelLoadError(f"GGUF file {path} lacks the metadata key '{key}'; it was not "
                                  f"written by a llama.cpp converter we understand")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
 def gguf_model_config(reader, path: Path) -> ModelConfig:
@@ -93,7 +91,7 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
     if vocab is None:
         if tokens is None:
             raise ModelLoadError(f"{path} states neither {arch}.vocab_size nor a token list")
-        vocab = len(tokens.data)
+        vocab = len(tokens)
     rope_theta = float(meta("rope.freq_base", 10000.0))
     eos = gguf_value(reader, "tokenizer.ggml.eos_token_id", path, None)
     eot = gguf_value(reader, "tokenizer.ggml.eot_token_id", path, None)
