@@ -20,8 +20,8 @@ fi
 export FMSERVE_WRWR_CHECK="${FMSERVE_WRWR_CHECK:-1}"
 
 cd "$ROOT"
-# No path given -> testpaths from pyproject.toml (tests/). A hung test fails after 300 s rather
-# than eating CI's time (600 s: a 2-core machine under load is slow); --timeout=N overrides it.
+# No path given -> testpaths from pyproject.toml (tests/). A hung test fails after 600 s rather
+# than eating CI's time (a 2-core machine under load is slow); --timeout=N overrides it.
 # The 20 slowest tests are listed, to keep the suite short.
 set +e
 "$PY" -m pytest -q --timeout=600 --durations=20 "$@"
