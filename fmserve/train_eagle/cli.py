@@ -143,7 +143,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--eval-mode", default="spec", choices=["spec", "estimate", "both"],
                    help="spec: the Engine's real speculative path; estimate: a teacher-forced "
                         "offline estimate (no speculative runtime needed)")
-    e.add_argument("--num-steps", type=int, default=4, help="draft chain length at eval")
+    e.add_argument("--num-steps", type=int, default=4, help="draft depth at eval")
+    e.add_argument("--eval-topk", type=int, default=1,
+                   help="spec eval: children per draft node (1: a chain of --num-steps)")
+    e.add_argument("--eval-draft-tokens", type=int, default=0,
+                   help="spec eval: tree nodes verified per step, the root included (0: "
+                        "--num-steps + 1, what a chain verifies)")
+    e.add_argument("--eval-batch", type=int, default=64,
+                   help="spec eval: requests decoded together")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

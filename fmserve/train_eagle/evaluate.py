@@ -32,6 +32,7 @@ class SpecResult:
     verify_steps: int
     accepted_drafts: int
     seconds: float
+    per_position: list[float]  # share of verify steps that accepted a draft at each depth
 
     @property
     def accept_length(self) -> float | None:
@@ -47,22 +48,30 @@ def eval_prompt_ids(tokenizer, prompts_file: str, num: int, max_prompt_tokens: i
 
 def evaluate_spec(model: str, head_dir: Path, prompts_file: str, num_prompts: int,
                   max_new_tokens: int, num_steps: int = 4, dtype: str = "auto",
-                  progress: bool = True, device: str = "auto") -> SpecResult:
-    """Greedy generation with speculative decoding; the accept length the Engine reports."""
+                  progress: bool = True, device: str = "auto", topk: int = 1,
+                  num_draft_tokens: int = 0, batch: int = 64) -> SpecResult:
+    """Greedy generation with speculative decoding; the accept length the Engine reports.
+    topk 1 is a chain of num_steps drafts; above 1 a tree of num_draft_tokens nodes."""
     from fmserve.engine import Engine
     from ipc.sampling import SamplingParams
     from ipc.spec_settings import SpecSettings
 
     spec = SpecSettings(algorithm="eagle3", draft_model=str(head_dir), num_steps=num_steps,
-                        topk=1, num_draft_tokens=num_steps + 1)
-    engine = Engine(model, device=device, dtype=dtype, progress=progress, spec=spec)
+                        topk=topk, num_draft_tokens=num_draft_tokens or num_steps + 1).validate()
+    engine = Engine(model, device=device, dtype=dtype, progress=progress, spec=spec,
+                    max_running_requests=batch)
     prompts = eval_prompt_ids(engine.tokenizer, prompts_file, num_prompts)
     t0 = time.perf_counter()
     done = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
     dt = time.perf_counter() - t0
-    return SpecResult(len(done), sum(len(c.token_ids) for c in done),
-                      sum(c.spec_verify_steps for c in done),
-                      sum(c.spec_accepted_drafts for c in done), dt)
+    verify_steps = sum(c.spec_verify_steps for c in done)
+    per_position = [0] * num_steps
+    for c in done:
+        for depth, n in enumerate(c.spec_accepted_per_position):
+            per_position[depth] += n
+    return SpecResult(len(done), sum(len(c.token_ids) for c in done), verify_steps,
+                      sum(c.spec_accepted_drafts for c in done), dt,
+                      [n / max(verify_steps, 1) for n in per_position])
 
 
 @torch.no_grad()
@@ -132,10 +141,17 @@ def evaluate_from_args(args, model_path: Path, head_dir: Path, data_dir: Path,
             f"held-out prompts, on {device}): accept length {acc_len:.3f}; per-step accuracy "
             + " ".join(f"{a:.3f}" for a in acc))
     if args.eval_mode in ("spec", "both"):
+        topk = getattr(args, "eval_topk", 1)
+        draft_tokens = getattr(args, "eval_draft_tokens", 0) or args.num_steps + 1
         r = evaluate_spec(str(model_path), head_dir, args.eval_prompts, args.eval_num_prompts,
-                          args.eval_max_new_tokens, args.num_steps, args.dtype, progress, device)
-        log(f"eval (speculative decoding, {r.prompts} held-out prompts, greedy, chain of "
-            f"{args.num_steps}, on {device}): mean accept length "
+                          args.eval_max_new_tokens, args.num_steps, args.dtype, progress, device,
+                          topk, draft_tokens, getattr(args, "eval_batch", 64))
+        shape = (f"chain of {args.num_steps}" if topk == 1 else
+                 f"tree of {draft_tokens} tokens ({args.num_steps} steps, topk {topk})")
+        log(f"eval (speculative decoding, {r.prompts} held-out prompts, greedy, {shape}, on "
+            f"{device}): mean accept length "
             f"{'-' if r.accept_length is None else f'{r.accept_length:.3f}'} over "
-            f"{r.verify_steps} verify steps; {r.tokens} tokens in {r.seconds:.1f} s "
+            f"{r.verify_steps} verify steps; accepted by draft position "
+            + " ".join(f"{a:.3f}" for a in r.per_position)
+            + f"; {r.tokens} tokens in {r.seconds:.1f} s "
             f"({r.tokens / max(r.seconds, 1e-9):.1f} tok/s)")
