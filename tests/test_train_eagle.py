@@ -607,8 +607,9 @@ def test_cuda_end_to_end(model_path, tmp_path, keep_torch_threads):
 
 def test_spec_eval_measures_a_chain_and_a_tree_with_the_shipped_head(tmp_path, model_path,
                                                                       keep_torch_threads, capsys):
-    """`--stage eval` on the real speculative path, chain and tree: the figures it logs add up
-    (accept length = 1 + the per-position shares), and the tree's shape reaches the engine."""
+    """`--stage eval` on the real speculative path, by default a chain and a tree: the figures
+    it logs add up (accept length = 1 + the per-position shares), and the tree reaches the
+    engine (the shipped head gets more accepted from it than from the chain)."""
     from fmserve.default_model import SHIPPED_EAGLE3_HEAD, is_default_model
     from fmserve.train_eagle.cli import main
 
@@ -616,22 +617,34 @@ def test_spec_eval_measures_a_chain_and_a_tree_with_the_shipped_head(tmp_path, m
         pytest.skip("the shipped head belongs to the default model")
     prompts = tmp_path / "dev.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    common = ["--model", str(model_path), "--work-dir", str(tmp_path), "--device", "cpu",
-              "--no-progress", "--out", str(SHIPPED_EAGLE3_HEAD), "--stage", "eval",
-              "--eval-prompts", str(prompts), "--eval-num-prompts", "2",
-              "--eval-max-new-tokens", "24", "--num-steps", "3", "--dtype", "fp32"]
-    figures = {}
-    for name, extra in [("chain", []), ("tree", ["--eval-topk", "4", "--eval-draft-tokens", "8"])]:
-        assert main(common + extra) == 0
-        line = next(l for l in capsys.readouterr().err.splitlines() if "speculative decoding" in l)
-        shape = "chain of 3" if name == "chain" else "tree of 8 tokens (3 steps, topk 4)"
-        assert shape in line, line
+    assert main(["--model", str(model_path), "--work-dir", str(tmp_path), "--device", "cpu",
+                 "--no-progress", "--out", str(SHIPPED_EAGLE3_HEAD), "--stage", "eval",
+                 "--eval-prompts", str(prompts), "--eval-num-prompts", "2",
+                 "--eval-max-new-tokens", "24", "--num-steps", "3", "--dtype", "fp32"]) == 0
+    lines = [l for l in capsys.readouterr().err.splitlines() if "speculative decoding" in l]
+    assert len(lines) == 2
+    assert "chain of 3" in lines[0] and "tree of 8 tokens (3 steps, topk 4)" in lines[1], lines
+    figures = []
+    for line in lines:
         m = re.search(r"mean accept length ([\d.]+) over (\d+) verify steps; accepted by draft "
                       r"position ([\d. ]+);", line)
         assert m, line
         length, shares = float(m.group(1)), [float(x) for x in m.group(3).split()]
         assert len(shares) == 3 and shares == sorted(shares, reverse=True)
         assert length == pytest.approx(1 + sum(shares), abs=2e-3)
-        figures[name] = length
-    assert figures["chain"] > 1.2  # a trained head gets drafts accepted (1.8 here)
-    assert figures["tree"] > figures["chain"]  # the tree reached the engine (2.53 here)
+        figures.append(length)
+    chain, tree = figures
+    assert chain > 1.2  # a trained head gets drafts accepted (1.8 here)
+    assert tree > chain  # 2.53 here
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--eval-shapes", "star"], "give chain, tree or chain,tree"),
+    (["--eval-topk", "1"], "a tree needs 2 or more children"),
+    (["--eval-draft-tokens", "40"], "the eval tree .* is not one the engine can run"),
+])
+def test_bad_eval_shapes_are_refused_before_any_work(tmp_path, extra, message):
+    from fmserve.train_eagle.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["--work-dir", str(tmp_path), "--stage", "eval", "--num-steps", "3", *extra])

@@ -144,11 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="spec: the Engine's real speculative path; estimate: a teacher-forced "
                         "offline estimate (no speculative runtime needed)")
     e.add_argument("--num-steps", type=int, default=4, help="draft depth at eval")
-    e.add_argument("--eval-topk", type=int, default=1,
-                   help="spec eval: children per draft node (1: a chain of --num-steps)")
-    e.add_argument("--eval-draft-tokens", type=int, default=0,
-                   help="spec eval: tree nodes verified per step, the root included (0: "
-                        "--num-steps + 1, what a chain verifies)")
+    e.add_argument("--eval-shapes", default="chain,tree",
+                   help="spec eval: chain (--num-steps drafts), tree (--num-steps deep, "
+                        "--eval-topk children a node, --eval-draft-tokens verified) or both")
+    e.add_argument("--eval-topk", type=int, default=4, help="spec eval: the tree's children a node")
+    e.add_argument("--eval-draft-tokens", type=int, default=8,
+                   help="spec eval: the tree's nodes verified per step, the root included")
     e.add_argument("--eval-batch", type=int, default=64,
                    help="spec eval: requests decoded together")
 
@@ -212,6 +213,21 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.step_loss_decay} (1 weights every unroll step alike)")
     if args.shard_size < 1:
         raise SystemExit(f"train-eagle: --shard-size must be >= 1, got {args.shard_size}")
+    from fmserve.train_eagle.evaluate import eval_shapes
+    from ipc.spec_settings import SpecSettings
+    try:
+        if "tree" in eval_shapes(args.eval_shapes):
+            if args.eval_topk < 2:
+                raise ValueError(f"--eval-topk {args.eval_topk}: a tree needs 2 or more children "
+                                 f"a node (--eval-shapes chain measures a chain)")
+            try:
+                SpecSettings("eagle3", "", args.num_steps, args.eval_topk,
+                             args.eval_draft_tokens).validate()
+            except ValueError as e:
+                raise ValueError(f"the eval tree (--num-steps, --eval-topk, --eval-draft-tokens) "
+                                 f"is not one the engine can run: {e}") from None
+    except ValueError as e:
+        raise SystemExit(f"train-eagle: {e}") from None
     args.device = resolve_device_arg(args.device)
     governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads, device=args.device)
     model_path = resolve_model_path(args.model, progress=not args.no_progress)

@@ -141,17 +141,28 @@ def evaluate_from_args(args, model_path: Path, head_dir: Path, data_dir: Path,
             f"held-out prompts, on {device}): accept length {acc_len:.3f}; per-step accuracy "
             + " ".join(f"{a:.3f}" for a in acc))
     if args.eval_mode in ("spec", "both"):
-        topk = getattr(args, "eval_topk", 1)
-        draft_tokens = getattr(args, "eval_draft_tokens", 0) or args.num_steps + 1
-        r = evaluate_spec(str(model_path), head_dir, args.eval_prompts, args.eval_num_prompts,
-                          args.eval_max_new_tokens, args.num_steps, args.dtype, progress, device,
-                          topk, draft_tokens, getattr(args, "eval_batch", 64))
-        shape = (f"chain of {args.num_steps}" if topk == 1 else
-                 f"tree of {draft_tokens} tokens ({args.num_steps} steps, topk {topk})")
-        log(f"eval (speculative decoding, {r.prompts} held-out prompts, greedy, {shape}, on "
-            f"{device}): mean accept length "
-            f"{'-' if r.accept_length is None else f'{r.accept_length:.3f}'} over "
-            f"{r.verify_steps} verify steps; accepted by draft position "
-            + " ".join(f"{a:.3f}" for a in r.per_position)
-            + f"; {r.tokens} tokens in {r.seconds:.1f} s "
-            f"({r.tokens / max(r.seconds, 1e-9):.1f} tok/s)")
+        for shape_name in eval_shapes(getattr(args, "eval_shapes", "chain")):
+            tree = shape_name == "tree"
+            topk = args.eval_topk if tree else 1
+            draft_tokens = args.eval_draft_tokens if tree else args.num_steps + 1
+            r = evaluate_spec(str(model_path), head_dir, args.eval_prompts,
+                              args.eval_num_prompts, args.eval_max_new_tokens, args.num_steps,
+                              args.dtype, progress, device, topk, draft_tokens,
+                              getattr(args, "eval_batch", 64))
+            shape = (f"tree of {draft_tokens} tokens ({args.num_steps} steps, topk {topk})"
+                     if tree else f"chain of {args.num_steps}")
+            log(f"eval (speculative decoding, {r.prompts} held-out prompts, greedy, {shape}, on "
+                f"{device}): mean accept length "
+                f"{'-' if r.accept_length is None else f'{r.accept_length:.3f}'} over "
+                f"{r.verify_steps} verify steps; accepted by draft position "
+                + " ".join(f"{a:.3f}" for a in r.per_position)
+                + f"; {r.tokens} tokens in {r.seconds:.1f} s "
+                f"({r.tokens / max(r.seconds, 1e-9):.1f} tok/s)")
+
+
+def eval_shapes(text: str) -> list[str]:
+    shapes = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in ("chain", "tree")]
+    if bad or not shapes:
+        raise ValueError(f"--eval-shapes {text!r}: give chain, tree or chain,tree")
+    return shapes
