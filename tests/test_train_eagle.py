@@ -641,7 +641,7 @@ def test_spec_eval_measures_a_chain_and_a_tree_with_the_shipped_head(tmp_path, m
 @pytest.mark.parametrize("extra, message", [
     (["--eval-shapes", "star"], "give chain, tree or chain,tree"),
     (["--eval-topk", "1"], "a tree needs 2 or more children"),
-    (["--eval-draft-tokens", "40"], "the eval tree .* is not one the engine can run"),
+    (["--eval-draft-tokens", "40"], "the eval setting .* is not one the engine can run"),
 ])
 def test_bad_eval_shapes_are_refused_before_any_work(tmp_path, extra, message):
     from fmserve.train_eagle.cli import main

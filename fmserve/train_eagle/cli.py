@@ -213,19 +213,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.step_loss_decay} (1 weights every unroll step alike)")
     if args.shard_size < 1:
         raise SystemExit(f"train-eagle: --shard-size must be >= 1, got {args.shard_size}")
-    from fmserve.train_eagle.evaluate import eval_shapes
-    from ipc.spec_settings import SpecSettings
+    from fmserve.train_eagle.evaluate import eval_spec_shapes
     try:
-        if "tree" in eval_shapes(args.eval_shapes):
-            if args.eval_topk < 2:
-                raise ValueError(f"--eval-topk {args.eval_topk}: a tree needs 2 or more children "
-                                 f"a node (--eval-shapes chain measures a chain)")
-            try:
-                SpecSettings("eagle3", "", args.num_steps, args.eval_topk,
-                             args.eval_draft_tokens).validate()
-            except ValueError as e:
-                raise ValueError(f"the eval tree (--num-steps, --eval-topk, --eval-draft-tokens) "
-                                 f"is not one the engine can run: {e}") from None
+        eval_spec_shapes(args)
     except ValueError as e:
         raise SystemExit(f"train-eagle: {e}") from None
     args.device = resolve_device_arg(args.device)

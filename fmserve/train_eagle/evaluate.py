@@ -141,14 +141,10 @@ def evaluate_from_args(args, model_path: Path, head_dir: Path, data_dir: Path,
             f"held-out prompts, on {device}): accept length {acc_len:.3f}; per-step accuracy "
             + " ".join(f"{a:.3f}" for a in acc))
     if args.eval_mode in ("spec", "both"):
-        for shape_name in eval_shapes(getattr(args, "eval_shapes", "chain")):
-            tree = shape_name == "tree"
-            topk = args.eval_topk if tree else 1
-            draft_tokens = args.eval_draft_tokens if tree else args.num_steps + 1
+        for tree, topk, draft_tokens in eval_spec_shapes(args):
             r = evaluate_spec(str(model_path), head_dir, args.eval_prompts,
                               args.eval_num_prompts, args.eval_max_new_tokens, args.num_steps,
-                              args.dtype, progress, device, topk, draft_tokens,
-                              getattr(args, "eval_batch", 64))
+                              args.dtype, progress, device, topk, draft_tokens, args.eval_batch)
             shape = (f"tree of {draft_tokens} tokens ({args.num_steps} steps, topk {topk})"
                      if tree else f"chain of {args.num_steps}")
             log(f"eval (speculative decoding, {r.prompts} held-out prompts, greedy, {shape}, on "
@@ -160,9 +156,23 @@ def evaluate_from_args(args, model_path: Path, head_dir: Path, data_dir: Path,
                 f"({r.tokens / max(r.seconds, 1e-9):.1f} tok/s)")
 
 
-def eval_shapes(text: str) -> list[str]:
-    shapes = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in ("chain", "tree")]
-    if bad or not shapes:
-        raise ValueError(f"--eval-shapes {text!r}: give chain, tree or chain,tree")
+def eval_spec_shapes(args) -> list[tuple[bool, int, int]]:
+    """(is a tree, topk, draft tokens) per shape of --eval-shapes; ValueError, saying which
+    flag is wrong, for anything the engine could not run."""
+    from ipc.spec_settings import SpecSettings
+
+    names = [s.strip() for s in args.eval_shapes.split(",") if s.strip()]
+    if not names or any(n not in ("chain", "tree") for n in names):
+        raise ValueError(f"--eval-shapes {args.eval_shapes!r}: give chain, tree or chain,tree")
+    if "tree" in names and args.eval_topk < 2:
+        raise ValueError(f"--eval-topk {args.eval_topk}: a tree needs 2 or more children a node "
+                         f"(--eval-shapes chain measures a chain)")
+    shapes = [(True, args.eval_topk, args.eval_draft_tokens) if n == "tree"
+              else (False, 1, args.num_steps + 1) for n in names]
+    for _, topk, draft_tokens in shapes:
+        try:
+            SpecSettings("eagle3", "", args.num_steps, topk, draft_tokens).validate()
+        except ValueError as e:
+            raise ValueError(f"the eval setting (--num-steps, --eval-topk, --eval-draft-tokens) is "
+                             f"not one the engine can run: {e}") from None
     return shapes
