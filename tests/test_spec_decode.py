@@ -72,15 +72,19 @@ def reference(plain):
 
 @pytest.fixture(scope="module")
 def random_heads(plain, tmp_path_factory):
-    """Random EAGLE-3 (reduced vocabulary) and EAGLE-1 heads for the default model."""
+    """Random EAGLE-3 (reduced vocabulary) and EAGLE-1 heads for the default model, and an
+    EAGLE-3 head with a wider MLP than the target's (train-eagle --head-intermediate-size)."""
     runner = plain.runner
     mc, embed = runner.model_config, runner.model.embed_tokens
     out = {}
-    for algorithm, vocab in (("eagle3", 4096), ("eagle", None)):
-        head = random_draft_head(mc, embed, embed, algorithm, draft_vocab_size=vocab, seed=3)
-        path = tmp_path_factory.mktemp(f"random-{algorithm}")
+    for name, algorithm, vocab, width in (("eagle3", "eagle3", 4096, None),
+                                          ("eagle", "eagle", None, None),
+                                          ("eagle3-wide", "eagle3", 4096, 2048)):
+        head = random_draft_head(mc, embed, embed, algorithm, draft_vocab_size=vocab, seed=3,
+                                 intermediate_size=width)
+        path = tmp_path_factory.mktemp(f"random-{name}")
         save_draft_head(head, path)
-        out[algorithm] = str(path)
+        out[name] = str(path)
     return out
 
 
@@ -120,15 +124,17 @@ def test_greedy_identical_with_shipped_head(request, reference, shape, overlap):
     assert sum(r.accepted_drafts for r in counters) > 0, counters
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
-def test_greedy_identical_with_random_head(request, model_path, reference, random_heads,
-                                           algorithm):
-    spec = SpecSettings(algorithm, random_heads[algorithm], num_steps=TREE.num_steps,
+@pytest.mark.parametrize("head", ["eagle3", "eagle", "eagle3-wide"])
+def test_greedy_identical_with_random_head(request, model_path, reference, random_heads, head):
+    algorithm = head.split("-")[0]
+    spec = SpecSettings(algorithm, random_heads[head], num_steps=TREE.num_steps,
                         topk=TREE.topk, num_draft_tokens=TREE.num_draft_tokens)
     engine = make_engine(model_path, spec)
+    if head == "eagle3-wide":
+        assert engine.runner.eagle.head.config.intermediate_size == 2048
     rows, counters = run(engine, overlap=True)
     assert rows == reference
-    if algorithm == "eagle3":  # the shipped head drafts far better than chance
+    if head == "eagle3":  # the shipped head drafts far better than chance
         _, shipped = shipped_run(request, "tree", True)
         assert mean_accept_length(shipped) > mean_accept_length(counters) + 0.1, (shipped,
                                                                                   counters)

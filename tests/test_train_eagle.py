@@ -330,6 +330,49 @@ def test_init_head_starts_from_a_trained_head(tiny_run, model_path):
               model_path, progress=False, data=data, target=target)
 
 
+def test_a_wider_head_trains_ships_and_is_kept_by_fine_tuning(tiny_run, model_path):
+    """--head-intermediate-size: the head's MLP is that wide, it trains and ships in the
+    public layout (config.json says the width), a fine-tune from it keeps the width without
+    being told, and a resume with another width is refused."""
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    model_cfg, embed, _, _ = target
+    wide = 2 * model_cfg.intermediate_size
+    result = train(_config(work, ckpt_dir=str(work / "ckpt-w"), out=str(work / "head-w"),
+                           head_intermediate_size=wide, save_every=1, max_steps=3),
+                   model_path, progress=False, data=data, target=target)
+    losses = [loss for _, loss, _ in result.history]
+    assert losses[-1] < losses[0], losses
+    head = load_draft_head(work / "head-w", model_cfg, embed, None, "cpu", torch.float32)
+    assert head.config.intermediate_size == wide
+    assert tuple(head.midlayer.mlp.down_proj.weight.shape) == (model_cfg.hidden_size, wide)
+    assert json.loads((work / "head-w" / "training.json").read_text())[
+        "head_intermediate_size"] == wide
+    train(_config(work, ckpt_dir=str(work / "ckpt-w2"), out=str(work / "head-w2"),
+                  init_head=str(work / "head-w"), lr=0.0, max_steps=1),
+          model_path, progress=False, data=data, target=target)
+    again = load_draft_head(work / "head-w2", model_cfg, embed, None, "cpu", torch.float32)
+    assert again.config.intermediate_size == wide
+    with pytest.raises(SystemExit, match="head_intermediate_size"):
+        train(_config(work, ckpt_dir=str(work / "ckpt-w"), out=str(work / "head-w"),
+                      max_steps=4, resume=True), model_path, progress=False, data=data,
+              target=target)
+
+
+def test_the_widest_head_the_help_names_fits_in_25_mb(tmp_path, model_path):
+    """The default model's head at 2944 wide with 8,192 draft tokens, in fp16, stays under the
+    25 MB the repository allows a shipped head (--head-intermediate-size's help says so)."""
+    from fmserve.train_eagle.trainer import load_target
+    from gpu.eagle.head_io import random_draft_head, save_draft_head
+
+    model_cfg, embed, _, _ = load_target(model_path)
+    head = random_draft_head(model_cfg, embed, None, "eagle3", draft_vocab_size=8192,
+                             intermediate_size=2944)
+    save_draft_head(head, tmp_path, dtype=torch.float16)
+    assert 24e6 < (tmp_path / "model.safetensors").stat().st_size < 25e6
+
+
 def test_remap_lm_head_keeps_shared_rows_and_maps_new_ones_through_the_embedding():
     from types import SimpleNamespace
 

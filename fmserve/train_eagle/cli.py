@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--step-loss-decay", type=float, default=0.8,
                    help="the loss of unroll step k is weighted by this ** k (1: all alike)")
     t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--head-intermediate-size", type=int, default=0, metavar="N",
+                   help="the head's MLP width; 0 = the target's (1536 for the default model; "
+                        "up to 2944 keeps its head under 25 MB in fp16), or --init-head's")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warmup (default: 5%% of the steps, at most 50)")
@@ -213,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.step_loss_decay} (1 weights every unroll step alike)")
     if args.shard_size < 1:
         raise SystemExit(f"train-eagle: --shard-size must be >= 1, got {args.shard_size}")
+    if args.head_intermediate_size < 0:
+        raise SystemExit(f"train-eagle: --head-intermediate-size must be >= 1 (or 0 for the "
+                         f"target's width), got {args.head_intermediate_size}")
     from fmserve.train_eagle.evaluate import eval_spec_shapes
     try:
         eval_spec_shapes(args)

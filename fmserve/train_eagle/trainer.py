@@ -42,6 +42,7 @@ class TrainConfig:
     out: str
     ttt_steps: int = 4
     draft_vocab_size: int = 8192
+    head_intermediate_size: int = 0  # the head's MLP width; 0 = the target's (or --init-head's)
     lr: float = 1e-3
     warmup_steps: int | None = None
     min_lr_ratio: float = 0.1
@@ -72,7 +73,9 @@ class TrainConfig:
     def from_args(cls, args, work_dir: Path, out: Path) -> "TrainConfig":
         return cls(data_dir=str(work_dir / "data"), ckpt_dir=str(work_dir / CHECKPOINT_DIR),
                    out=str(out), ttt_steps=args.ttt_steps,
-                   draft_vocab_size=args.draft_vocab_size, lr=args.lr,
+                   draft_vocab_size=args.draft_vocab_size,
+                   head_intermediate_size=getattr(args, "head_intermediate_size", 0),
+                   lr=args.lr,
                    warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
                    weight_decay=args.weight_decay, grad_clip=args.grad_clip, epochs=args.epochs,
                    max_steps=args.max_steps, max_minutes=args.max_minutes,
@@ -144,7 +147,7 @@ CALIBRATION_STEPS = 8  # steps timed before a --max-minutes budget fixes the sch
 
 def build_head(model_cfg, embed: torch.Tensor, final_norm: torch.Tensor,
                token_counts: torch.Tensor, draft_vocab_size: int, seed: int,
-               init_lm_head_from_target: bool = False):
+               init_lm_head_from_target: bool = False, intermediate_size: int = 0):
     """A fresh head (HF-style random init, as SpecForge starts) with the draft vocabulary of the
     most frequent response tokens. ``init_lm_head_from_target`` starts lm_head and the final
     norm from the target's instead: measured worse here (the random first steps make the
@@ -153,7 +156,8 @@ def build_head(model_cfg, embed: torch.Tensor, final_norm: torch.Tensor,
 
     dv = min(draft_vocab_size, model_cfg.vocab_size)
     head = random_draft_head(model_cfg, embed, None, algorithm="eagle3", draft_vocab_size=dv,
-                             seed=seed, dtype=torch.float32)
+                             seed=seed, dtype=torch.float32,
+                             intermediate_size=intermediate_size or None)
     d2t, t2d = build_vocab_map(token_counts, dv)
     with torch.no_grad():
         head.d2t.copy_(d2t)
@@ -199,8 +203,9 @@ def init_from_head(head, directory: str, model_cfg, embed: torch.Tensor,
     from gpu.eagle.head_io import load_draft_head
     src = load_draft_head(directory, model_cfg, embed, None, "cpu", torch.float32)
     mine, theirs = head.config, src.config
-    keys = ("hidden_size", "aux_layer_ids", "num_heads") + (() if refresh_vocab
-                                                             else ("draft_vocab_size",))
+    keys = ("hidden_size", "intermediate_size", "aux_layer_ids", "num_heads")
+    if not refresh_vocab:
+        keys += ("draft_vocab_size",)
     for key in keys:
         if getattr(mine, key) != getattr(theirs, key):
             raise SystemExit(f"train-eagle: --init-head {directory} has {key}="
@@ -357,7 +362,12 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     response_counts = counts = response_token_counts(data, model_cfg.vocab_size)
     if cfg.vocab_prior:
         counts = vocab_counts_with_prior(counts, cfg.vocab_prior, model_path)
-    head = build_head(model_cfg, embed, final_norm, counts, cfg.draft_vocab_size, cfg.seed)
+    width = cfg.head_intermediate_size
+    if cfg.init_head and not width:  # fine-tuning keeps the trained head's MLP width
+        from gpu.eagle.head_io import read_head_config
+        width = int(read_head_config(cfg.init_head).get("intermediate_size") or 0)
+    head = build_head(model_cfg, embed, final_norm, counts, cfg.draft_vocab_size, cfg.seed,
+                      intermediate_size=width)
     if cfg.init_head:
         init_from_head(head, cfg.init_head, model_cfg, embed, cfg.refresh_vocab)
     coverage = float(response_counts[head.t2d].sum() / response_counts.sum().clamp(min=1))
@@ -383,10 +393,11 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
         # CPU tensors (also from a checkpoint a GPU run wrote); the optimizer's load_state_dict
         # moves its state to the parameters' device.
         state = torch.load(resume_from, map_location="cpu", weights_only=False)
-        for key in ("ttt_steps", "draft_vocab_size"):
-            if state["config"][key] != getattr(cfg, key):
+        for key in ("ttt_steps", "draft_vocab_size", "head_intermediate_size"):
+            if state["config"].get(key, 0) != getattr(cfg, key):
                 raise SystemExit(f"train-eagle: {resume_from.name} was trained with {key}="
-                                 f"{state['config'][key]}, now {getattr(cfg, key)}")
+                                 f"{state['config'].get(key, 0)}, now {getattr(cfg, key)}: "
+                                 f"give the same value to --resume")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -424,6 +435,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
                 "step_loss_decay": cfg.decay,
                 "draft_vocab_size": head.config.draft_vocab_size,
                 "draft_vocab_coverage": round(coverage, 4),
+                "head_intermediate_size": head.config.intermediate_size,
                 "train_acc_per_position": [round(a, 4) for a in acc],
                 "train_est_accept_length": round(expected_accept_length(acc), 3),
                 "device": device.type,

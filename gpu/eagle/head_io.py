@@ -17,7 +17,7 @@ from gpu.eagle.draft_head import (DraftHead, DraftHeadConfig, DraftHeadError,
 from gpu.model_config import ModelConfig
 
 __all__ = ["DraftHeadError", "load_draft_head", "save_draft_head", "random_draft_head",
-           "build_vocab_map", "draft_head_config"]
+           "build_vocab_map", "draft_head_config", "read_head_config"]
 
 ARCHITECTURES = {"eagle3": "LlamaForCausalLMEagle3", "eagle": "LlamaForCausalLMEagle"}
 WEIGHTS_FILE = "model.safetensors"
@@ -39,6 +39,11 @@ def _read_config(directory: Path) -> dict:
     if not isinstance(raw, dict):
         raise DraftHeadError(f"{config_file} does not hold a JSON object")
     return raw
+
+
+def read_head_config(path: str | Path) -> dict:
+    """A head directory's config.json, as a dict (a DraftHeadError says what is missing)."""
+    return _read_config(Path(path).expanduser())
 
 
 def _read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -358,11 +363,14 @@ def random_draft_head(target: ModelConfig, target_embed: torch.Tensor,
                       target_lm_head: torch.Tensor | None, algorithm: str = "eagle3",
                       draft_vocab_size: int | None = None, seed: int = 0,
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                      aux_layer_ids: tuple[int, ...] | None = None) -> DraftHead:
+                      aux_layer_ids: tuple[int, ...] | None = None,
+                      intermediate_size: int | None = None) -> DraftHead:
     """A randomly initialised head shaped like the target's layers (for tests, and as a start
     for training). Init as HF's: linear weights normal(0, 0.02), biases 0, norms 1; drawn on
     CPU from ``seed``, so the same seed gives the same head on any device. A reduced draft
     vocabulary keeps the first ``draft_vocab_size`` ids until build_vocab_map picks better ones.
+    ``intermediate_size``: the decoder layer's MLP width (default: the target's); any width
+    keeps the public one-layer layout, since config.json carries it.
     """
     vocab = target.vocab_size
     aux: tuple[int, ...] = ()
@@ -376,7 +384,8 @@ def random_draft_head(target: ModelConfig, target_embed: torch.Tensor,
                                  f"{target.num_layers - 2}); pass aux_layer_ids")
     cfg = DraftHeadConfig(
         algorithm=algorithm, hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size, num_heads=target.num_heads,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        num_heads=target.num_heads,
         num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
         max_position_embeddings=target.max_context_len, vocab_size=vocab,
