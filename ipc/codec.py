@@ -34,6 +34,9 @@ _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(ClientRequest)
 _reply_decoder = msgspec.msgpack.Decoder(ServiceReply)
 _lenient_decoder = msgspec.msgpack.Decoder()  # any msgpack -> Python objects
+# What msgspec raises for a frame it cannot read: besides DecodeError, a str that is not UTF-8
+# gives UnicodeDecodeError and nesting too deep RecursionError (either crashed the service).
+_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 class ProtocolError(ValueError):
@@ -134,21 +137,23 @@ def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, valid_types: tuple[s
         return decoder.decode(frame)
     except msgspec.ValidationError as exc:  # first: it is a subclass of DecodeError
         error = exc
-    except msgspec.DecodeError as exc:
+    except _UNREADABLE as exc:
         raise _not_msgpack(exc) from None
     # The typed decoder may stop at the first type mismatch, before it has read the whole
     # frame: parse it untyped to tell bad msgpack from a bad message and to find the id.
     try:
         raw = _lenient_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
+    except _UNREADABLE as exc:
         raise _not_msgpack(exc) from None
     raise _explain_invalid(raw, error, valid_types, what)
 
 
 def _not_msgpack(exc: Exception) -> ProtocolError:
+    why = f"a str in it is not valid UTF-8: {exc}" if isinstance(exc, UnicodeDecodeError) \
+        else str(exc)
     return ProtocolError(
         "invalid_message",
-        f"frame is not valid msgpack ({exc}); each frame must be one msgpack map "
+        f"frame is not valid msgpack ({why}); each frame must be one msgpack map "
         f"with a \"type\" field",
     )
 

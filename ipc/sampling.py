@@ -1,7 +1,8 @@
 """Per-request sampling parameters and stop conditions, as they travel on the wire.
 
 Semantics follow HF / vLLM / OpenAI where they agree:
-- ``temperature`` 0 means greedy (argmax); ``top_k`` 0 or -1 means no top-k cut.
+- ``temperature`` 0 means greedy (argmax), and so does one below 1e-5 or a ``top_p`` below
+  1e-8; ``top_k`` 0 or -1 means no top-k cut.
 - Filters run in the order top-k -> top-p -> min-p (HF and SGLang); min-p keeps tokens whose
   probability is at least ``min_p`` times the most likely token's.
 - ``repetition_penalty`` (HF/vLLM) divides positive and multiplies negative logits of every
@@ -20,6 +21,12 @@ import msgspec
 
 MAX_LOGPROBS = 20  # top-n alternatives a request may ask for (OpenAI's limit)
 MAX_SEED = 2**63  # seeds live in an int64 on the device
+MAX_NEW_TOKENS = 2**63  # min_new_tokens lives in an int64 on the device (so it is < this)
+# Below these a request is greedy: that is what such values mean (a top_p under 1 / vocab keeps
+# only the most likely token), and the worker's float32 copies would break on them (logits / T
+# overflows to inf and samples token 0; a top_p that rounds to 0 keeps no token and crashed it).
+GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM
+GREEDY_BELOW_TOP_P = 1e-8  # < 1 / vocab for any vocabulary under 10^8 tokens
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -40,8 +47,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        """Argmax decoding: temperature 0, or a top-k of 1 which leaves only the argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax decoding: temperature 0 (or nearly), or a top-k of 1 or a top-p so small
+        that only the argmax is left."""
+        return (self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+                or self.top_p < GREEDY_BELOW_TOP_P)
 
     @property
     def has_penalties(self) -> bool:
@@ -75,8 +84,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", self.logprobs,
                       f"must be in [0, {MAX_LOGPROBS}], or null for off")
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        if not (1 <= self.max_new_tokens < MAX_NEW_TOKENS):
+            raise bad("max_new_tokens", self.max_new_tokens, "must be in [1, 2**63)")
         if not (0 <= self.min_new_tokens <= self.max_new_tokens):
             raise bad("min_new_tokens", self.min_new_tokens,
                       f"must be in [0, max_new_tokens={self.max_new_tokens}]")

@@ -56,6 +56,11 @@ class ClientRegistry:
     def silent_clients(self, timeout_s: float) -> list[bytes]:
         """Clients with requests in flight that have not been heard from for timeout_s."""
         now = time.monotonic()
+        # Forget clients with nothing in flight that have gone quiet: every connection has its
+        # own identity, so keeping them all would grow without bound.
+        for ident in [i for i, seen in self._last_seen.items()
+                      if now - seen > timeout_s and i not in self._by_client]:
+            del self._last_seen[ident]
         return [ident for ident in self._by_client
                 if now - self._last_seen.get(ident, now) > timeout_s]
 

@@ -60,6 +60,12 @@ class SchedulerCore:
         num_slots = info.num_slots if cfg.max_running_requests is None else min(
             info.num_slots, cfg.max_running_requests + 1)
         self.slots = SlotAllocator(num_slots)
+        # The longest a request may grow (prompt + output), past which it ends with "length":
+        # the context, and what the KV cache holds for one request beside admission's page of
+        # headroom and speculation's reserve. A request retracted any longer could never be
+        # admitted again, and would block the waiting queue's head for good.
+        self.max_seq_len = min(info.max_context_len, (self.pages.capacity - 1) * info.page_size
+                               - info.spec_reserve_tokens)
         self.eos_ids = frozenset(info.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request, in admission order
@@ -94,10 +100,10 @@ class SchedulerCore:
         if len(prompt_ids) >= limit:
             raise RequestRejected("prompt_too_long", f"the prompt has {len(prompt_ids)} tokens; "
                                   f"the context holds {limit}, so it must be shorter than that")
-        if self.pages.pages_for(len(prompt_ids) + 1) + 1 > self.pages.capacity:
-            raise RequestRejected("prompt_too_long", f"the prompt has {len(prompt_ids)} tokens, "
-                                  f"more than the KV cache can ever hold "
-                                  f"({self.pages.capacity * self.pages.page_size} tokens)")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise RequestRejected("prompt_too_long", f"the prompt has {len(prompt_ids)} tokens; "
+                                  f"the KV cache holds {self.max_seq_len} for one request, so "
+                                  f"it must be shorter than that")
         req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params)
         self.requests[rid] = req
         self._streams[rid] = _Streaming(
@@ -191,7 +197,7 @@ class SchedulerCore:
     def _will_finish_by_length(self, req: Request) -> bool:
         produced = len(req.output_ids) + req.num_inflight
         return (produced >= req.params.max_new_tokens
-                or len(req.prompt_ids) + produced >= self.info.max_context_len)
+                or len(req.prompt_ids) + produced >= self.max_seq_len)
 
     def _plan_chunk(self, req: Request, budget: int, grants: list[PageGrant],
                     extends: list[ExtendEntry]) -> int:
@@ -308,11 +314,12 @@ class SchedulerCore:
                 reason, hit_stop_token = FinishReason.STOP, True
         stream = self._streams[req.rid]
         text = "" if hit_stop_token else stream.detok.push([token])
-        text, hit_stop_string = stream.stops.push(text)
-        if hit_stop_string and n_out >= params.min_new_tokens:
+        # Before min_new_tokens a stop string ends nothing, so its text must still be streamed.
+        text, hit_stop_string = stream.stops.push(text, can_stop=n_out >= params.min_new_tokens)
+        if hit_stop_string:
             reason = FinishReason.STOP
         elif reason is None and (n_out >= params.max_new_tokens
-                                 or req.seq_len >= self.info.max_context_len):
+                                 or req.seq_len >= self.max_seq_len):
             reason = FinishReason.LENGTH
         if reason is not None and not hit_stop_string:
             text += stream.stops.flush()

@@ -97,6 +97,9 @@ class Service:
         # Frames up to the limit get decoded; a bit over it gets Error(message_too_large); only a
         # frame far beyond it (4x, a memory guard) makes ZMQ drop that connection silently.
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.service.max_message_bytes)
+        # No send limit per client (as SGLang's sockets): at the default 1000 queued replies a
+        # client that reads slowly would silently lose chunks, or its one terminal message.
+        self.router.setsockopt(zmq.SNDHWM, 0)
         self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint, self)
         self.bound_endpoint: str | None = None
 
@@ -143,35 +146,66 @@ class Service:
     # -- clients ----------------------------------------------------------------------------
 
     async def _send(self, identity: bytes, msg) -> None:
+        await self._send_multipart([identity], msg)
+
+    async def _send_multipart(self, envelope: list[bytes], msg) -> None:
         try:
-            await self.router.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+            await self.router.send_multipart([*envelope, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client is gone or its queue is full: drop
-            log.debug("dropping a reply to %s: %s", identity.hex(), exc)
+            log.debug("dropping a reply to %s: %s", envelope[0].hex(), exc)
 
     async def _receive_loop(self) -> None:
         while True:
             frames = await self.router.recv_multipart()
+            self.clients.touch(frames[0])  # any message is a sign of life
             if len(frames) != 2:
-                log.warning("dropping a message of %d frames (expected identity + payload)",
+                # Answer rather than drop, or the client (often a REQ socket) waits forever. A
+                # REQ socket reads only replies behind an empty delimiter frame: keep it if sent.
+                log.warning("refusing a message of %d frames (expected identity + payload)",
                             len(frames))
+                envelope = frames[:2] if frames[1:2] == [b""] else frames[:1]
+                await self._send_multipart(envelope, Error(
+                    None, "invalid_message",
+                    f"a message must be exactly one frame holding one msgpack map, got "
+                    f"{len(frames) - 1} frames; connect a DEALER socket (not REQ, whose empty "
+                    f"delimiter frame is an extra frame) and send the payload frame only"))
                 continue
             identity, payload = frames
-            self.clients.touch(identity)
             try:
                 msg = decode_client_request(payload, self.cfg.service.max_message_bytes)
             except ProtocolError as exc:
                 await self._send(identity, Error(exc.request_id, exc.code, str(exc)))
                 continue
-            if isinstance(msg, Generate):
-                await self._on_generate(identity, msg)
-            elif isinstance(msg, Abort):
-                await self._on_abort(identity, msg)
-            elif isinstance(msg, Health):
-                await self._send(identity, self.stats())
-            elif isinstance(msg, Ping):
-                await self._send(identity, Pong())
-            elif isinstance(msg, AdminAbort):
-                await self._on_admin_abort(identity, msg)
+            try:
+                await self._dispatch(identity, msg)
+            except Exception:  # a bug: answer it, and keep serving everyone else
+                log.exception("failed on a %s message from %s", type(msg).__name__,
+                              identity.hex())
+                self._drop_unowned(identity, msg)
+                await self._send(identity, Error(
+                    getattr(msg, "id", None), "internal_error",
+                    f"the service failed on this {type(msg).__name__} message (a bug; the "
+                    f"service log has the details): nothing of it is in flight"))
+
+    async def _dispatch(self, identity: bytes, msg) -> None:
+        if isinstance(msg, Generate):
+            await self._on_generate(identity, msg)
+        elif isinstance(msg, Abort):
+            await self._on_abort(identity, msg)
+        elif isinstance(msg, Health):
+            await self._send(identity, self.stats())
+        elif isinstance(msg, Ping):
+            await self._send(identity, Pong())
+        elif isinstance(msg, AdminAbort):
+            await self._on_admin_abort(identity, msg)
+
+    def _drop_unowned(self, identity: bytes, msg) -> None:
+        """After a failure in a generate: a request the scheduler took but no client owns would
+        run with nobody to answer; take it back."""
+        if isinstance(msg, Generate) and self.core is not None:
+            rid = self.clients.scheduler_id(identity, msg.id)
+            if rid in self.core.requests and rid not in self.clients.requests:
+                self.core.abort(rid)
 
     async def _on_generate(self, identity: bytes, msg: Generate) -> None:
         rid = self.clients.scheduler_id(identity, msg.id)

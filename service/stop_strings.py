@@ -12,12 +12,15 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""  # decoded text not yet released
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add new text; returns (text safe to emit now, whether a stop string was hit)."""
+    def push(self, text: str, can_stop: bool = True) -> tuple[str, bool]:
+        """Add new text; returns (text safe to emit now, whether a stop string was hit).
+        can_stop False (before min_new_tokens): whole stop strings are emitted as text, not
+        cut, since generation goes on past them."""
         if not self.stops:
             return text, False
         self._pending += text
-        first = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        first = -1 if not can_stop else min(
+            (i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
         if first >= 0:
             out, self._pending = self._pending[:first], ""
             return out, True

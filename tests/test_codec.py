@@ -114,7 +114,18 @@ def test_oversize_frame_is_refused_before_decoding():
     assert decode_client_request(frame, max_bytes=len(frame)).text == "x" * 100
 
 
-@pytest.mark.parametrize("frame", [b"\xc1", b"", pack({"type": "ping"}) + b"x", b"\x92\x01"])
+# msgspec raises UnicodeDecodeError for a str that is not UTF-8 and RecursionError for nesting
+# too deep: both used to escape the codec and end the service.
+BAD_UTF8 = b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text\xa3\xed\xa0\x80"  # a lone surrogate
+DEEP = b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text" + b"\x91" * 100_000 + b"\xc0"
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xc1", b"", pack({"type": "ping"}) + b"x", b"\x92\x01",
+    pytest.param(BAD_UTF8, id="text-not-utf8"),
+    pytest.param(b"\x81\xa4type\xa2\xff\xfe", id="type-not-utf8"),
+    pytest.param(DEEP, id="deep-text"), pytest.param(b"\x91" * 100_000 + b"\xc0", id="deep"),
+])
 def test_not_msgpack(frame):
     err = error_of(frame)
     assert err.code == "invalid_message"
@@ -205,6 +216,7 @@ def test_negative_token_id():
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 2**64 - 1, "min_new_tokens": 2**63}, "max_new_tokens"),  # int64
     ({"logprobs": 99}, "logprobs"),
     ({"stop": [""]}, "stop"),
 ])

@@ -136,6 +136,7 @@ def test_defaults_validate_and_roundtrip():
     ("logprobs", dict(logprobs=-1), None),
     ("logprobs", dict(logprobs=21), None),
     ("max_new_tokens", dict(max_new_tokens=0), None),
+    ("max_new_tokens", dict(max_new_tokens=2**63, min_new_tokens=2**63), None),  # int64
     ("min_new_tokens", dict(min_new_tokens=10, max_new_tokens=5), None),
     ("min_new_tokens", dict(min_new_tokens=-1), None),
     ("stop", dict(stop=[""]), None),
@@ -347,6 +348,24 @@ def test_temperature_sharpens_and_flattens():
         expected = torch.softmax(logits_row.double() / t, 0)[0].item()
         assert abs(freq_top[-1] - expected) < 0.02
     assert freq_top[0] > freq_top[1] > freq_top[2]
+
+
+def test_extreme_valid_params_neither_crash_nor_sample_garbage():
+    """Values the float32 / int64 tables cannot hold as such: a tiny temperature overflowed
+    logits / T to inf (token 0 every time), a top_p rounding to 0 kept no token (an index error
+    that killed the worker), a min_new_tokens of 2**63 overflowed int64. The tiny ones are
+    greedy; the largest valid min_new_tokens fits."""
+    vocab = 1000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5))
+    state, sampler = make(vocab, num_slots=5, eos=[2])
+    for slot, params in enumerate([P(temperature=1e-300, seed=1), P(top_p=1e-300, seed=2),
+                                   P(temperature=1e-9, top_p=1e-45, logprobs=2),
+                                   P(max_new_tokens=2**63 - 1, min_new_tokens=2**63 - 1)], 1):
+        state.set_request(slot, params)
+    out = sampler.sample(logits, torch.arange(1, 5), torch.arange(4))
+    assert torch.equal(out.token_ids[:3], logits.argmax(-1)[:3])
+    assert out.logprobs is not None and bool(out.logprobs.isfinite().all())
+    assert out.token_ids[3] != 2  # eos is banned for the next 2**63 - 1 tokens
 
 
 def test_greedy_rows_take_argmax():

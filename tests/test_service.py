@@ -240,6 +240,14 @@ def test_vanished_client_is_detected_and_its_requests_aborted(service):
     (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "x" * (9 << 20)}),
      "message_too_large"),
     (msgspec.msgpack.encode({"type": "abort", "id": "never-sent"}), "unknown_request"),
+    # a str that is not UTF-8 (a lone surrogate), and nesting too deep: these ended the service
+    pytest.param(b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text\xa3\xed\xa0\x80",
+                 "invalid_message", id="text-not-utf8"),
+    pytest.param(b"\x91" * 100_000 + b"\xc0", "invalid_message", id="deep-nesting"),
+    # min_new_tokens lives in an int64 in the worker: this one used to kill it (worker_died)
+    pytest.param(msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi", "params": {
+        "max_new_tokens": 2**64 - 1, "min_new_tokens": 2**63}}), "invalid_params",
+        id="min-new-tokens-over-int64"),
 ])
 def test_bad_input_gets_a_clear_error(service, frame, code):
     ctx = zmq.Context()
@@ -258,6 +266,41 @@ def test_bad_input_gets_a_clear_error(service, frame, code):
         ctx.term()
     with Client(service.endpoint) as client:  # and the service still serves everyone
         assert client.complete("Hi", params=SamplingParams(max_new_tokens=2)).token_ids
+
+
+def test_multipart_message_gets_an_error_not_silence(service):
+    """A REQ socket (empty delimiter + payload) or a DEALER sending several frames used to be
+    dropped without a word, leaving the client waiting forever."""
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.REQ)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        for sock in (req, dealer):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(service.endpoint)
+        req.send(encode(Generate(id="r", text="hi")))
+        dealer.send_multipart([encode(Generate(id="d", text="hi")), b"extra"])
+        for sock in (req, dealer):
+            assert sock.poll(10000), "no reply to a multipart message"
+            reply = decode_service_reply(sock.recv())
+            assert isinstance(reply, Error) and reply.code == "invalid_message", reply
+            assert "frames" in reply.message and "DEALER" in reply.message
+    finally:
+        req.close()
+        dealer.close()
+        ctx.term()
+
+
+def test_registry_forgets_quiet_clients_with_nothing_in_flight():
+    from service.client_registry import ClientRegistry
+
+    reg = ClientRegistry()
+    for identity in (b"gone", b"busy"):
+        reg.touch(identity)
+    reg.add(b"busy", "1", stream=True)
+    time.sleep(0.01)
+    assert reg.silent_clients(timeout_s=0.001) == [b"busy"]
+    assert list(reg._last_seen) == [b"busy"]  # one entry per connection ever seen would leak
 
 
 def test_worker_killed_mid_batch_errors_in_flight_then_recovers(model_path):
@@ -406,3 +449,94 @@ def test_speculative_service_streams_the_greedy_output(model_path, reference):
             assert_idle(client)
     finally:
         assert svc.stop() == 0, svc.log_text()[-3000:]
+
+
+def in_process_receive_loop(model_path, client_fn, endpoint: str = "tcp://127.0.0.1:0",
+                            patch=None) -> None:
+    """The service's receive loop in this process on a real ROUTER socket (no worker):
+    client_fn(ctx, endpoint) runs in a thread against it. patch(svc) may inject a fault."""
+    import anyio
+
+    from service.config import load_config
+    from service.server import Service
+
+    svc = Service(load_config(), str(model_path))
+    if patch is not None:
+        patch(svc)
+    svc.router.bind(endpoint)
+    bound = svc.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(svc._receive_loop)
+            # The same context: inproc endpoints are per context.
+            await anyio.to_thread.run_sync(client_fn, zmq.Context.shadow(svc._ctx), bound)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main, backend="asyncio")
+    finally:
+        svc.router.close(linger=0)
+        svc.telemetry.close()
+        svc._ctx.term()
+
+
+def test_a_failure_handling_one_message_answers_internal_error_and_serves_on(model_path,
+                                                                           monkeypatch):
+    """A fault injected into what one message calls (health's stats): that client gets
+    `internal_error`, the loop lives on and answers the next message. Before, any such
+    exception ended the service."""
+    def broken_stats():
+        raise RuntimeError("injected fault")
+
+    replies: list = []
+
+    def client(ctx, endpoint) -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(endpoint)
+        try:
+            for kind in ("health", "ping"):
+                dealer.send(msgspec.msgpack.encode({"type": kind}))
+                replies.append(decode_service_reply(dealer.recv()))
+        finally:
+            dealer.close()
+
+    in_process_receive_loop(model_path, client,
+                            patch=lambda svc: monkeypatch.setattr(svc, "stats", broken_stats))
+    assert len(replies) == 2
+    assert isinstance(replies[0], Error) and replies[0].code == "internal_error", replies[0]
+    assert "Health" in replies[0].message
+    assert type(replies[1]).__name__ == "Pong"
+
+
+def test_a_client_that_reads_late_loses_no_reply(model_path):
+    """3,000 pings sent before reading one reply, over inproc (no kernel buffers: only the two
+    sockets' queues hold what is unread): every pong arrives. At ZeroMQ's default send limit
+    (1,000 per client) the rest were dropped without a word, terminal messages included."""
+    n = 3000
+    got: list[int] = []
+
+    def client(ctx, endpoint) -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 10)
+        dealer.setsockopt(zmq.RCVTIMEO, 2_000)
+        dealer.connect(endpoint)
+        try:
+            ping = msgspec.msgpack.encode({"type": "ping"})
+            for _ in range(n):
+                dealer.send(ping)
+            time.sleep(1.0)  # let the service answer them all before anything is read
+            try:
+                while True:
+                    dealer.recv()
+                    got.append(1)
+            except zmq.Again:
+                pass
+        finally:
+            dealer.close()
+
+    in_process_receive_loop(model_path, client, endpoint="inproc://late-reader")
+    assert len(got) == n
