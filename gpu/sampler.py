@@ -362,6 +362,19 @@ class Sampler:
         return self._with_logprobs(tokens, scaled, flags.max_logprobs)
 
     @torch.no_grad()
+    def logprobs_of(self, logits: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+                    slots_host: np.ndarray | Sequence[int] | None = None) -> SampleOutput:
+        """The logprobs `sample` would report had it drawn `tokens` from these rows (penalties,
+        min-token bans, temperature; before the top-k/top-p cut): for tokens chosen elsewhere,
+        e.g. by speculative acceptance. Only `tokens` when no row asks for logprobs."""
+        flags = self.batch_flags(slots, slots_host)
+        if flags.max_logprobs < 0 or logits.shape[0] == 0:
+            return SampleOutput(tokens)
+        logits = self.process_logits(logits, slots, flags)
+        scaled = logits / self.state.float_params[slots][:, _F_TEMP, None]  # greedy: T = 1
+        return self._with_logprobs(tokens, scaled, flags.max_logprobs)
+
+    @torch.no_grad()
     def target_probs(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                      slots_host: np.ndarray | Sequence[int] | None = None) -> torch.Tensor:
         """The exact distribution `sample` draws from for these rows, float32 [n, vocab]:

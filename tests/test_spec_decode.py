@@ -293,3 +293,30 @@ def test_broken_acceptance_rule_is_detected(sampling_engine, sampling_setup, mon
     p = _chi_square_pvalue(counts[support], probs[support])
     assert p < 1e-3 or math.isnan(p), (p, counts[support])
     assert counts[poor] > 0.9 * counts.sum()
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_logprobs_under_speculation_are_the_plain_engines(request, plain, shape):
+    """A request that asks for logprobs gets one per token under speculation too (they came
+    back empty): each emitted token's, and the top 2, from the logits of the tree node it
+    follows, as plain decoding reports them. A request beside it that asks none gets none; a
+    sampled one gets one finite logprob per token."""
+    engine = request.getfixturevalue(f"{shape}_engine")
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=16, logprobs=2),
+              SamplingParams(temperature=0.0, max_new_tokens=16),
+              SamplingParams(temperature=0.8, seed=4, max_new_tokens=16, logprobs=0)]
+    want = plain.generate(chats, params)
+    got = engine.generate(chats, params)
+    assert got[0].token_ids == want[0].token_ids
+    assert len(got[0].logprobs) == len(got[0].token_ids) > 4
+    for a, b in zip(got[0].logprobs, want[0].logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        for (_, x), (_, y) in zip(a.top, b.top):
+            assert x == pytest.approx(y, abs=2e-3)
+    assert got[1].logprobs == [] and got[1].token_ids == want[1].token_ids
+    assert len(got[2].logprobs) == len(got[2].token_ids) > 0
+    assert all(math.isfinite(lp.logprob) and lp.logprob <= 0 and lp.top == []
+               for lp in got[2].logprobs)
+    assert_accounting_empty(engine)

@@ -30,7 +30,8 @@ from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
 from gpu.q4_linear import q4_applies
 from ipc.spec_settings import SpecSettings
-from ipc.worker_messages import ExtendEntry, StepPlan, StepResult, pack_i32, unpack_i32
+from ipc.worker_messages import (ExtendEntry, StepPlan, StepResult, pack_f32, pack_i32,
+                                 unpack_i32)
 
 if TYPE_CHECKING:
     from gpu.model_runner import ModelRunner
@@ -55,6 +56,34 @@ class _Rows:
     slots: np.ndarray  # [rows]
     tokens: list[np.ndarray]  # per row, the emitted tokens
     accept_lens: np.ndarray  # [rows], -1 for a prefill row
+    # Per emitted token, when some row of this part asked for logprobs: the token's, and the
+    # top n (ids, logprobs) [tokens, n] with n this part's largest ask (0: none).
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+    @classmethod
+    def one_token_rows(cls, slots_host: np.ndarray, out) -> "_Rows":
+        """Rows that each emit the one token `out` (a SampleOutput) sampled for them."""
+        tokens = out.token_ids.cpu().numpy()
+        rows = cls(slots_host, [tokens[i:i + 1] for i in range(len(tokens))],
+                   np.full(len(tokens), -1, dtype=np.int64))
+        return rows.with_logprobs(out, np.ones(len(tokens), dtype=bool))
+
+    def with_logprobs(self, out, emitted: np.ndarray) -> "_Rows":
+        """Attach `out`'s logprobs (one per candidate token, in row order) of the candidates
+        `emitted` marks (a boolean mask of the same length)."""
+        if out.logprobs is not None:
+            self.logprobs = out.logprobs.float().cpu().numpy().reshape(-1)[emitted]
+            n = 0 if out.top_logprob_ids is None else out.top_logprob_ids.shape[-1]
+            if n:
+                self.top_ids = out.top_logprob_ids.cpu().numpy().reshape(-1, n)[emitted]
+                self.top_logprobs = out.top_logprobs.float().cpu().numpy().reshape(-1, n)[emitted]
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
 
 
 class EagleWorker:
@@ -160,11 +189,13 @@ class EagleWorker:
         slots = np.concatenate([p.slots for p in parts])
         tokens = [t for p in parts for t in p.tokens]
         accept = np.concatenate([p.accept_lens for p in parts])
+        logprobs, n_top, top_ids, top_lps = _merge_logprobs(parts)
         return StepResult(
             step_id=plan.step_id, slots=pack_i32(slots),
             token_ids=pack_i32(np.concatenate(tokens) if tokens else np.zeros(0)),
-            logprobs=b"", top_logprobs_n=0, top_logprob_ids=b"", top_logprobs=b"",
-            forward_ms=(time.perf_counter() - start) * 1e3, accept_lens=pack_i32(accept))
+            logprobs=logprobs, top_logprobs_n=n_top, top_logprob_ids=top_ids,
+            top_logprobs=top_lps, forward_ms=(time.perf_counter() - start) * 1e3,
+            accept_lens=pack_i32(accept))
 
     def _prefill(self, extends: list[ExtendEntry]) -> _Rows:
         r, dev = self.runner, self.runner.device
@@ -207,9 +238,7 @@ class EagleWorker:
         rows = last[sample_rows]
         topk_p, topk_ids = self._draft_topk(h_logits[rows])
         r.future_map.stash_spec(sample_slots, topk_p, topk_ids, h_out[rows])
-        tokens = out.token_ids.cpu().numpy()
-        return _Rows(slots_host, [tokens[i:i + 1] for i in range(len(tokens))],
-                     np.full(len(tokens), -1, dtype=np.int64))
+        return _Rows.one_token_rows(slots_host, out)
 
     def _decode(self, slots_host: np.ndarray) -> _Rows:
         r, s, dev = self.runner, self.settings, self.runner.device
@@ -258,12 +287,21 @@ class EagleWorker:
         next_p, next_ids = self._draft_topk(h_logits[last])
         fm.stash_spec(slots, next_p, next_ids, h_out[last])
 
+        # Logprobs of the emitted tokens, each from the logits of the node it follows (the
+        # root, then the accepted drafts), as the plain step would report them.
+        node_rows = torch.arange(bs, device=dev)[:, None] * T + path
+        scored = r.sampler.logprobs_of(logits[node_rows.reshape(-1)],
+                                       slots.repeat_interleave(E), out_tokens.clamp(min=0)
+                                       .reshape(-1), slots_host=np.repeat(slots_host, E))
+
         acc_host = acc.cpu().numpy()
         tok_host = out_tokens.cpu().numpy()
         self.num_verify_rows += bs
         for a in acc_host:
             self.accepted_per_position[:a] += 1
-        return _Rows(slots_host, [tok_host[i, :a + 1] for i, a in enumerate(acc_host)], acc_host)
+        rows = _Rows(slots_host, [tok_host[i, :a + 1] for i, a in enumerate(acc_host)], acc_host)
+        return rows.with_logprobs(scored, (np.arange(E)[None, :] <= acc_host[:, None])
+                                  .reshape(-1))
 
     def _decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray, seq_lens: torch.Tensor,
                       root: torch.Tensor) -> _Rows:
@@ -289,9 +327,7 @@ class EagleWorker:
         h_out, h_logits = self._draft(dataclasses.replace(batch, input_ids=out.token_ids), feats)
         next_p, next_ids = self._draft_topk(h_logits)
         fm.stash_spec(slots, next_p, next_ids, h_out)
-        tokens = out.token_ids.cpu().numpy()
-        return _Rows(slots_host, [tokens[i:i + 1] for i in range(len(tokens))],
-                     np.full(len(tokens), -1, dtype=np.int64))
+        return _Rows.one_token_rows(slots_host, out)
 
     def _draft_tree(self, slots, seq_lens, root, topk_p, topk_ids, hidden) -> DraftTree:
         """num_steps levels of drafting from the relayed top-k (SGLang's select_top_k_tokens):
@@ -370,6 +406,28 @@ class EagleWorker:
         for layer in range(len(pool.k_buffer)):
             pool.k_buffer[layer][dst] = pool.k_buffer[layer][src]
             pool.v_buffer[layer][dst] = pool.v_buffer[layer][src]
+
+
+def _merge_logprobs(parts: list[_Rows]) -> tuple[bytes, int, bytes, bytes]:
+    """The step's logprob buffers over every part's tokens (empty when no part has any). A
+    part without them, or with fewer top entries, is padded with NaN / -1: only requests that
+    asked read them, and a request asks in the part it runs in for at most that part's n."""
+    if all(p.logprobs is None for p in parts):
+        return b"", 0, b"", b""
+    n = max(0 if p.top_ids is None else p.top_ids.shape[1] for p in parts)
+    lps, ids, tops = [], [], []
+    for p in parts:
+        k = p.num_tokens
+        lps.append(p.logprobs if p.logprobs is not None else np.full(k, np.nan, np.float32))
+        if n:
+            have = 0 if p.top_ids is None else p.top_ids.shape[1]
+            pad = ((0, 0), (0, n - have))
+            ids.append(np.pad(p.top_ids if have else np.zeros((k, 0), np.int64), pad,
+                              constant_values=-1))
+            tops.append(np.pad(p.top_logprobs if have else np.zeros((k, 0), np.float32), pad,
+                               constant_values=np.nan))
+    return (pack_f32(np.concatenate(lps)), n, pack_i32(np.concatenate(ids)) if n else b"",
+            pack_f32(np.concatenate(tops)) if n else b"")
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
