@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import math
 import os
 import shlex
@@ -36,10 +35,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fmserve.arg_types import positive_int, positive_int_list
 from fmserve.bench_peers_llama_server import (LLAMA_SERVER_INSTALL, LlamaServerPeer,
                                               find_llama_server)
 from fmserve.bench_peers_workers import ChildGroup, PointResult, ServedPeer
-from fmserve.bench_spec import DEV_PROMPTS, spec_settings_for
+from fmserve.bench_spec import DEV_PROMPTS, read_prompts, spec_settings_for
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,13 @@ def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads of every peer (0: torch's default in-process, the "
                         "service's own rule for a served worker)")
     p.add_argument("--prompts", default=str(DEV_PROMPTS), help="JSONL with a 'prompt' field")
-    p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
+    p.add_argument("--num-prompts", type=positive_int, default=None)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="cut each prompt's text to this many tokens before the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--concurrency", default=None, help="concurrent streams, e.g. 1,8,32")
-    p.add_argument("--repetitions", type=int, default=None, help="round-robin rounds")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None)
+    p.add_argument("--concurrency", type=positive_int_list, default=None,
+                   help="concurrent streams, e.g. 1,8,32")
+    p.add_argument("--repetitions", type=positive_int, default=None, help="round-robin rounds")
     p.add_argument("--peers", default="*", help="comma-separated patterns over the peer keys: "
                    + ", ".join(p.key for p in PEERS) + f" ({BASELINE} always runs)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10,
@@ -165,10 +166,7 @@ class PeerResult:
 
 def load_prompts(path: str, n: int, max_tokens: int, tokenizer) -> list[list[int]]:
     """The first n prompts (cycled), each cut to max_tokens text tokens, as chat token ids."""
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line)["prompt"] for line in f if line.strip()]
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
+    rows = read_prompts(path)
     out = []
     for i in range(n):
         text = tokenizer.decode(tokenizer.encode(rows[i % len(rows)])[:max_tokens])
@@ -186,6 +184,12 @@ def requests_for(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
 def selected_peers(args) -> dict[str, str]:
     """key -> reason it is left out ("" = runs)."""
     patterns = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatch(peer.key, p) for peer in PEERS)]
+    if unmatched or not patterns:  # else a typo runs the baseline alone, for minutes
+        what = f"{', '.join(unmatched)} matches no peer" if unmatched else "names no peer"
+        raise ValueError(f"--peers {args.peers!r}: {what}; the peers are "
+                         f"{', '.join(p.key for p in PEERS)} (patterns such as served-* work, "
+                         f"separated by commas)")
     out = {}
     for peer in PEERS:
         chosen = peer.key == BASELINE or any(fnmatch.fnmatch(peer.key, p) for p in patterns)
@@ -336,6 +340,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    reasons = selected_peers(args)  # a bad --peers before minutes of set-up
     console = Console()
     load_before = os.getloadavg()
     busy_before = busy_cores(1.0)
@@ -350,7 +355,6 @@ def run_bench_peers(args: argparse.Namespace) -> int:
         raise ValueError(f"--device {args.device!r}: choose auto, cpu or cuda")
     if "cuda" in devices and not cuda:
         raise ValueError("--device cuda: torch sees no CUDA GPU")
-    reasons = selected_peers(args)
     active = [p for p in PEERS if not reasons[p.key]]
     configs = {d: peer_config(args, model_path, d, prompts) for d in devices}
     all_results: dict[str, dict[str, PeerResult]] = {}

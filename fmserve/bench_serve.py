@@ -30,6 +30,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from fmserve.arg_types import positive_int, positive_int_list
 from fmserve.bench_offline import DEV_PROMPTS, FALLBACK_TEXT
 from fmserve.default_model import resolve_model_path
 from ipc.client import AsyncClient, Client, ServiceUnavailable
@@ -74,10 +75,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="torch")
-    p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--requests-per-level", type=int, default=32,
+    p.add_argument("--concurrency", type=positive_int_list, default="1,8,32")
+    p.add_argument("--requests-per-level", type=positive_int, default=32,
                    help="requests per concurrency level (at least the concurrency)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
     p.add_argument("--poisson-requests", type=int, default=32)
     p.add_argument("--overlap", default="on", help="on, off, or on,off to compare in one run")
@@ -191,6 +192,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.rounds < 1:  # checked before the baseline spends minutes
         raise SystemExit(f"fmserve bench serve: --rounds is {args.rounds}; it must be at least 1")
     variants = service_variants(args.overlap, args.launch_ahead)
+    check_serve_flags(args)
     path = resolve_model_path(args.model)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -263,6 +265,17 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """The settings every service start gets, checked as `fmserve serve` will: a bad --set would
+    otherwise surface only after the offline baseline has run (minutes)."""
+    from fmserve.serve_cmd import add_serve_args, config_from_args
+    serve = argparse.ArgumentParser(prog="fmserve serve")
+    add_serve_args(serve)
+    config_from_args(serve.parse_args(
+        ["--dtype", args.dtype, "--device", args.device, "--attention-backend",
+         args.attention_backend, *(f for kv in args.set for f in ("--set", kv))]))
+
+
 def service_variants(overlap: str, launch_ahead: str | None) -> list[tuple[bool, str | None]]:
     """The services one run starts: (overlap, launch-ahead mode or None for the config's), each
     overlap-on service once per launch-ahead mode (without overlap no plan ever waits, so the
@@ -274,6 +287,10 @@ def service_variants(overlap: str, launch_ahead: str | None) -> list[tuple[bool,
         if unknown:
             raise SystemExit(f"fmserve bench serve: --launch-ahead {launch_ahead!r} has "
                              f"{unknown}; the modes are off, prepare, on and auto")
+    unknown = sorted({o.strip() for o in overlap.split(",")} - {"on", "off"})
+    if unknown:  # anything but "on" used to run as off
+        raise SystemExit(f"fmserve bench serve: --overlap {overlap!r} has {unknown}; give on, "
+                         f"off, or on,off")
     variants = []
     for o in overlap.split(","):
         on = o.strip() == "on"

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from fmserve.arg_types import positive_int
 from fmserve.engine import Engine
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
@@ -58,8 +59,9 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-draft-tokens", type=int, default=8)
     g.add_argument("--spec-disable-above-batch-size", type=int, default=0,
                    help="decode batches larger than this run without drafting (0: never)")
-    g.add_argument("--num-prompts", type=int, default=16, help="dev prompts per batch size")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--num-prompts", type=positive_int, default=16,
+                   help="dev prompts per batch size")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
     g.add_argument("--prompts", default=str(DEV_PROMPTS), help="JSONL with a 'prompt' field")
     g.add_argument("--spec-dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="dtype of both engines (auto: bf16 where the device computes it natively)")
@@ -77,12 +79,28 @@ def spec_settings_for(name: str, args: argparse.Namespace) -> SpecSettings:
     raise ValueError(f"--spec {name!r}: choose chain, tree or chain,tree")
 
 
-def load_chats(path: str, n: int) -> list[list[dict]]:
+def read_prompts(path: str) -> list[str]:
+    """The "prompt" string of every row of a JSONL file; a bad row is named by its line."""
+    texts = []
     with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)):
+                raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string")
+            texts.append(row["prompt"])
+    if not texts:
         raise ValueError(f"{path}: no prompts")
-    return [[{"role": "user", "content": rows[i % len(rows)]["prompt"]}] for i in range(n)]
+    return texts
+
+
+def load_chats(path: str, n: int) -> list[list[dict]]:
+    rows = read_prompts(path)
+    return [[{"role": "user", "content": rows[i % len(rows)]}] for i in range(n)]
 
 
 def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) -> SpecRun:

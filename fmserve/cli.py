@@ -10,6 +10,7 @@
     fmserve bench offline --spec chain,tree    EAGLE speculative decoding vs the plain engine
     fmserve bench serve                        the service under load vs the offline engine
     fmserve bench peers [--quick]              fmserve vs transformers / llama.cpp, report + plots
+    fmserve bench prefix                       the prefix cache off and on (system prompt, chat)
     fmserve train-eagle                        train an EAGLE-3 draft head (self-distilled)
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from fmserve.arg_types import positive_int, positive_int_list
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,10 +31,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="auto: bf16 on a GPU or a CPU with native bf16 (AMX, AVX512-BF16), else fp32")
     g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (>= 1)")
-    g.add_argument("--max-kv-tokens", type=int, default=65536, help="KV cache size in tokens")
-    g.add_argument("--max-running-requests", type=int, default=64)
-    g.add_argument("--max-tokens-per-step", type=int, default=2048,
+    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (>= 1)")
+    g.add_argument("--max-kv-tokens", type=positive_int, default=65536,
+                   help="KV cache size in tokens")
+    g.add_argument("--max-running-requests", type=positive_int, default=64)
+    g.add_argument("--max-tokens-per-step", type=positive_int, default=2048,
                    help="token budget of one forward (decodes + prefill chunk)")
     s = p.add_argument_group("speculative decoding (EAGLE)")
     s.add_argument("--spec-algorithm", default="none", choices=["none", "eagle3", "eagle"])
@@ -91,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="prefill and decode tokens/s vs transformers")
     off.add_argument("--model", default="default")
-    off.add_argument("--batch-sizes", default="1,8,32")
+    off.add_argument("--batch-sizes", type=positive_int_list, default="1,8,32")
     off.add_argument("--dtypes", default="bf16,fp32")
-    off.add_argument("--prompt-len", type=int, default=128)
-    off.add_argument("--decode-len", type=int, default=64)
+    off.add_argument("--prompt-len", type=positive_int, default=128)
+    off.add_argument("--decode-len", type=positive_int, default=64)
     off.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     off.add_argument("--device", default="auto")
     off.add_argument("--no-baseline", action="store_true", help="skip transformers")
@@ -123,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                "markdown report and plots")
     from fmserve.bench_peers import add_bench_peers_args
     add_bench_peers_args(peers)
+    prefix = bench_sub.add_parser("prefix", help="the prefix cache off and on: a shared system "
+                                                 "prompt, and a multi-turn chat")
+    from fmserve.bench_prefix import add_bench_prefix_args
+    add_bench_prefix_args(prefix)
 
     from fmserve.train_eagle.cli import add_parser as add_train_eagle_parser
     add_train_eagle_parser(sub)
@@ -130,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # imports every command's modules (torch too)
+    from gpu.loader.errors import ModelLoadError
+    from ipc.client import ClientError
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "train-eagle":
@@ -150,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "serve":
             from fmserve.bench_serve import run_bench_serve
             return run_bench_serve(args)
+        if args.command == "bench" and args.bench_command == "prefix":
+            from fmserve.bench_prefix import run_bench_prefix
+            return run_bench_prefix(args)
         if args.command == "bench" and args.bench_command == "peers":
             from fmserve.bench_peers import run_bench_peers
             return run_bench_peers(args)
@@ -161,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench_offline(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    # Errors whose message is written for people: printed, no traceback. OSError: a file that
+    # is missing, a directory or unreadable; ClientError: no service at the endpoint.
+    except (ValueError, OSError, RuntimeError, ModelLoadError, ClientError) as exc:
         print(f"fmserve: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -8,13 +8,14 @@ import json
 import sys
 import time
 
+from fmserve.arg_types import endpoint, positive_int
 from fmserve.generate_cmd import _messages, _read_jsonl, sampling_from_args
 from ipc.client import AsyncClient, Client, RequestFailed
 from ipc.client_messages import ChatMessage, Chunk
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", type=endpoint)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message (chat template applied by the service)")
     src.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
@@ -22,7 +23,8 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--health", action="store_true", help="print the service's stats")
     p.add_argument("--raw", action="store_true", help="send prompts as plain text")
     p.add_argument("--system", default=None)
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight for --file")
+    p.add_argument("--concurrency", type=positive_int, default=8,
+                   help="requests in flight for --file")
     p.add_argument("--output", default="-", help="where --file results go (JSONL)")
 
 
@@ -44,9 +46,10 @@ def _stream(client: Client, prompt, params) -> str:
 
 async def _run_file(args: argparse.Namespace, params) -> int:
     prompts = _read_jsonl(args.file, args.raw)
-    sem = asyncio.Semaphore(max(1, args.concurrency))
+    sem = asyncio.Semaphore(args.concurrency)
     results: list[dict | None] = [None] * len(prompts)
     async with AsyncClient(args.endpoint) as client:
+        await client.health()  # ServiceUnavailable after a few seconds, not a silent wait
         async def one(i: int, prompt) -> None:
             async with sem:
                 kwargs = {"messages": _chat(prompt)} if isinstance(prompt, list) else {
@@ -78,6 +81,7 @@ def run_client(args: argparse.Namespace) -> int:
     if args.file:
         return asyncio.run(_run_file(args, params))
     with Client(args.endpoint) as client:
+        client.health()  # ServiceUnavailable after a few seconds, not a silent wait
         if args.prompt is not None:
             _stream(client, args.prompt if args.raw else _messages(args.system, args.prompt), params)
             return 0

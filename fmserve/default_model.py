@@ -91,6 +91,13 @@ def resolve_model_path(spec: str | os.PathLike[str] | None, progress: bool = Tru
         return default_model_path(progress=progress)
     path = Path(spec).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():  # else the tokenizer's error comes first,
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))  # about tokenizer.json
+            hint = f" (it holds {', '.join(ggufs)}: pass that file itself)" if ggufs else ""
+            raise ModelPathError(
+                f"model {str(spec)!r} is a directory without config.json, so not a Hugging Face "
+                f"model directory{hint}: give a .gguf file, a Hugging Face model directory "
+                f"(config.json + safetensors), or 'default'")
         return path
     if path.is_file():
         if path.suffix.lower() == ".gguf":
@@ -195,6 +202,11 @@ def is_default_model(model: str | os.PathLike[str] | None) -> bool:
 def resolve_draft_model(algorithm: str, draft_model: str, model: str | None) -> Path:
     """The draft head directory: the given one, else the shipped head of the default model."""
     if draft_model:
+        if not (Path(draft_model).expanduser() / "config.json").is_file():  # before any load
+            raise ModelPathError(
+                f"spec.draft_model {draft_model!r} is not a draft head directory (no "
+                f"config.json in it): give a directory holding an EAGLE head's config.json and "
+                f"model.safetensors (`fmserve train-eagle` writes one)")
         return Path(draft_model)
     if algorithm == "eagle3" and is_default_model(model):
         if not (SHIPPED_EAGLE3_HEAD / "config.json").exists():

@@ -56,7 +56,7 @@ class Engine:
                  progress: bool = True, overlap: bool = False,
                  spec: SpecSettings | None = None,
                  q4_max_tokens: int = DEFAULT_Q4_MAX_TOKENS,
-                 cuda_graph_max_batch: int = 0) -> None:
+                 cuda_graph_max_batch: int = 0, prefix_cache: bool = False) -> None:
         path = resolve_model_path(model)
         spec = (spec or SpecSettings()).validate()
         if spec.enabled:
@@ -71,7 +71,8 @@ class Engine:
             cuda_graph_max_batch=cuda_graph_max_batch))
         self.info = self.runner.info()
         self.scheduler = SchedulerCore(self.info, self.tokenizer,
-                                       SchedulerConfig(max_tokens_per_step=max_tokens_per_step))
+                                       SchedulerConfig(max_tokens_per_step=max_tokens_per_step,
+                                                       prefix_cache=prefix_cache))
         self._ids = itertools.count()
         # With overlap, plan k+1 is made and launched before step k's result is processed,
         # exactly as the service does. On a GPU the device runs step k while plan k+1 is built

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 from pathlib import Path
 
 import anyio
@@ -50,7 +51,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-num-draft-tokens", type=int, default=None)
     p.add_argument("--spec-disable-above-batch-size", type=int, default=None,
                    help="decode batches larger than this run without drafting (0: never)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
@@ -62,12 +64,39 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 
 
 def with_draft_model(cfg: ServiceConfig) -> ServiceConfig:
-    """An empty spec.draft_model means the head shipped for the default model."""
+    """An empty spec.draft_model means the head shipped for the default model; a given one is
+    checked to be a head directory before the model loads."""
     sp = cfg.spec
-    if sp.algorithm == "none" or sp.draft_model:
+    if sp.algorithm == "none":
         return cfg
     head = resolve_draft_model(sp.algorithm, sp.draft_model, cfg.model.path)
     return dataclasses.replace(cfg, spec=dataclasses.replace(sp, draft_model=str(head)))
+
+
+def check_endpoints(cfg: ServiceConfig) -> None:
+    """Refuse a tcp endpoint that cannot be bound (taken, or not an address of this machine)
+    before the model loads: the service binds only after that. A plain socket, bound but never
+    listening, so no client can connect to it meanwhile. Hosts that do not resolve (ZMQ also
+    takes interface names) and ipc:// paths are left to the bind itself (`run_serve`)."""
+    for key in ("client_endpoint", "telemetry_endpoint"):
+        endpoint = getattr(cfg.service, key)
+        if not endpoint.startswith("tcp://"):
+            continue
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                "0.0.0.0" if host == "*" else host, int(port), socket.AF_INET,  # ZMQ: IPv4
+                socket.SOCK_STREAM)[0]
+        except socket.gaierror:
+            continue
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise ConfigError(f"service.{key} = {endpoint!r} cannot be bound: "
+                                  f"{exc.strerror or exc}; give a free local address (--set "
+                                  f"service.{key}=...), or stop what holds it") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -76,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cfg = with_draft_model(cfg)
     model_path = str(resolve_model_path(cfg.model.path))
+    check_endpoints(cfg)
     from service.server import Service  # after validation: fail fast on a bad config
-    service = Service(cfg, model_path)
-    anyio.run(service.run, backend="asyncio")
+    anyio.run(Service(cfg, model_path).run, backend="asyncio")
     return 0

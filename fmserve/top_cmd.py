@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from fmserve.arg_types import endpoint
+
 
 def add_top_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557",
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", type=endpoint,
                    help="the service's client endpoint (used to abort requests)")
-    p.add_argument("--telemetry-endpoint", default="tcp://127.0.0.1:5558",
+    p.add_argument("--telemetry-endpoint", default="tcp://127.0.0.1:5558", type=endpoint,
                    help="where the service publishes telemetry ([service] telemetry_endpoint)")
     p.add_argument("--refresh", type=float, default=0.25,
                    help="seconds between screen updates (default 0.25)")

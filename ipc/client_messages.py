@@ -105,6 +105,10 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     output_tokens: int
     worker_busy_ms: float = 0.0  # summed step time in the worker since start
     worker_idle_ms: float = 0.0  # summed worker idle between steps while work was queued
+    # Prefix cache (scheduling.prefix_cache; 0 when off): pages holding cached prefixes (those
+    # nobody borrows count in free_pages too), and prompt tokens served from it since start.
+    cached_pages: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):

@@ -109,8 +109,19 @@ def _key(default: Any, rule: Rule) -> Any:
     return field(default=default, metadata={"rule": rule})
 
 
-ENDPOINT = Matches(r"(tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)",
-                   'must be a ZMQ endpoint such as "tcp://127.0.0.1:5557" or "ipc:///tmp/fm"')
+@dataclass(frozen=True)
+class Endpoint(Matches):
+    def check(self, value: Any) -> str:
+        super().check(value)
+        # ZMQ takes a tcp port modulo 2^16 (":99999" binds 34463): refuse it instead.
+        if value.startswith("tcp://") and int(value.rpartition(":")[2]) > 65535:
+            raise _Refused("has a port out of range", "the port must be in [0, 65535] "
+                           "(0: any free one)")
+        return value
+
+
+ENDPOINT = Endpoint(r"(tcp://[^\s:]+:\d+|ipc://\S+|inproc://\S+)",
+                    'must be a ZMQ endpoint such as "tcp://127.0.0.1:5557" or "ipc:///tmp/fm"')
 
 # ----- sections ------------------------------------------------------------------------------
 
@@ -152,6 +163,7 @@ class RuntimeSection:
 class SchedulingSection:
     overlap: bool = _key(True, Boolean())
     launch_ahead: str = _key("off", OneOf(("auto", "on", "prepare", "off")))
+    prefix_cache: bool = _key(False, Boolean())  # reuse KV pages of shared prompt prefixes
 
 
 @dataclass(frozen=True)
@@ -217,6 +229,12 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             raise ConfigError(f"{source}: config file not found") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets this through raw
+            raise ConfigError(f"{source}: not valid TOML: not UTF-8 text ({exc.reason} at "
+                              f"byte {exc.start})") from None
+        except OSError as exc:  # a directory, no permission, ...
+            raise ConfigError(f"{source}: cannot read the config file: "
+                              f"{exc.strerror or exc}") from None
         for section, table in raw.items():
             _known_section(source, section)
             if not isinstance(table, dict):
@@ -253,6 +271,14 @@ def parse_set_flags(flags: list[str]) -> dict[str, Any]:
             value = text.strip()
         overrides[dotted.strip()] = value
     return overrides
+
+
+def check_endpoint(value: str) -> str:
+    """An endpoint given outside a config (a client's --endpoint), by the same rule."""
+    try:
+        return ENDPOINT.check(value)
+    except _Refused as refused:
+        raise ConfigError(f"{_show(value)} {refused.problem}: {refused.allowed}") from None
 
 
 def _known_section(source: str, section: str) -> None:

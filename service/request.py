@@ -35,6 +35,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
+    borrowed: list = field(default_factory=list)  # prefix-cache blocks its first pages are
     num_cached: int = 0  # tokens whose KV is in the cache
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None

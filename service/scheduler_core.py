@@ -7,7 +7,10 @@ the plans to the same `ModelRunner`. Policy, in the spirit of SGLang's scheduler
 - every step decodes all running requests, then spends what is left of the token budget on
   prefill chunks (continuing partial prefills first, then admitting new requests);
 - when decode growth runs out of pages, the most recently admitted request is retracted (its
-  pages and slot freed) and later recomputed from its prompt plus what it had generated.
+  pages and slot freed) and later recomputed from its prompt plus what it had generated;
+- with `prefix_cache`, a request that lets go of its pages leaves its full, computed ones in a
+  PrefixCache (service/prefix_cache.py), and a new one starts from the longest cached prefix
+  of its tokens; unborrowed cached pages count as free and are taken back when wanted.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ipc.sampling import SamplingParams
 from ipc.worker_messages import (ExtendEntry, NewRequest, PageGrant, StepPlan, StepResult,
                                  WorkerInfo, pack_i32, unpack_f32, unpack_i32)
 from service.kv_accounting import PageAllocator, SlotAllocator
+from service.prefix_cache import PrefixCache
 from service.request import (FinishReason, Request, RequestOutput, RequestState,
                              TokenLogprob)
 from service.spec_stats import SpecAcceptStats
@@ -41,6 +45,7 @@ class RequestRejected(ValueError):
 class SchedulerConfig:
     max_tokens_per_step: int = 2048  # decode tokens + prefill chunk tokens per forward
     max_running_requests: int | None = None  # None: every slot the worker has
+    prefix_cache: bool = False  # reuse the KV pages of earlier requests' shared prefixes
 
 
 @dataclass
@@ -57,6 +62,7 @@ class SchedulerCore:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.pages = PageAllocator(info.num_pages, info.page_size)
+        self.prefix_cache = PrefixCache(info.page_size) if cfg.prefix_cache else None
         num_slots = info.num_slots if cfg.max_running_requests is None else min(
             info.num_slots, cfg.max_running_requests + 1)
         self.slots = SlotAllocator(num_slots)
@@ -124,6 +130,9 @@ class SchedulerCore:
         """The worker died: every request ends with an error; accounting returns to empty."""
         outs = [self._finish(req, FinishReason.ERROR, error=message)
                 for req in list(self.requests.values())]
+        if self.prefix_cache is not None:  # the next worker starts with an empty KV pool
+            self.pages.free(self.prefix_cache.evict(self.prefix_cache.num_blocks))
+            assert self.prefix_cache.num_blocks == 0, "a cached block still borrowed"
         self.waiting.clear()
         self._inflight.clear()
         self._released.clear()
@@ -166,14 +175,25 @@ class SchedulerCore:
 
         while budget > 0 and self.waiting:
             req = self.waiting[0]
-            need = self.pages.pages_for(req.seq_len + 1) + 1
-            if self.slots.num_free == 0 or self.pages.num_free < need:
+            borrowed = self._borrow_prefix(req)
+            need = self.pages.pages_for(req.seq_len + 1) + 1 - len(borrowed)
+            if self.slots.num_free == 0 or self._num_free_pages() < need:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.give_back(borrowed)
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate()
             req.state = RequestState.PREFILLING
             self.running[req.slot] = req
             new_requests.append(NewRequest(req.slot, req.params))
+            if borrowed:  # its first pages hold the KV of its first tokens already
+                req.borrowed = borrowed
+                req.pages = [b.page for b in borrowed]
+                req.num_cached = len(borrowed) * self.pages.page_size
+                grants.append(PageGrant(req.slot, 0, pack_i32(req.pages)))
+            if self.prefix_cache is not None:
+                self.prefix_cache.admitted_tokens += req.seq_len
+                self.prefix_cache.hit_tokens += req.num_cached
             budget -= self._plan_chunk(req, budget, grants, extends)
 
         released, self._released = self._released, []
@@ -203,7 +223,7 @@ class SchedulerCore:
                     extends: list[ExtendEntry]) -> int:
         ids = req.all_ids  # after a retraction the outputs so far are recomputed too
         # Prefill never retracts others: it takes what the free pages allow, maybe nothing.
-        room = (len(req.pages) + self.pages.num_free) * self.pages.page_size - req.num_cached
+        room = (len(req.pages) + self._num_free_pages()) * self.pages.page_size - req.num_cached
         chunk = min(budget, len(ids) - req.num_cached, room)
         if chunk <= 0:
             return 0
@@ -222,16 +242,38 @@ class SchedulerCore:
         """Make req own pages for num_tokens tokens, retracting newer requests if needed.
         Returns False if req itself had to be retracted."""
         need = self.pages.pages_for(num_tokens) - len(req.pages)
-        while need > self.pages.num_free:
+        while need > self._num_free_pages():
             victim = next(reversed(self.running.values()))
             self._retract(victim, grants)
             if victim is req:
                 return False
         if need > 0:
-            new_pages = self.pages.allocate(need)
+            new_pages = self._allocate_pages(need)
             grants.append(PageGrant(req.slot, len(req.pages), pack_i32(new_pages)))
             req.pages.extend(new_pages)
         return True
+
+    def _borrow_prefix(self, req: Request) -> list:
+        """The cached blocks its tokens start with, borrowed (so not evictable), leaving at
+        least its last token to compute. Requests with penalties start from scratch: the worker
+        counts a prompt's tokens as its prefill chunks pass."""
+        if self.prefix_cache is None or req.params.has_penalties:
+            return []
+        ids = req.all_ids
+        blocks = self.prefix_cache.match(ids, len(ids) - 1)
+        self.prefix_cache.borrow(blocks)
+        return blocks
+
+    def _num_free_pages(self) -> int:
+        """Free pages, counting the cached pages nobody borrows (taken back on demand)."""
+        cached = 0 if self.prefix_cache is None else self.prefix_cache.num_evictable
+        return self.pages.num_free + cached
+
+    def _allocate_pages(self, n: int) -> list[int]:
+        short = n - self.pages.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.pages.free(self.prefix_cache.evict(short))
+        return self.pages.allocate(n)
 
     def _retract(self, req: Request, grants: list[PageGrant]) -> None:
         grants[:] = [g for g in grants if g.slot != req.slot]
@@ -250,8 +292,14 @@ class SchedulerCore:
             self.slots.free(req.slot)
             self._released.append(req.slot)
             req.slot = None
-        self.pages.free(req.pages)
+        if self.prefix_cache is None:
+            self.pages.free(req.pages)
+        else:  # KV exists for the tokens planned so far (a plan in flight runs before any
+            # later one that could borrow them), known here up to seq_len
+            self.pages.free(self.prefix_cache.release(
+                req.all_ids, req.pages, min(req.num_cached, req.seq_len), req.borrowed))
         req.pages = []
+        req.borrowed = []
 
     # -- results in, outputs out ------------------------------------------------------------
 
@@ -346,7 +394,10 @@ class SchedulerCore:
     # -- introspection ----------------------------------------------------------------------
 
     def accounting(self) -> dict[str, int]:
-        return {"free_pages": self.pages.num_free, "total_pages": self.pages.capacity,
+        return {"free_pages": self._num_free_pages(), "total_pages": self.pages.capacity,
+                "cached_pages": 0 if self.prefix_cache is None else self.prefix_cache.num_blocks,
+                "prefix_cache_hit_tokens": 0 if self.prefix_cache is None
+                else self.prefix_cache.hit_tokens,
                 "free_slots": self.slots.num_free, "total_slots": self.slots.capacity,
                 "waiting": len(self.waiting), "running": len(self.running)}
 

@@ -27,7 +27,7 @@ from ipc.codec import ProtocolError, decode_client_request, encode
 from ipc.telemetry import StepTelemetry
 from ipc.worker_messages import WorkerInfo, unpack_i32
 from service.client_registry import ClientRegistry
-from service.config import ServiceConfig, spec_settings
+from service.config import ConfigError, ServiceConfig, spec_settings
 from service.request import FinishReason, RequestOutput
 from service.scheduler_core import RequestRejected, SchedulerConfig, SchedulerCore
 from service.telemetry import TelemetryPublisher
@@ -109,10 +109,11 @@ class Service:
         self.info = await self.worker.start()
         self.worker_ok = True
         self.core = SchedulerCore(self.info, self.tokenizer, SchedulerConfig(
-            max_tokens_per_step=self.cfg.runtime.max_tokens_per_step))
-        self.router.bind(self.cfg.service.client_endpoint)
+            max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
+            prefix_cache=self.cfg.scheduling.prefix_cache))
+        self._bind("client_endpoint", lambda: self.router.bind(self.cfg.service.client_endpoint))
         self.bound_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.telemetry.bind()
+        self._bind("telemetry_endpoint", self.telemetry.bind)
         log.info("serving %s on %s (telemetry %s)", self.info.model_name, self.bound_endpoint,
                  self.telemetry.endpoint)
         try:
@@ -126,6 +127,16 @@ class Service:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
+
+    def _bind(self, key: str, bind) -> None:
+        """Bind, or say which setting could not be bound and what to do (fmserve serve checks
+        tcp endpoints before the model loads; ipc paths and host names only fail here)."""
+        try:
+            bind()
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"service.{key} = {getattr(self.cfg.service, key)!r} cannot be "
+                              f"bound: {zmq.strerror(exc.errno)}; give a free local address "
+                              f"(--set service.{key}=...), or stop what holds it") from None
 
     async def _signal_watch(self, scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -397,4 +408,5 @@ class Service:
                      total_pages=acc["total_pages"], free_slots=acc["free_slots"],
                      total_slots=acc["total_slots"], steps=self.steps,
                      output_tokens=self.output_tokens, worker_busy_ms=self.worker_busy_ms,
-                     worker_idle_ms=self.worker_idle_ms)
+                     worker_idle_ms=self.worker_idle_ms, cached_pages=acc["cached_pages"],
+                     prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"])

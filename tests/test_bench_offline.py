@@ -36,3 +36,23 @@ def test_bench_offline_q4_off_and_on(gguf_path, tmp_path, one_torch_thread):
     assert all(float(c[6]) > 0 for c in cells)
     ratio = cells[1][12]
     assert ratio.endswith("x") and math.isfinite(float(ratio[:-1])), ratio
+
+
+def test_impossible_arguments_are_refused_before_any_work(tmp_path, capsys):
+    import pytest
+
+    # Batch 0 failed after the model loaded ("need at least 2 request slots ... got 1"), a
+    # negative prompt length silently cut the prompts, and --spec with --num-prompts 0 or a
+    # prompt file without "prompt" rows ended in an IndexError or a KeyError traceback.
+    for flags, flag in ([["--batch-sizes", "0"], "--batch-sizes"],
+                        [["--batch-sizes", "1,x"], "--batch-sizes"],
+                        [["--prompt-len", "-5"], "--prompt-len"],
+                        [["--decode-len", "0"], "--decode-len"],
+                        [["--spec", "chain", "--num-prompts", "0"], "--num-prompts"]):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "offline", "--model", str(tmp_path / "none.gguf"), *flags])
+        assert info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "one"}\n{"text": "two"}\n')
+    assert main(["bench", "offline", "--spec", "chain", "--prompts", str(prompts)]) == 2
+    assert f"{prompts}:2: each line needs a 'prompt' string" in capsys.readouterr().err

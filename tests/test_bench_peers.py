@@ -97,3 +97,14 @@ def test_busy_cores_sees_a_spinning_neighbour():
         spin.kill()
         spin.wait()
     assert busy is not None and 0.6 <= busy <= (os.cpu_count() or 1) + 0.01
+
+
+def test_unknown_peer_names_are_refused_before_any_work(tmp_path, capsys):
+    # A --peers pattern that matched nothing silently ran the baseline alone (minutes).
+    out = tmp_path / "bench"
+    for peers, what in (("served,nosuch", "nosuch matches no peer"), ("", "names no peer")):
+        assert main(["bench", "peers", "--quick", "--peers", peers, "--model",
+                     str(tmp_path / "none.gguf"), "--out-dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert what in err and "served-overlap-tree" in err  # the peers are listed
+    assert not out.exists()

@@ -95,3 +95,22 @@ def test_rounds_pool_per_run_and_keep_each_rounds_ratio():
     assert [r.output_tps for r in pooled] == [100.0, 100.0]  # (110 + 90) / 2 s
     assert [round(r.idle_share, 3) for r in pooled] == [0.02, 0.04]
     assert round_ratios(rounds) == ["- concurrency 8: overlap on/off by round: 1.100x 0.900x"]
+
+
+def test_bad_arguments_are_refused_before_the_baseline(tmp_path, capsys):
+    # Every one of these used to run the offline baseline first (minutes): --concurrency 0 and
+    # --max-new-tokens 0 then measured nothing, --overlap maybe ran as off, and a bad --set
+    # surfaced only when the first service was started.
+    model = str(tmp_path / "none.gguf")  # never reached (without the checks: a quick failure)
+    for flags, flag in ([["--concurrency", "0"], "--concurrency"],
+                        [["--concurrency", "8,"], "--concurrency"],
+                        [["--max-new-tokens", "0"], "--max-new-tokens"]):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "serve", "--model", model, *flags])
+        assert info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--overlap 'maybe'"):
+        service_variants("maybe", None)
+    assert main(["bench", "serve", "--model", model, "--set", "runtime.page_sise=8"]) == 2
+    assert "did you mean runtime.page_size" in capsys.readouterr().err
+    assert main(["bench", "serve", "--model", model, "--dtype", "bf17"]) == 2
+    assert 'model.dtype = "bf17"' in capsys.readouterr().err

@@ -259,3 +259,46 @@ def test_sync_client():
     with Client(free_endpoint()) as client:
         with pytest.raises(ServiceUnavailable):
             client.health(timeout_s=0.2)
+
+
+# ----- `fmserve client`: bad input is refused with a message, never a hang or a traceback ------
+
+def test_client_command_with_no_service_says_so_instead_of_waiting_forever(capsys):
+    from fmserve.cli import main
+
+    endpoint = free_endpoint()
+    rc: list[int] = []  # in a thread: a client that waits forever must fail the test, not hang it
+    waiting = threading.Thread(target=lambda: rc.append(
+        main(["client", "--endpoint", endpoint, "--prompt", "hello"])), daemon=True)
+    waiting.start()
+    waiting.join(30)  # the health check gives up after 5 s
+    assert rc == [2], "fmserve client still waits for a service that is not there"
+    err = capsys.readouterr().err
+    assert err.startswith("fmserve: error: no answer from an fmserve service at " + endpoint)
+    assert "Traceback" not in err
+    with FakeService() as service:  # with a service there, the check passes unnoticed
+        assert main(["client", "--endpoint", service.endpoint, "--prompt", "alpha beta",
+                     "--raw"]) == 0
+        assert capsys.readouterr().out == "alpha beta\n"
+
+
+def test_client_command_refuses_bad_flags_and_bad_files(tmp_path, capsys):
+    from fmserve.cli import main
+
+    endpoint = free_endpoint()  # nothing listens: every case must fail before connecting
+    bad_chat = tmp_path / "chat.jsonl"
+    bad_chat.write_text('{"prompt": "fine"}\n{"messages": [{"role": "user"}]}\n')
+    assert main(["client", "--endpoint", endpoint, "--file", str(bad_chat)]) == 2
+    assert f"{bad_chat}:2: 'messages' must be a non-empty list" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    assert main(["client", "--endpoint", endpoint, "--file", str(latin1)]) == 2
+    assert f"{latin1}: not UTF-8 text" in capsys.readouterr().err
+    assert main(["client", "--endpoint", endpoint, "--file", str(tmp_path)]) == 2
+    assert "Is a directory" in capsys.readouterr().err
+    for flags, flag in ([["--concurrency", "0"], "--concurrency"],
+                        [["--concurrency", "-3"], "--concurrency"],
+                        [["--endpoint", "localhost:5557"], "--endpoint"]):
+        with pytest.raises(SystemExit) as info:
+            main(["client", "--file", str(bad_chat), *flags])
+        assert info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

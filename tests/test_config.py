@@ -164,3 +164,72 @@ def test_spec_disable_above_batch_size_reaches_the_worker_settings(tmp_path):
     assert spec_settings(config_from_args(args)).disable_above_batch_size == 6
     assert "spec.disable_above_batch_size = -1 is out of range" in refused(
         None, {"spec.disable_above_batch_size": -1})
+
+
+def test_unreadable_config_files_name_the_file(tmp_path):
+    # A directory (or an unreadable file) and a file that is not UTF-8 used to escape as a raw
+    # IsADirectoryError traceback, or a UnicodeDecodeError naming no file.
+    (tmp_path / "adir.toml").mkdir()
+    msg = refused(tmp_path / "adir.toml")
+    assert "adir.toml" in msg and "cannot read the config file" in msg
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[model]\npath = \"caf\xe9\"\n".encode("latin-1"))
+    msg = refused(path)
+    assert "latin1.toml" in msg and "not UTF-8" in msg
+
+
+def test_tcp_port_out_of_range_is_refused():
+    # ZMQ takes the port modulo 2^16: ":99999" bound port 34463 without a word.
+    msg = refused(None, {"service.client_endpoint": "tcp://127.0.0.1:99999"})
+    assert "service.client_endpoint" in msg and "[0, 65535]" in msg
+    cfg = load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:65535",
+                             "service.telemetry_endpoint": "tcp://127.0.0.1:0"})
+    assert cfg.service.telemetry_endpoint == "tcp://127.0.0.1:0"  # 0: any free port
+
+
+def test_serve_refuses_an_endpoint_it_cannot_bind_before_loading_the_model(tmp_path):
+    # The service binds only after its worker has loaded the model, and a bind error there was
+    # a zmq traceback naming neither the key nor what to do.
+    import socket
+
+    from fmserve.serve_cmd import check_endpoints
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(None, {"service.client_endpoint": f"tcp://127.0.0.1:{port}",
+                                 "service.telemetry_endpoint": "tcp://127.0.0.1:0"})
+        with pytest.raises(ConfigError, match=f"service.client_endpoint = 'tcp://127.0.0.1:"
+                                              f"{port}' cannot be bound: Address already in use"):
+            check_endpoints(cfg)
+        check_endpoints(load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
+                                           "service.telemetry_endpoint": "tcp://*:0"}))
+    cfg = load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
+                             "service.telemetry_endpoint": "tcp://192.0.2.1:5558"})  # TEST-NET-1
+    with pytest.raises(ConfigError, match="service.telemetry_endpoint = 'tcp://192.0.2.1:5558' "
+                                          "cannot be bound"):
+        check_endpoints(cfg)
+
+
+def test_serve_refuses_a_draft_model_that_is_no_head_directory(tmp_path):
+    # It used to surface only after the worker had loaded the model, with the worker's log.
+    from fmserve.default_model import ModelPathError
+    from fmserve.serve_cmd import with_draft_model
+
+    cfg = load_config(None, {"spec.algorithm": "eagle3",
+                             "spec.draft_model": str(tmp_path / "nowhere")})
+    with pytest.raises(ModelPathError, match="nowhere' is not a draft head directory"):
+        with_draft_model(cfg)
+
+
+def test_serve_log_level_is_checked_by_the_parser(capsys):
+    # It reached logging.basicConfig, whose "Unknown level: 'BOGUS'" named no flag.
+    from fmserve.serve_cmd import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["--log-level", "warning"]).log_level == "WARNING"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-level", "bogus"])
+    assert "argument --log-level: invalid choice: 'BOGUS'" in capsys.readouterr().err

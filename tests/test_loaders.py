@@ -327,3 +327,22 @@ def test_not_a_model_file(tmp_path):
     file.write_bytes(b"\0" * 16)
     with pytest.raises(ModelLoadError, match=r"weights.bin.*\.gguf"):
         load_model(file)
+
+
+def test_cli_reports_a_load_error_without_a_traceback(tmp_path, capsys):
+    # ModelLoadError is no ValueError, so `fmserve generate` (and bench offline, train-eagle)
+    # printed the whole traceback of a model directory without weights.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from fmserve.cli import main
+
+    _tiny_llama(tmp_path, tie=True, rope=None)
+    (tmp_path / "model.safetensors").unlink()
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert main(["generate", "--raw", "--prompt", "w3 w4", "--model", str(tmp_path),
+                 "--device", "cpu", "--dtype", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "fmserve: error: " in err and "model.safetensors" in err
+    assert "Traceback" not in err

@@ -10,7 +10,8 @@ streamed or not), abort some mid-stream and vanish with others in flight. The in
 - greedy and seeded requests with the same prompt and parameters give the same tokens;
 - afterwards every page and slot is free and nothing runs or waits.
 
-FMSERVE_SOAK_S sets the load's duration per service (default 12 s; longer runs in the notes).
+The same with the prefix cache on, whose cached pages then come and go under that pressure.
+FMSERVE_SOAK_S sets the load's duration per service (default 10 s; longer runs in the notes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
 from tests.test_service import ServiceProcess, assert_idle
 
-SOAK_S = float(os.environ.get("FMSERVE_SOAK_S", "12"))
+SOAK_S = float(os.environ.get("FMSERVE_SOAK_S", "10"))
 PROMPTS = ["What is 2+2?", "Write a haiku about rain.", "Explain gravity to a child.",
            "List four animals, one per line."]
 CLIENTS = 5
@@ -178,11 +179,14 @@ def check_request(s: Sent, problems: list[str]) -> tuple | None:
     return ((s.prompt, encode(s.params)), ids) if repeatable else None
 
 
-@pytest.mark.parametrize("spec", ["none", "eagle3"])
-def test_soak_mixed_load_keeps_every_invariant(model_path, spec):
+@pytest.mark.parametrize("spec, prefix_cache", [("none", False), ("eagle3", False),
+                                               ("eagle3", True)],
+                         ids=["plain", "eagle3", "eagle3-prefix-cache"])
+def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache):
     extra = ["--max-kv-tokens", "768", "--set", "service.client_timeout_s=2.0",
              "--set", "service.heartbeat_interval_s=0.5",
-             "--set", "scheduling.overlap=true"]
+             "--set", "scheduling.overlap=true",
+             "--set", f"scheduling.prefix_cache={str(prefix_cache).lower()}"]
     if spec != "none":
         extra += ["--spec-algorithm", spec]
     svc = ServiceProcess(model_path, *extra)
@@ -214,9 +218,12 @@ def test_soak_mixed_load_keeps_every_invariant(model_path, spec):
             assert_idle(client)
             stats = client.health()
         assert stats.worker_alive
+        if prefix_cache:  # the cache was used, and kept what it could
+            assert stats.prefix_cache_hit_tokens > 0 and stats.cached_pages > 0, stats
         log = svc.log_text()
         assert "worker died" not in log.lower() and "Traceback" not in log, log[-4000:]
-        print(f"soak ({spec}): {len(done)} requests, {len(vanished)} vanished, "
+        print(f"soak ({spec}, prefix cache {prefix_cache}): {len(done)} requests, "
+              f"{len(vanished)} vanished, "
               f"{sum(s.aborted for s in done)} aborted, "
               f"{sum(len(r) > 1 for r in outputs.values())} keys repeated")
     finally:

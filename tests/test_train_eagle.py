@@ -691,3 +691,24 @@ def test_bad_eval_shapes_are_refused_before_any_work(tmp_path, extra, message):
 
     with pytest.raises(SystemExit, match=message):
         main(["--work-dir", str(tmp_path), "--stage", "eval", "--num-steps", "3", *extra])
+
+
+def test_bad_numbers_and_prompt_files_are_refused_with_their_name(tmp_path, capsys):
+    from fmserve.train_eagle.cli import main
+    from fmserve.train_eagle.data import read_prompts
+
+    # --save-every 0 and --log-every 0 ended training in a ZeroDivisionError after its first
+    # step; --max-steps 0 shipped an untrained head.
+    for flag in ("--save-every", "--log-every", "--max-steps", "--num-prompts", "--eval-batch"):
+        with pytest.raises(SystemExit) as info:
+            main(["--work-dir", str(tmp_path), "--stage", "train", flag, "0"])
+        assert info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    # A bad --init-head was found only when training started: with --stage all, after the data.
+    with pytest.raises(SystemExit, match="--init-head: draft head directory .*nowhere has no "
+                                         "config.json"):
+        main(["--work-dir", str(tmp_path), "--init-head", str(tmp_path / "nowhere")])
+    # A line that is not JSON was reported as json's own message, naming neither file nor line.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: not JSON"):
+        read_prompts(prompts)

@@ -24,6 +24,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from fmserve.arg_types import positive_int
+
 DEFAULT_TRAIN_PROMPTS = "/work/shared/data/prompts/train.jsonl"
 DEFAULT_EVAL_PROMPTS = "/work/shared/data/prompts/dev.jsonl"
 STAGES = ("prompts", "tokens", "data", "train", "eval", "all")  # all: data, train, eval
@@ -54,10 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = p.add_argument_group("data")
     d.add_argument("--prompts", default=DEFAULT_TRAIN_PROMPTS, help="JSONL rows with \"prompt\"")
-    d.add_argument("--num-prompts", type=int, default=2000)
-    d.add_argument("--max-prompt-tokens", type=int, default=384,
+    d.add_argument("--num-prompts", type=positive_int, default=2000)
+    d.add_argument("--max-prompt-tokens", type=positive_int, default=384,
                    help="prompts longer than this (chat template included) are skipped")
-    d.add_argument("--max-new-tokens", type=int, default=192)
+    d.add_argument("--max-new-tokens", type=positive_int, default=192)
     d.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="share of responses sampled at temperature 0.7-1.0 (the rest greedy)")
     d.add_argument("--shard-size", type=int, default=200, help="sequences per data shard")
@@ -77,17 +79,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{MIN_GEN_KV_TOKENS})")
 
     s = p.add_argument_group("prompt synthesis (--stage prompts)")
-    s.add_argument("--synth-prompts", type=int, default=3000,
+    s.add_argument("--synth-prompts", type=positive_int, default=3000,
                    help="new instructions to write, in the style of --prompts' seed tasks")
     s.add_argument("--synth-out", default=None,
                    help="the JSONL written: the seed tasks, then the new instructions "
                         "(default <work-dir>/synth-prompts.jsonl)")
 
     t = p.add_argument_group("training")
-    t.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll depth")
+    t.add_argument("--ttt-steps", type=positive_int, default=4,
+                   help="training-time-test unroll depth")
     t.add_argument("--step-loss-decay", type=float, default=0.8,
                    help="the loss of unroll step k is weighted by this ** k (1: all alike)")
-    t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--draft-vocab-size", type=positive_int, default=8192)
     t.add_argument("--head-intermediate-size", type=int, default=0, metavar="N",
                    help="the head's MLP width; 0 = the target's (1536 for the default model; "
                         "up to 2944 keeps its head under 25 MB in fp16), or --init-head's")
@@ -99,13 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=0.5)
     t.add_argument("--epochs", type=float, default=2.0)
-    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    t.add_argument("--max-steps", type=positive_int, default=None,
+                   help="stop after this many steps")
     t.add_argument("--max-minutes", type=float, default=None,
                    help="fit the run (its LR schedule included) to this much wall time: the "
                         "speed of the first steps sets the number of steps")
-    t.add_argument("--max-batch-tokens", type=int, default=2048,
+    t.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="padded tokens per batch (sequences of similar length batched)")
-    t.add_argument("--max-train-sequences", type=int, default=None,
+    t.add_argument("--max-train-sequences", type=positive_int, default=None,
                    help="train on the first N captured sequences only")
     t.add_argument("--prompt-loss-weight", type=float, default=0.0,
                    help="also train draft chains rooted in the prompt, their loss weighted by "
@@ -116,8 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--val-sequences", type=int, default=64,
                    help="hold out the last N captured sequences; at each checkpoint the head "
                         "ships only if their estimated accept length is the best so far")
-    t.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
-    t.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
+    t.add_argument("--save-every", type=positive_int, default=50,
+                   help="checkpoint every N steps")
+    t.add_argument("--log-every", type=positive_int, default=10, help="log a line every N steps")
     t.add_argument("--keep-checkpoints", type=int, default=2)
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --work-dir")
@@ -141,8 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("evaluation")
     e.add_argument("--eval-prompts", default=DEFAULT_EVAL_PROMPTS,
                    help="held-out JSONL prompts (never trained on)")
-    e.add_argument("--eval-num-prompts", type=int, default=64)
-    e.add_argument("--eval-max-new-tokens", type=int, default=128)
+    e.add_argument("--eval-num-prompts", type=positive_int, default=64)
+    e.add_argument("--eval-max-new-tokens", type=positive_int, default=128)
     e.add_argument("--eval-mode", default="spec", choices=["spec", "estimate", "both"],
                    help="spec: the Engine's real speculative path; estimate: a teacher-forced "
                         "offline estimate (no speculative runtime needed)")
@@ -153,7 +158,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--eval-topk", type=int, default=4, help="spec eval: the tree's children a node")
     e.add_argument("--eval-draft-tokens", type=int, default=8,
                    help="spec eval: the tree's nodes verified per step, the root included")
-    e.add_argument("--eval-batch", type=int, default=64,
+    e.add_argument("--eval-batch", type=positive_int, default=64,
                    help="spec eval: requests decoded together")
 
 
@@ -224,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
         eval_spec_shapes(args)
     except ValueError as e:
         raise SystemExit(f"train-eagle: {e}") from None
+    if args.init_head and args.stage in ("train", "all"):  # not after the data stage's hours
+        from gpu.eagle.head_io import read_head_config
+        try:
+            read_head_config(args.init_head)
+        except ValueError as e:
+            raise SystemExit(f"train-eagle: --init-head: {e}") from None
     args.device = resolve_device_arg(args.device)
     governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads, device=args.device)
     model_path = resolve_model_path(args.model, progress=not args.no_progress)

@@ -136,7 +136,10 @@ def read_prompts(path: str | Path) -> list[str]:
             line = line.strip()
             if not line:
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
             prompt = row.get("prompt") if isinstance(row, dict) else row
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"{path}:{n}: no \"prompt\" string in this row")

@@ -1,0 +1,44 @@
+"""argparse types that refuse nonsense while the command line is parsed, before a model loads or
+a benchmark starts: argparse then names the flag, prints the usage and exits with status 2.
+
+    p.add_argument("--concurrency", type=positive_int, default=8)
+    p.add_argument("--batch-sizes", type=positive_int_list, default="1,8,32")
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_int_list(text: str) -> str:
+    """Comma-separated positive integers ("1,8,32"), handed on as the text: the commands split it
+    themselves (and the reports print it as given)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give numbers separated by commas, e.g. 1,8,32")
+    for part in text.split(","):
+        try:
+            positive_int(part.strip())
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}; give numbers of at least 1 "
+                                             f"separated by commas, e.g. 1,8,32") from None
+    return text
+
+
+def endpoint(text: str) -> str:
+    """A ZMQ endpoint, by the config's rule (ZMQ's own error for a bad one is a traceback)."""
+    from service.config import ConfigError, check_endpoint
+
+    try:
+        return check_endpoint(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
