@@ -39,7 +39,8 @@ from fmserve.arg_types import positive_int, positive_int_list
 from fmserve.bench_peers_llama_server import (LLAMA_SERVER_INSTALL, LlamaServerPeer,
                                               find_llama_server)
 from fmserve.bench_peers_workers import ChildGroup, PointResult, ServedPeer
-from fmserve.bench_spec import DEV_PROMPTS, read_prompts, spec_settings_for
+from fmserve.bench_spec import DEV_PROMPTS, spec_settings_for
+from fmserve.jsonl import read_prompts
 
 
 @dataclass(frozen=True)

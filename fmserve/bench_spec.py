@@ -11,7 +11,6 @@ rate per draft position. Greedy outputs are also compared token for token.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from fmserve.arg_types import positive_int
 from fmserve.engine import Engine
+from fmserve.jsonl import read_prompts
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
@@ -77,25 +77,6 @@ def spec_settings_for(name: str, args: argparse.Namespace) -> SpecSettings:
         return SpecSettings(args.spec_algorithm, args.draft_model, steps, args.tree_topk,
                             args.tree_draft_tokens, limit)
     raise ValueError(f"--spec {name!r}: choose chain, tree or chain,tree")
-
-
-def read_prompts(path: str) -> list[str]:
-    """The "prompt" string of every row of a JSONL file; a bad row is named by its line."""
-    texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)):
-                raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string")
-            texts.append(row["prompt"])
-    if not texts:
-        raise ValueError(f"{path}: no prompts")
-    return texts
 
 
 def load_chats(path: str, n: int) -> list[list[dict]]:

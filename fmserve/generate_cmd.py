@@ -7,6 +7,7 @@ import json
 import sys
 
 from fmserve.engine import Engine
+from fmserve.jsonl import jsonl_rows
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
 
@@ -54,33 +55,18 @@ def _is_chat(messages: object) -> bool:
 
 def _read_jsonl(path: str, raw: bool) -> list:
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(_lines(f, path), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if isinstance(row, dict) and row.get("messages") is not None:
-                if not _is_chat(row["messages"]):  # caught here, not as a KeyError later
-                    raise ValueError(f"{path}:{lineno}: 'messages' must be a non-empty list of "
-                                     '{"role": "...", "content": "..."} objects')
-                prompts.append(row["messages"])
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                prompts.append(row["prompt"] if raw else _messages(None, row["prompt"]))
-            else:
-                raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string or a "
-                                 "'messages' list")
+    for lineno, row in jsonl_rows(path):
+        if isinstance(row, dict) and row.get("messages") is not None:
+            if not _is_chat(row["messages"]):  # caught here, not as a KeyError later
+                raise ValueError(f"{path}:{lineno}: 'messages' must be a non-empty list of "
+                                 '{"role": "...", "content": "..."} objects')
+            prompts.append(row["messages"])
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"] if raw else _messages(None, row["prompt"]))
+        else:
+            raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string or a "
+                             "'messages' list")
     return prompts
-
-
-def _lines(f, path: str):
-    """The file's lines; a file that is not UTF-8 text is refused with its name."""
-    try:
-        yield from f
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); give a JSONL file") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -311,7 +311,6 @@ def _check_consistency(config: ServiceConfig, source: str) -> None:
     if r.max_kv_tokens < r.page_size:
         raise ConfigError(f"{source}: runtime.max_kv_tokens = {r.max_kv_tokens} must be at "
                           f"least runtime.page_size = {r.page_size} (one page)")
-    sp = config.spec
     try:
         spec_settings(config).validate()
     except ValueError as exc:

@@ -1,0 +1,34 @@
+"""JSONL prompt files, read with errors that name the file and the line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+
+def jsonl_rows(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed row) for every non-blank line; a line that is not JSON, or a file
+    that is not UTF-8 text, is a ValueError naming where."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); give a JSONL file") from None
+
+
+def read_prompts(path: str) -> list[str]:
+    """The "prompt" string of every row of a JSONL file; a bad row is named by its line."""
+    texts = []
+    for lineno, row in jsonl_rows(path):
+        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)):
+            raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string")
+        texts.append(row["prompt"])
+    if not texts:
+        raise ValueError(f"{path}: no prompts")
+    return texts
