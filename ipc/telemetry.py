@@ -85,3 +85,8 @@ class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     spec_accept_rate_per_position: list[float] = []  # since start: share of verify rows that
     # accepted the draft token at depth i+1 (one entry per draft position; never increasing)
     spec_config: SpecConfigTelemetry | None = None  # the settings while speculation is on
+    # Prefix cache (None / 0 when scheduling.prefix_cache is off): pages holding cached
+    # prefixes (those nobody borrows are also in free_pages), and the share of admitted
+    # requests' tokens served from it since start.
+    prefix_cache_hit_share: float | None = None
+    cached_pages: int = 0

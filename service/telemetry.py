@@ -85,7 +85,10 @@ class TelemetryPublisher:
                                    dtype=info.dtype, attention_backend=info.attention_backend),
             spec_accept_length=spec.recent_accept_length, spec_verify_steps=spec.verify_steps,
             spec_accept_rate_per_position=spec.accept_rate_per_position,
-            spec_config=self._spec_config)
+            spec_config=self._spec_config,
+            prefix_cache_hit_share=None if core.prefix_cache is None else
+            core.prefix_cache.hit_tokens / max(1, core.prefix_cache.admitted_tokens),
+            cached_pages=acc["cached_pages"])
 
     def publish(self) -> None:
         if self.endpoint is None or self.service.core is None:

@@ -725,3 +725,12 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
         finally:
             for t in threads:
                 t.join(timeout=60)
+
+
+def test_kv_gauge_shows_the_prefix_cache_only_when_it_is_on():
+    from tui.widgets import kv_gauge_text
+
+    off = kv_gauge_text(snapshot(1.0), 40).plain
+    assert "prefix cache" not in off and "64/256 pages" in off
+    on = msgspec.structs.replace(snapshot(1.0), prefix_cache_hit_share=0.6, cached_pages=12)
+    assert "prefix cache 12 pages, 60% of prompts reused" in kv_gauge_text(on, 40).plain

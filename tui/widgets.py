@@ -99,8 +99,12 @@ def gauge_text(label: str, used: int, total: int, width: int, detail: str = "") 
 
 def kv_gauge_text(snap: TelemetrySnapshot, width: int) -> Text:
     used = snap.total_pages - snap.free_pages
-    return gauge_text("KV", used * snap.page_size, snap.total_pages * snap.page_size, width,
-                      f"tokens, {used}/{snap.total_pages} pages ")
+    out = gauge_text("KV", used * snap.page_size, snap.total_pages * snap.page_size, width,
+                     f"tokens, {used}/{snap.total_pages} pages ")
+    if snap.prefix_cache_hit_share is not None:  # free pages include the unborrowed cached ones
+        out.append(f"\nprefix cache {snap.cached_pages} pages, "
+                   f"{snap.prefix_cache_hit_share:.0%} of prompts reused", style="cyan")
+    return out
 
 
 def slots_gauge_text(snap: TelemetrySnapshot, width: int) -> Text:
