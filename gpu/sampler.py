@@ -267,6 +267,10 @@ class SamplingState:
                              (self._min_p, False), (self._logprobs, -1)):
             mirror[slot] = free
 
+    def max_logprobs(self, slots: np.ndarray) -> int:
+        """The most logprobs any of these slots asks for; -1 when none asks (host only)."""
+        return int(self._logprobs[slots].max()) if len(slots) else -1
+
     def batch_flags(self, slots: np.ndarray) -> BatchFlags:
         greedy = self._greedy[slots]
         sampled = ~greedy

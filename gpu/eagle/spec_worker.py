@@ -288,11 +288,14 @@ class EagleWorker:
         fm.stash_spec(slots, next_p, next_ids, h_out[last])
 
         # Logprobs of the emitted tokens, each from the logits of the node it follows (the
-        # root, then the accepted drafts), as the plain step would report them.
-        node_rows = torch.arange(bs, device=dev)[:, None] * T + path
-        scored = r.sampler.logprobs_of(logits[node_rows.reshape(-1)],
-                                       slots.repeat_interleave(E), out_tokens.clamp(min=0)
-                                       .reshape(-1), slots_host=np.repeat(slots_host, E))
+        # root, then the accepted drafts), as the plain step would report them; only when a
+        # request asks (a host check: no gather of [bs * E, vocab] logits otherwise).
+        scored = None
+        if r.sampling_state.max_logprobs(slots_host) >= 0:
+            node_rows = torch.arange(bs, device=dev)[:, None] * T + path
+            scored = r.sampler.logprobs_of(logits[node_rows.reshape(-1)],
+                                           slots.repeat_interleave(E), out_tokens.clamp(min=0)
+                                           .reshape(-1), slots_host=np.repeat(slots_host, E))
 
         acc_host = acc.cpu().numpy()
         tok_host = out_tokens.cpu().numpy()
@@ -300,6 +303,8 @@ class EagleWorker:
         for a in acc_host:
             self.accepted_per_position[:a] += 1
         rows = _Rows(slots_host, [tok_host[i, :a + 1] for i, a in enumerate(acc_host)], acc_host)
+        if scored is None:
+            return rows
         return rows.with_logprobs(scored, (np.arange(E)[None, :] <= acc_host[:, None])
                                   .reshape(-1))
 
