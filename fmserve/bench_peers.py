@@ -342,6 +342,12 @@ def run_bench_peers(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     reasons = selected_peers(args)  # a bad --peers before minutes of set-up
+    if args.draft_model and not any(p.spec in ("chain", "tree") and not reasons[p.key]
+                                    for p in PEERS):
+        raise ValueError(f"--draft-model {args.draft_model!r} is given but none of the peers "
+                         f"that run (--peers {args.peers!r}) decodes speculatively, so it would "
+                         f"be ignored: select an EAGLE peer (e.g. --peers 'offline-*chain') to "
+                         f"measure it, or drop --draft-model")
     console = Console()
     load_before = os.getloadavg()
     busy_before = busy_cores(1.0)

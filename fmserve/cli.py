@@ -137,12 +137,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_draft_model_used(args: argparse.Namespace) -> None:
+    """Refuse --draft-model where nothing would use it (it used to be ignored silently), before
+    any model loads. `fmserve serve` checks it with its config (service/config.py) and
+    `bench peers` against its selected peers (fmserve/bench_peers.py)."""
+    draft = getattr(args, "draft_model", "")
+    if not draft:
+        return
+    if args.command == "generate" and args.spec_algorithm == "none":
+        raise ValueError(f"--draft-model {draft!r} is given but --spec-algorithm is none (the "
+                         f"default), so speculative decoding is off and the draft model would "
+                         f"be ignored: add --spec-algorithm eagle3 (or eagle) to use it, or "
+                         f"drop --draft-model")
+    if args.command == "bench" and args.bench_command == "offline" and not args.spec:
+        raise ValueError(f"--draft-model {draft!r} is given without --spec, so the throughput "
+                         f"sweep runs no speculative decoding and the draft model would be "
+                         f"ignored: add --spec chain (or tree, or chain,tree) to measure it, or drop --draft-model")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # imports every command's modules (torch too)
     from gpu.loader.errors import ModelLoadError
     from ipc.client import ClientError
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        check_draft_model_used(args)
         if args.command == "train-eagle":
             return args.func(args)
         if args.command == "generate":

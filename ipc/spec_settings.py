@@ -44,6 +44,11 @@ class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"spec.algorithm '{self.algorithm}' is unknown; choose one of "
                              f"{', '.join(SPEC_ALGORITHMS)}")
         if not self.enabled:
+            if self.draft_model:  # else it would be silently ignored
+                raise ValueError(f"spec.draft_model {self.draft_model!r} is given but "
+                                 f"spec.algorithm is 'none', so it would be ignored: set "
+                                 f"spec.algorithm to 'eagle3' or 'eagle' to use it, or leave "
+                                 f"spec.draft_model empty")
             return self
         if self.disable_above_batch_size < 0:
             raise ValueError(f"spec.disable_above_batch_size must be >= 0 (0: always speculate), "

@@ -219,6 +219,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     a value of None means "flag not given" and is skipped.
     """
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    origins: dict[str, str] = {}  # dotted key -> where its value came from, for errors
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is not None:
         source = str(path)
@@ -242,6 +243,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
                                   f"not a single value")
             for key, value in table.items():
                 values[section][key] = _checked(source, section, key, value)
+                origins[f"{section}.{key}"] = source
     for dotted, value in overrides.items():
         section, _, key = dotted.partition(".")
         if not key:
@@ -249,10 +251,11 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
                               f"e.g. runtime.page_size")
         _known_section("command line", section)
         values[section][key] = _checked("command line", section, key, value)
+        origins[dotted] = "command line"
 
     config = ServiceConfig(**{name: SECTIONS[name](**v) for name, v in values.items()})
     sources = ([str(path)] if path is not None else []) + (["command line"] if overrides else [])
-    _check_consistency(config, " + ".join(sources) or "defaults")
+    _check_consistency(config, " + ".join(sources) or "defaults", origins)
     return config
 
 
@@ -300,9 +303,21 @@ def _checked(source: str, section: str, key: str, value: Any) -> Any:
                           f"{refused.allowed}") from None
 
 
-def _check_consistency(config: ServiceConfig, source: str) -> None:
-    """Rules that tie two keys together."""
-    s, r = config.service, config.runtime
+def _check_consistency(config: ServiceConfig, source: str,
+                       origins: dict[str, str] | None = None) -> None:
+    """Rules that tie two keys together. `origins` says where each key set came from."""
+    s, r, sp = config.service, config.runtime, config.spec
+    origins = origins or {}
+    if sp.draft_model and sp.algorithm == "none":
+        # A head given with speculation off used to load nothing and say nothing.
+        algorithm = (f"set in {origins['spec.algorithm']}" if "spec.algorithm" in origins
+                     else "the default")
+        raise ConfigError(
+            f"{origins.get('spec.draft_model', source)}: spec.draft_model = "
+            f"{_show(sp.draft_model)} names a draft model, but spec.algorithm is \"none\" "
+            f"({algorithm}), so speculative decoding is off and the draft model would be "
+            f"ignored: set spec.algorithm = \"eagle3\" or \"eagle\" (fmserve serve "
+            f"--spec-algorithm eagle3) to use it, or remove spec.draft_model (--draft-model)")
     if s.heartbeat_interval_s >= s.client_timeout_s:
         raise ConfigError(
             f"{source}: service.heartbeat_interval_s = {s.heartbeat_interval_s:g} must be "
