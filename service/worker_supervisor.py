@@ -12,7 +12,9 @@ Async with zmq.asyncio, so it needs anyio's asyncio backend. The worker is *spaw
 name with `sys.executable` (never forked: a forked copy of the service would share its sockets
 and threads), in a new session so a Ctrl-C in the terminal reaches the service first and the
 service decides how the worker ends. Its stdout and stderr go to a log file in the handle's
-private temp dir, which also holds the ipc:// socket; errors quote the log's tail. The worker
+private temp dir, which also holds the ipc:// socket; errors of a running worker quote the log's
+tail. A worker that fails to start leaves its log beside that dir (`fmserve-worker-<pid>-*.log`),
+and the error gives the worker's one-line reason and that file's path, not its traceback. The worker
 exits by itself when this process dies (see gpu/worker_main.py). This module must not import
 `gpu` or torch: the service never holds device state.
 """
@@ -26,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -140,6 +143,29 @@ class WorkerHandle:
             text = f.read().decode("utf-8", errors="replace")
         return "\n".join(text.rstrip().splitlines()[-lines:])
 
+    def _start_failed(self, message: str) -> WorkerStartError:
+        """A start-up failure for people: the worker's one-line reason and where its whole log
+        is, not the log's tail (a traceback of the worker's own code). The log is copied out of
+        the temp dir, which start() removes on the way out."""
+        kept = self._keep_log()
+        if kept is None:
+            return WorkerStartError(message)
+        return WorkerStartError(f"{message}\nThe worker's full log, with its traceback, is kept "
+                                f"in {kept}")
+
+    def _keep_log(self) -> Path | None:
+        path = self.log_path
+        if path is None or not path.exists() or path.stat().st_size == 0:
+            return None
+        try:
+            fd, kept = tempfile.mkstemp(prefix=f"fmserve-worker-{self.pid}-", suffix=".log",
+                                        dir=self._dir.parent)
+            os.close(fd)
+            shutil.copyfile(path, kept)
+        except OSError:
+            return None
+        return Path(kept)
+
     def _with_log(self, message: str) -> str:
         tail = self.log_tail()
         return f"{message}\n--- last lines of the worker log ---\n{tail}" if tail else message
@@ -194,17 +220,18 @@ class WorkerHandle:
         try:
             msg = await self._receive(self.ready_timeout_s)
         except _WorkerExited as e:
-            raise WorkerStartError(self._with_log(
-                f"{what} exited with {describe_returncode(e.returncode)} before it was ready")
-            ) from None
+            last = self.log_tail(1)
+            raise self._start_failed(
+                f"{what} exited with {describe_returncode(e.returncode)} before it was ready"
+                + (f"; the last line of its log: {last}" if last else "")) from None
         except TimeoutError:
-            raise WorkerStartError(self._with_log(
+            raise self._start_failed(
                 f"{what} was not ready after {self.ready_timeout_s:g} s (ready_timeout_s); "
-                f"it was killed")) from None
+                f"it was killed") from None
         except WorkerDied as e:  # it sent something undecodable
             raise WorkerStartError(f"{what}: {e}") from None
         if isinstance(msg, WorkerFailed):
-            raise WorkerStartError(self._with_log(f"{what} failed to start: {msg.message}"))
+            raise self._start_failed(f"{what} failed to start: {msg.message}")
         if not isinstance(msg, WorkerReady):
             raise WorkerStartError(f"{what} sent {type(msg).__name__} before WorkerReady")
         if msg.info.protocol_version != WORKER_PROTOCOL_VERSION:

@@ -345,6 +345,9 @@ async def test_worker_that_cannot_load_reports_why(tmp_path):
     message = str(err.value)
     assert str(missing) in message and "does not exist" in message
     assert h.pid is None and not h.alive  # nothing is left running
+    kept = Path(message.rpartition("is kept in ")[2])  # its log outlives the temp dir
+    assert "Traceback" in kept.read_text() and "Traceback" not in message
+    kept.unlink()
 
 
 @pytest.mark.anyio
