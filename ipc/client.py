@@ -11,7 +11,10 @@
 One DEALER socket carries any number of concurrent requests: a background task reads every
 reply and routes it by request id to that request's queue. While requests are in flight the
 client sends `Ping` every `heartbeat_interval_s`, because the service aborts the requests of a
-client it has not heard from for `client_timeout_s` (see docs/protocol.md).
+client it has not heard from for `client_timeout_s` (see docs/protocol.md). The service answers
+every Ping from its event loop, also while the worker computes a long step, so a client that
+hears nothing at all for `service_timeout_s` while requests are in flight takes the service for
+gone and fails them with `ServiceUnavailable` instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ipc.sampling import SamplingParams
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_HEALTH_TIMEOUT_S = 5.0
+DEFAULT_SERVICE_TIMEOUT_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +118,31 @@ def _unavailable(endpoint: str, waited_s: float) -> ServiceUnavailable:
     )
 
 
+def _check_service_timeout(service_timeout_s: float | None, heartbeat_interval_s: float) -> None:
+    if service_timeout_s is not None and not service_timeout_s > heartbeat_interval_s:
+        raise ValueError(f"service_timeout_s = {service_timeout_s:g} must be longer than "
+                         f"heartbeat_interval_s = {heartbeat_interval_s:g}: the service is only "
+                         f"asked for a sign of life once per heartbeat (None: never give up)")
+
+
 class AsyncClient:
-    """Asyncio client. Create it anywhere; its socket is made on first use in the running loop."""
+    """Asyncio client. Create it anywhere; its socket is made on first use in the running loop.
+
+    `service_timeout_s`: while requests are in flight, how long the service may send nothing
+    at all (not even a Pong) before they all fail with `ServiceUnavailable`; None = never.
+    """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *,
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                  timeout_s: float | None = None,
+                 service_timeout_s: float | None = DEFAULT_SERVICE_TIMEOUT_S,
                  context: zmq.asyncio.Context | None = None) -> None:
+        _check_service_timeout(service_timeout_s, heartbeat_interval_s)
         self.endpoint = endpoint
         self.heartbeat_interval_s = heartbeat_interval_s
         self.timeout_s = timeout_s  # default per-message wait of generate(); None = forever
+        self.service_timeout_s = service_timeout_s
+        self._heard_at = 0.0  # loop time of the last frame from the service (or of going busy)
         self._context = context
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -190,6 +209,8 @@ class AsyncClient:
         if msg.id in self._queues:
             raise ValueError(f"request id {msg.id!r} is already in flight on this client")
         queue: asyncio.Queue = asyncio.Queue()
+        if not self._queues:  # silence counts from now, not from before an idle spell
+            self._heard_at = asyncio.get_running_loop().time()
         self._queues[msg.id] = queue
         self._inflight.set()
         finished = False
@@ -282,6 +303,7 @@ class AsyncClient:
         try:
             while True:
                 frame = await sock.recv()
+                self._heard_at = asyncio.get_running_loop().time()  # any frame: it lives
                 try:
                     reply = decode_service_reply(frame)
                 except ProtocolError as exc:
@@ -319,15 +341,44 @@ class AsyncClient:
             pass
 
     async def _heartbeat_loop(self) -> None:
-        # Sleep while idle; once a request is in flight, ping every interval until none is.
+        # Sleep while idle; once a request is in flight, ping every interval until none is, and
+        # check (a few times per service_timeout_s) that the service still says something.
+        loop = asyncio.get_running_loop()
+        tick = self.heartbeat_interval_s
+        if self.service_timeout_s is not None:
+            tick = min(tick, self.service_timeout_s / 4)
+        pinged_at = loop.time()
         while True:
-            await self._inflight.wait()
-            await asyncio.sleep(self.heartbeat_interval_s)
-            if self._queues:
+            if not self._inflight.is_set():
+                await self._inflight.wait()
+                pinged_at = loop.time()  # the first ping one interval after going busy
+            await asyncio.sleep(tick)
+            if not self._queues:
+                continue
+            now = loop.time()
+            if self._service_silent(now):
+                continue
+            if now - pinged_at >= self.heartbeat_interval_s - 1e-3:
+                pinged_at = now
                 try:
                     await self._socket.send(encode(Ping()))
                 except zmq.ZMQError:
                     return
+
+    def _service_silent(self, now: float) -> bool:
+        """Fail everything in flight if the service has said nothing for service_timeout_s."""
+        if self.service_timeout_s is None or now - self._heard_at < self.service_timeout_s:
+            return False
+        if self._socket.get(zmq.EVENTS) & zmq.POLLIN:  # a reply waits unread: it lives
+            return False
+        silent, self._heard_at = now - self._heard_at, now  # a later request gets a full wait
+        self._fail_all(ServiceUnavailable(
+            f"the fmserve service at {self.endpoint} has not answered for {silent:.0f} s "
+            f"(not even a ping; service_timeout_s = {self.service_timeout_s:g}) and may have "
+            f"stopped: check that it is running (its log says why it stopped), start it again "
+            f"with `fmserve serve` and retry; if it is only busy, give the client a longer "
+            f"service_timeout_s"))
+        return True
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
@@ -343,14 +394,16 @@ class Client:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *,
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None,
+                 service_timeout_s: float | None = DEFAULT_SERVICE_TIMEOUT_S) -> None:
+        _check_service_timeout(service_timeout_s, heartbeat_interval_s)  # before the thread
         self.endpoint = endpoint
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fmserve-client",
                                         daemon=True)
         self._thread.start()
         self._async = AsyncClient(endpoint, heartbeat_interval_s=heartbeat_interval_s,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, service_timeout_s=service_timeout_s)
         self._closed = False
 
     def __enter__(self) -> Client:
