@@ -1,7 +1,9 @@
 """The scheduler process: clients in over ZMQ ROUTER, plans out to the worker, tokens back.
 
 Three anyio tasks share one event loop (asyncio backend):
-- `_receive_loop`: decodes client frames, admits requests into the SchedulerCore, aborts;
+- `_receive_loop`: decodes client frames, admits requests into the SchedulerCore, aborts; a
+  large text prompt is tokenized on a thread meanwhile (service/prompt_intake.py), its request
+  in flight but not yet in the core (`_tokenizing`);
 - `_step_loop`: plan -> worker.step -> process result -> stream replies, while there is work;
 - `_housekeeping_loop`: publishes telemetry snapshots and aborts requests of silent clients.
 The worker is a separate process (see worker_supervisor); if it dies mid-step, its requests
@@ -28,6 +30,7 @@ from ipc.telemetry import StepTelemetry
 from ipc.worker_messages import WorkerInfo, unpack_i32
 from service.client_registry import ClientRegistry
 from service.config import ConfigError, ServiceConfig, spec_settings
+from service.prompt_intake import PromptIntake
 from service.request import FinishReason, RequestOutput
 from service.scheduler_core import RequestRejected, SchedulerConfig, SchedulerCore
 from service.telemetry import TelemetryPublisher
@@ -64,6 +67,11 @@ class Service:
         self.cfg = cfg
         self.model_path = model_path
         self.tokenizer = TextTokenizer.from_model_path(model_path)
+        self.intake = PromptIntake(self.tokenizer)
+        # Requests whose prompt a thread is tokenizing: rid -> a ticket of that one request (an
+        # aborted id may be reused while the thread of the old one still runs).
+        self._tokenizing: dict[str, object] = {}
+        self._intake_tasks: anyio.abc.TaskGroup | None = None
         rt = cfg.runtime
         self.worker = WorkerHandle(
             runner_config=dict(model_path=model_path, device=cfg.model.device,
@@ -149,6 +157,11 @@ class Service:
         if self.core is not None:
             for out in self.core.fail_all("the service is shutting down"):
                 await self._reply_terminal(out, code="service_shutdown")
+        for rid in list(self._tokenizing):  # their tokenizing was cancelled with the loop
+            del self._tokenizing[rid]
+            await self._reply_terminal(RequestOutput(rid, [], "", finish_reason=FinishReason.ERROR,
+                                                     error="the service is shutting down"),
+                                       code="service_shutdown")
         await self.worker.stop(timeout_s=5.0)
         self.telemetry.close()
         self.router.close(linger=0)
@@ -166,6 +179,10 @@ class Service:
             log.debug("dropping a reply to %s: %s", envelope[0].hex(), exc)
 
     async def _receive_loop(self) -> None:
+        async with anyio.create_task_group() as self._intake_tasks:  # prompts on threads
+            await self._receive_frames()
+
+    async def _receive_frames(self) -> None:
         while True:
             frames = await self.router.recv_multipart()
             self.clients.touch(frames[0])  # any message is a sign of life
@@ -231,14 +248,9 @@ class Service:
                                              "restarted; see the service log"))
             return
         try:
-            if msg.messages is not None:
-                ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                  for m in msg.messages])
-            elif msg.text is not None:
-                ids = self.tokenizer.encode(msg.text)
-            else:
-                ids = list(msg.token_ids or [])
-            self.core.add_request(rid, ids, msg.params)
+            prompt = self.intake.prepare(msg, self.core.max_seq_len)
+            if isinstance(prompt, list):
+                self.core.add_request(rid, prompt, msg.params)
         except RequestRejected as exc:
             await self._send(identity, Error(msg.id, exc.code, str(exc)))
             return
@@ -247,11 +259,46 @@ class Service:
                                              f"prompt: {exc}"))
             return
         self.clients.add(identity, msg.id, msg.stream)
+        if isinstance(prompt, str):  # in flight from now on; admitted once tokenized
+            self._tokenizing[rid] = ticket = object()
+            self._intake_tasks.start_soon(self._admit_tokenized, rid, prompt, msg.params, ticket)
+            return
         self._work.set()
 
+    async def _admit_tokenized(self, rid: str, text: str, params, ticket: object) -> None:
+        try:
+            ids, failure = await self.intake.encode(text), None
+        except Exception as exc:  # a tokenizer failure: the client's input
+            ids, failure = None, exc
+        if self._tokenizing.get(rid) is not ticket:
+            return  # aborted meanwhile (its client timed out, or asked): already answered
+        del self._tokenizing[rid]
+        try:
+            if failure is not None:
+                raise RequestRejected("invalid_prompt", f"could not encode the prompt: {failure}")
+            if not self.worker_ok:
+                raise RequestRejected("worker_unavailable", "the model worker is down and could "
+                                      "not be restarted; see the service log")
+            self.core.add_request(rid, ids, params)
+        except Exception as exc:
+            code = exc.code if isinstance(exc, RequestRejected) else "internal_error"
+            if code == "internal_error":  # a bug: nothing of the request may stay behind
+                log.exception("failed to admit the tokenized request %s", rid)
+                if rid in self.core.requests:
+                    self.core.abort(rid)
+            await self._reply_terminal(RequestOutput(rid, [], "", finish_reason=FinishReason.ERROR,
+                                                     error=str(exc)), code=code)
+            return
+        self._work.set()
+
+    def _abort(self, rid: str) -> RequestOutput | None:
+        """End a request in flight, admitted or still being tokenized; None if there is none."""
+        if self._tokenizing.pop(rid, None) is not None:
+            return RequestOutput(rid, [], "", finish_reason=FinishReason.ABORT)
+        return self.core.abort(rid) if rid in self.clients.requests else None
+
     async def _on_abort(self, identity: bytes, msg: Abort) -> None:
-        rid = self.clients.scheduler_id(identity, msg.id)
-        out = self.core.abort(rid) if rid in self.clients.requests else None
+        out = self._abort(self.clients.scheduler_id(identity, msg.id))
         if out is None:
             await self._send(identity, Error(msg.id, "unknown_request",
                                              f"no request '{msg.id}' is in flight on this "
@@ -260,7 +307,7 @@ class Service:
         await self._reply_terminal(out)
 
     async def _on_admin_abort(self, identity: bytes, msg: AdminAbort) -> None:
-        out = self.core.abort(msg.key) if msg.key in self.clients.requests else None
+        out = self._abort(msg.key)
         if out is None:
             await self._send(identity, Error(None, "unknown_request",
                                              f"no request with key '{msg.key}' is in flight"))
@@ -394,7 +441,7 @@ class Service:
                 log.warning("client %s silent for %.0f s: aborting its %d request(s)",
                             identity.hex(), self.cfg.service.client_timeout_s, len(rids))
                 for rid in rids:
-                    out = self.core.abort(rid)
+                    out = self._abort(rid)
                     if out is not None:
                         await self._reply_terminal(out)
                     else:
@@ -404,7 +451,7 @@ class Service:
         acc = self.core.accounting()
         return Stats(model=self.info.model_name, device=self.info.device,
                      worker_alive=self.worker_ok, running=acc["running"],
-                     waiting=acc["waiting"], free_pages=acc["free_pages"],
+                     waiting=acc["waiting"] + len(self._tokenizing), free_pages=acc["free_pages"],
                      total_pages=acc["total_pages"], free_slots=acc["free_slots"],
                      total_slots=acc["total_slots"], steps=self.steps,
                      output_tokens=self.output_tokens, worker_busy_ms=self.worker_busy_ms,

@@ -10,7 +10,7 @@ The scheduler never imports `gpu`, so this module reads what it needs itself:
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -33,6 +33,16 @@ _REGEX_SPLITS = {
 }
 # GPT-2's regex after putting every digit on its own (llama.cpp: starcoder, refact, smollm).
 _DIGIT_SPLITTING = ("smollm", "starcoder", "refact", "codeshell")
+
+# For `max_bytes_per_token`: pre-tokenizers that only split text (a Split or Punctuation whose
+# behavior is "Removed" drops it, as Whitespace and BertPreTokenizer do), and normalizers that
+# shorten text by at most _SHRINK (NFKC turns a fullwidth letter, 3 bytes, into 1; Hangul jamo
+# compose 3 to 1; Lowercase "ẞ" 3 bytes to "ß" 2).
+_SPLITTING_PRE_TOKENIZERS = frozenset({"Sequence", "ByteLevel", "Digits", "Metaspace", "Split",
+                                       "Punctuation", "UnicodeScripts"})
+_BOUNDED_NORMALIZERS = frozenset({"Sequence", "NFC", "NFD", "NFKC", "NFKD", "Lowercase",
+                                  "Prepend", "Replace"})
+_SHRINK = 4
 
 
 class TokenizerLoadError(ValueError):
@@ -122,6 +132,56 @@ def _build_gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
     if special:
         tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
     return tok
+
+
+def _components(node: dict | None) -> list[dict]:
+    """A normalizer or pre-tokenizer of tokenizer.json and, for a Sequence, everything in it."""
+    if not node:
+        return []
+    out = [node]
+    for child in (node.get("pretokenizers") or []) + (node.get("normalizers") or []):
+        out += _components(child)
+    return out
+
+
+def _token_bound(backend: Tokenizer) -> tuple[int, str] | None:
+    """(the most bytes of text one token can stand for, the characters it drops), or None when
+    no such bound holds: a word-level or unigram model, a BPE without byte-level pre-tokenizer
+    or byte fallback (its unknown token may stand for any run of text), a pre-tokenizer that
+    drops text, an added token that swallows the whitespace beside it."""
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    pres = _components(spec.get("pre_tokenizer"))
+    norms = _components(spec.get("normalizer"))
+    byte_level = any(p.get("type") == "ByteLevel" for p in pres)
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    if any(p.get("type") not in _SPLITTING_PRE_TOKENIZERS or p.get("behavior") == "Removed"
+           for p in pres):
+        return None
+    for n in norms:
+        pattern = (n.get("pattern") or {}).get("String") if n.get("type") == "Replace" else ""
+        if n.get("type") not in _BOUNDED_NORMALIZERS or pattern is None or len(
+                (n.get("content") or "").encode()) < len(pattern.encode()):
+            return None  # unknown, or a Replace that may shorten text without bound
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    alphabet = set(_byte_alphabet().values())
+    # A byte no token spells is dropped: SmolLM2 has no token for 6 ASCII control characters
+    # (counted out of the text) nor for the lead bytes 0xF1 and 0xF2 (unassigned planes: a
+    # character of n bytes then still keeps n - 1 >= n / 2). Bytes that valid UTF-8 never
+    # holds do not matter; a missing continuation byte could drop part of any character.
+    unspelled = [b for b, c in _byte_alphabet().items() if byte_level and c not in vocab]
+    if any(0x80 <= b < 0xC0 for b in unspelled):
+        return None
+    halved = any(0xC2 <= b < 0xF5 for b in unspelled)
+    # A byte-level token spells one byte per character; anything else is at most its UTF-8
+    # (byte fallback's "<0x41>" and Metaspace's "▁" stand for fewer bytes than they have).
+    longest = max(len(t) if byte_level and set(t) <= alphabet else len(t.encode())
+                  for t in vocab)
+    factor = (_SHRINK if norms else 1) * (2 if halved else 1)
+    return longest * factor, "".join(chr(b) for b in unspelled if b < 0x80)
 
 
 def _read_json(file: Path) -> dict:
@@ -242,10 +302,31 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def token_bound(self) -> tuple[int, str] | None:
+        """(no token stands for more UTF-8 bytes of text than this, characters that become no
+        token); None where the tokenizer gives no such bound. See `min_tokens`."""
+        return _token_bound(self._tok)
+
+    def min_tokens(self, text: str) -> int:
+        """At least this many tokens would `encode(text)` give (0: no bound known), found
+        without tokenizing: its UTF-8 bytes over the most that one token stands for."""
+        if self.token_bound is None:
+            return 0
+        per_token, dropped = self.token_bound
+        size = len(text.encode()) - sum(text.count(c) for c in dropped)  # ASCII: 1 byte each
+        return -(-size // per_token)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in `text` (like "<|im_end|>") become their ids; with
         `add_special_tokens` the model's own prefix/suffix (a BOS for Llama) is added."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_in_thread(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`encode` for a worker thread. tokenizers' `encode` holds the GIL while it works (an
+        8 MB text: 6 s during which no other thread ran, measured); `encode_batch` releases it
+        and costs the same."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -218,3 +218,23 @@ def test_incremental_detokenizer_flush_returns_held_back_bytes(ours):
     detok = IncrementalDetokenizer(ours)
     assert detok.push(ids[:-1]) == ""
     assert detok.flush() == ours.decode(ids[:-1])  # the incomplete character, as U+FFFD
+
+
+@pytest.mark.parametrize("text", TEXTS + [
+    "\x04\x06\x13\x14\x16\x1d" * 50 + "a",  # characters no token of SmolLM2 spells: dropped
+    "\U00040000\U00080001" * 20,  # unassigned planes: lead bytes SmolLM2 has no token for
+    "\n" + " " * 80, " " * 5000, "a" * 5000, "😀" * 300,
+])
+def test_min_tokens_never_exceeds_the_token_count(ours, text):
+    # The service refuses a text whose min_tokens reaches the context without tokenizing it.
+    assert ours.min_tokens(text) <= len(ours.encode(text))
+    assert ours.encode_in_thread(text) == ours.encode(text)
+
+
+def test_min_tokens_bound_is_known_only_where_it_holds(ours, tiny_llama):
+    per_token, dropped = ours.token_bound  # byte-level BPE
+    assert per_token >= max(len(ours.decode([i]).encode()) for i in range(ours.vocab_size))
+    assert ours.min_tokens("x" * 8_000_000) == -(-8_000_000 // per_token)
+    # A word-level tokenizer's unknown token stands for a word of any length: no bound.
+    word_level = TextTokenizer.from_model_path(tiny_llama)
+    assert word_level.token_bound is None and word_level.min_tokens("x" * 100_000) == 0
