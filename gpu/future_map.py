@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gpu.device import new_event
+from gpu.sync_guard import expected_sync
 
 EMPTY = -1
 
@@ -131,7 +132,8 @@ class FutureMap:
         """The lengths `resolve_seq_lens` gives, read on the host: from the buffer itself on the
         CPU, from the pinned copy of the last publish on a GPU (waiting for that copy only)."""
         if self.device.type != "cuda":
-            lens = self.new_seq_lens_buf.numpy()[slots_host]
+            with expected_sync():  # the buffer is on the host already
+                lens = self.new_seq_lens_buf.numpy()[slots_host]
         elif self._lens_host is None:  # nothing published yet
             lens = np.zeros(len(slots_host), dtype=np.int64)
         else:
@@ -149,8 +151,9 @@ class FutureMap:
         """The host copy of the lengths and their sum, only when some backend needs them."""
         if not needs_cpu:
             return None, None
-        cpu = seq_lens.cpu()
-        return cpu, int(cpu.sum())
+        with expected_sync():  # the backend in use declared it needs them
+            cpu = seq_lens.cpu()
+            return cpu, int(cpu.sum())
 
     def release(self, slots: torch.Tensor) -> None:
         """A request left its slot: whatever it stashed last will never be read."""

@@ -77,7 +77,7 @@ class PreparedStep:
 
     plan: StepPlan
     prepare_s: float = 0.0  # host time spent preparing
-    batch: ForwardBatch | None = None  # None: an EAGLE step, which prepares inside its launch
+    batch: ForwardBatch | None = None  # None: an EAGLE step, which builds its batches in launch
     sample_rows: torch.Tensor | None = None
     sample_slots_host: np.ndarray | None = None  # the sampled slots, for a sync-free sampler
 
@@ -91,7 +91,7 @@ class PendingStep:
     busy_s: float = 0.0  # host time preparing and launching (on the CPU: computing)
     copy: HostCopy | None = None  # None: nothing to copy (idle, or a ready result)
     span: ForwardSpan | None = None  # device timing (GPU)
-    ready: StepResult | None = None  # the EAGLE step finishes inside launch
+    eagle_parts: list | None = None  # an EAGLE step: what EagleWorker.finish packs
     n_top: int = 0
 
 
@@ -265,9 +265,9 @@ class ModelRunner:
             batch.prefix_lens_cpu = torch.from_numpy(prefix_host)
             batch.extend_lens_cpu = torch.from_numpy(extend_host)
             batch.seq_lens_cpu = batch.prefix_lens_cpu + batch.extend_lens_cpu
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-            batch.max_seq_len = int(batch.seq_lens_cpu.max())
-            batch.max_extend_len = int(batch.extend_lens_cpu.max())
+            batch.seq_lens_sum = int(prefix_host.sum() + extend_host.sum())
+            batch.max_seq_len = int((prefix_host + extend_host).max())
+            batch.max_extend_len = int(extend_host.max())
         sample_rows = [i for i, s in enumerate(ext_sample) if s] + list(
             range(num_extend, num_extend + num_decode))
         # The sampled slots on the host too, so the sampler needs no device->host sync.
@@ -361,9 +361,9 @@ class ModelRunner:
         two halves (launch_ahead "prepare")."""
         start = time.perf_counter()
         step = PreparedStep(plan)
-        if self.eagle is None:  # the EAGLE step runs whole in launch_prepared
-            with self.streams.scheduling():
-                self._apply_bookkeeping(plan)
+        with self.streams.scheduling():
+            self._apply_bookkeeping(plan)
+            if self.eagle is None:  # the EAGLE step builds its batches as it goes
                 step.batch, step.sample_rows, step.sample_slots_host = self._build_batch(plan)
         step.prepare_s = time.perf_counter() - start
         return step
@@ -373,17 +373,15 @@ class ModelRunner:
         """The second half of `launch`: the forward, sampling, stash and publish."""
         start = time.perf_counter()
         plan = step.plan
-        if self.eagle is not None:  # the EAGLE step syncs inside (accept lengths): run it whole
-            with self.streams.forwarding() as span:
-                ready = self.eagle.step(plan, start)
-            end = time.perf_counter()
-            return PendingStep(plan.step_id, end, busy_s=step.prepare_s + end - start,
-                               span=span, ready=ready)
         batch = step.batch
         pending = PendingStep(plan.step_id, 0.0)
         with self.streams.forwarding() as span:
             pending.span = span
-            if batch.mode != ForwardMode.IDLE:
+            if self.eagle is not None:  # no host sync either: the accept lengths are copied
+                pending.eagle_parts = self.eagle.launch(plan)
+                pending.copy = self.streams.copy_to_host(
+                    self.eagle.outputs_of(pending.eagle_parts))
+            elif batch.mode != ForwardMode.IDLE:
                 hidden = self._run_model(batch)
                 if step.sample_rows.numel():  # else only non-final prefill chunks: nothing to emit
                     pending.copy, pending.n_top = self._sample(batch, hidden, step.sample_rows,
@@ -425,8 +423,9 @@ class ModelRunner:
             idle_ms = 0.0 if self._last_forward_end is None else max(0.0, (
                 pending.launch_end - self._last_forward_end - pending.busy_s) * 1e3)
             self._last_forward_end = pending.launch_end
-        if pending.ready is not None:
-            return msgspec.structs.replace(pending.ready, forward_ms=forward_ms, idle_ms=idle_ms)
+        if pending.eagle_parts is not None:
+            result = self.eagle.finish(pending.step_id, pending.eagle_parts, host)
+            return msgspec.structs.replace(result, forward_ms=forward_ms, idle_ms=idle_ms)
         if host is None:
             return StepResult(pending.step_id, b"", b"", b"", 0, b"", b"", forward_ms,
                               idle_ms=idle_ms)

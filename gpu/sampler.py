@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from gpu.device import host_to_device
+from gpu.sync_guard import expected_sync
 from ipc.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -247,15 +248,19 @@ class SamplingState:
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         self.prompt_seen[slot, ids] = True
 
-    def record_outputs(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Count generated tokens (one per row; a slot may repeat, e.g. accepted drafts)."""
+    def record_outputs(self, slots: torch.Tensor, token_ids: torch.Tensor,
+                       weights: torch.Tensor | None = None) -> None:
+        """Count generated tokens (one per row; a slot may repeat, e.g. accepted drafts).
+        `weights` (bool or 0/1 per row) counts only some rows at a static shape: a boolean
+        mask index would make the host wait for the device."""
         if slots.numel() == 0:
             return
         slots, token_ids = slots.long(), token_ids.long()
-        self.generated_len.index_add_(0, slots, torch.ones_like(slots))
+        counts = torch.ones_like(slots) if weights is None else weights.long()
+        self.generated_len.index_add_(0, slots, counts)
         if self.output_counts is not None:
-            ones = torch.ones(slots.shape, dtype=torch.int32, device=self.device)
-            self.output_counts.index_put_((slots, token_ids), ones, accumulate=True)
+            self.output_counts.index_put_((slots, token_ids), counts.to(torch.int32),
+                                          accumulate=True)
 
     def release(self, slot: int) -> None:
         """The slot is free: back to greedy with no extras, so stale rows cost nothing."""
@@ -464,8 +469,11 @@ class Sampler:
             else:
                 vals, ids = scaled.sort(dim=-1, descending=True)
             threshold, covered = self._cut(scaled, vals, fp, ip, flags)
-            if covered is None or width == vocab or bool(covered.all()):
+            if covered is None or width == vocab:
                 break
+            with expected_sync():  # narrower widths than the vocab: the CPU only (above)
+                if bool(covered.all()):
+                    break
         if not (flags.all_top_k or width == vocab or flags.all_truncated):
             return threshold, scaled, None  # some row keeps tokens outside the candidates
         return threshold, vals, ids

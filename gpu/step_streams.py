@@ -96,7 +96,7 @@ class StepStreams:
         on the stream that made them (called inside `forwarding`, whose end event is not
         recorded yet)."""
         if not self.enabled:
-            return HostCopy({k: v.cpu() for k, v in tensors.items()})
+            return HostCopy(dict(tensors))  # on the host already
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         host = {}
         with torch.cuda.stream(self.copy_stream):

@@ -179,13 +179,17 @@ def check_request(s: Sent, problems: list[str]) -> tuple | None:
     return ((s.prompt, encode(s.params)), ids) if repeatable else None
 
 
-@pytest.mark.parametrize("spec, prefix_cache", [("none", False), ("eagle3", False),
-                                               ("eagle3", True)],
+# launch_ahead: the worker's GPU orders forced on the CPU for the EAGLE runs ("on": step k+1
+# is launched before step k's result is finished and sent; "prepare": its plan applied).
+@pytest.mark.parametrize("spec, prefix_cache, launch_ahead",
+                         [("none", False, "auto"), ("eagle3", False, "on"),
+                          ("eagle3", True, "prepare")],
                          ids=["plain", "eagle3", "eagle3-prefix-cache"])
-def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache):
+def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache, launch_ahead):
     extra = ["--max-kv-tokens", "768", "--set", "service.client_timeout_s=2.0",
              "--set", "service.heartbeat_interval_s=0.5",
              "--set", "scheduling.overlap=true",
+             "--set", f"scheduling.launch_ahead={launch_ahead}",
              "--set", f"scheduling.prefix_cache={str(prefix_cache).lower()}"]
     if spec != "none":
         extra += ["--spec-algorithm", spec]

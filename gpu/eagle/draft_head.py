@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.device import host_to_device
 from gpu.layers import apply_rope, rms_norm, rope_inv_freq
 from gpu.model_config import RopeScaling
 from gpu.quantized_linear import quantize_int8_per_channel
@@ -289,7 +290,8 @@ class DraftHead(nn.Module):
         table (fp32 products, rounded to the model dtype after cos/sin), for any position."""
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
-            inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
+            inv_freq = self._inv_freq[positions.device] = host_to_device(self._inv_freq_cpu,
+                                                                         positions.device)
         freqs = positions.to(torch.float32)[:, None] * inv_freq  # [n, half]
         sin = freqs.sin()
         cos = freqs.cos().to(dtype)[:, None, None, :]

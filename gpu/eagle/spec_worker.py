@@ -16,7 +16,6 @@ lengths on the host except the result message itself.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,9 +25,11 @@ from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.draft_head import DraftHead
 from gpu.eagle.head_io import load_draft_head
 from gpu.eagle.tree import DraftTree, organize_draft_tree
+from gpu.device import host_to_device
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
 from gpu.q4_linear import q4_applies
+from gpu.sync_guard import expected_sync
 from ipc.spec_settings import SpecSettings
 from ipc.worker_messages import (ExtendEntry, StepPlan, StepResult, pack_f32, pack_i32,
                                  unpack_i32)
@@ -50,6 +51,19 @@ def hidden_size_for(worker: "EagleWorker | ModelRunner") -> int:
 
 
 @dataclasses.dataclass
+class _Part:
+    """One part of a step (prefill rows, verify rows or plain decode rows): its slots on the
+    host and what it emits as device tensors, copied to the host while the next step is
+    planned. `outputs`: "tokens" [rows] (one token per row) or [rows, E] (verify rows, with
+    "accept" [rows]); when some row asked for logprobs, per candidate token "logprobs" and
+    the top n "top_ids" / "top_logprobs" [candidates, n]."""
+
+    slots: np.ndarray
+    outputs: dict[str, torch.Tensor]
+    verify: bool = False
+
+
+@dataclasses.dataclass
 class _Rows:
     """What one part of a step emits, on the host, row by row."""
 
@@ -63,27 +77,38 @@ class _Rows:
     top_logprobs: np.ndarray | None = None
 
     @classmethod
-    def one_token_rows(cls, slots_host: np.ndarray, out) -> "_Rows":
-        """Rows that each emit the one token `out` (a SampleOutput) sampled for them."""
-        tokens = out.token_ids.cpu().numpy()
-        rows = cls(slots_host, [tokens[i:i + 1] for i in range(len(tokens))],
-                   np.full(len(tokens), -1, dtype=np.int64))
-        return rows.with_logprobs(out, np.ones(len(tokens), dtype=bool))
-
-    def with_logprobs(self, out, emitted: np.ndarray) -> "_Rows":
-        """Attach `out`'s logprobs (one per candidate token, in row order) of the candidates
-        `emitted` marks (a boolean mask of the same length)."""
-        if out.logprobs is not None:
-            self.logprobs = out.logprobs.float().cpu().numpy().reshape(-1)[emitted]
-            n = 0 if out.top_logprob_ids is None else out.top_logprob_ids.shape[-1]
-            if n:
-                self.top_ids = out.top_logprob_ids.cpu().numpy().reshape(-1, n)[emitted]
-                self.top_logprobs = out.top_logprobs.float().cpu().numpy().reshape(-1, n)[emitted]
-        return self
+    def of(cls, part: _Part, host: dict[str, np.ndarray]) -> "_Rows":
+        tokens = host["tokens"]
+        if part.verify:
+            acc = host["accept"]
+            rows = cls(part.slots, [tokens[i, :a + 1] for i, a in enumerate(acc)], acc)
+            emitted = (np.arange(tokens.shape[1])[None, :] <= acc[:, None]).reshape(-1)
+        else:
+            rows = cls(part.slots, [tokens[i:i + 1] for i in range(len(tokens))],
+                       np.full(len(tokens), -1, dtype=np.int64))
+            emitted = np.ones(len(tokens), dtype=bool)
+        if "logprobs" in host:
+            rows.logprobs = host["logprobs"].reshape(-1)[emitted]
+            if "top_ids" in host:
+                n = host["top_ids"].shape[-1]
+                rows.top_ids = host["top_ids"].reshape(-1, n)[emitted]
+                rows.top_logprobs = host["top_logprobs"].reshape(-1, n)[emitted]
+        return rows
 
     @property
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+
+def _logprob_outputs(out) -> dict[str, torch.Tensor]:
+    """A SampleOutput's logprob tensors, by their _Part.outputs names (none if not asked)."""
+    if out is None or out.logprobs is None:
+        return {}
+    found = {"logprobs": out.logprobs.float()}
+    if out.top_logprob_ids is not None and out.top_logprob_ids.shape[-1]:
+        found["top_ids"] = out.top_logprob_ids
+        found["top_logprobs"] = out.top_logprobs.float()
+    return found
 
 
 class EagleWorker:
@@ -144,10 +169,11 @@ class EagleWorker:
         batch.seq_lens_cpu, batch.seq_lens_sum = self.runner.future_map.resolve_seq_lens_cpu(
             batch.seq_lens, self.runner.needs_cpu_seq_lens)
         if batch.seq_lens_cpu is not None:
-            batch.prefix_lens_cpu = batch.prefix_lens.cpu()
-            batch.extend_lens_cpu = batch.extend_lens.cpu()
-            batch.max_seq_len = int(batch.seq_lens_cpu.max())
-            batch.max_extend_len = int(batch.extend_lens_cpu.max())
+            with expected_sync():  # a backend in use declared it needs host lengths
+                batch.prefix_lens_cpu = batch.prefix_lens.cpu()
+                batch.extend_lens_cpu = batch.extend_lens.cpu()
+                batch.max_seq_len = int(batch.seq_lens_cpu.max())
+                batch.max_extend_len = int(batch.extend_lens_cpu.max())
 
     def _locs(self, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """KV locations of req_to_token[slots[i], index[i, j]], flattened."""
@@ -177,39 +203,66 @@ class EagleWorker:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self, plan: StepPlan, start: float) -> StepResult:
-        r = self.runner
-        r._apply_bookkeeping(plan)
-        parts: list[_Rows] = []
+    def launch(self, plan: StepPlan) -> list[_Part]:
+        """Enqueue one step (its bookkeeping already applied, ModelRunner.prepare): every
+        kernel, the FutureMap's stash and publish, nothing that waits for the device, so the
+        host can plan the next step while this one runs (tests/test_host_sync.py checks it).
+        Returns the parts whose outputs `finish` turns into the result."""
+        parts: list[_Part] = []
         if plan.extends:
             parts.append(self._prefill(plan.extends))
         decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
         if len(decode_host) or not plan.extends:  # an empty plan runs the decode path idle
             parts.append(self._decode(decode_host))
-        slots = np.concatenate([p.slots for p in parts])
-        tokens = [t for p in parts for t in p.tokens]
-        accept = np.concatenate([p.accept_lens for p in parts])
-        logprobs, n_top, top_ids, top_lps = _merge_logprobs(parts)
+        return parts
+
+    @staticmethod
+    def outputs_of(parts: list[_Part]) -> dict[str, torch.Tensor]:
+        """Every part's device outputs under one flat naming, for one host copy."""
+        return {f"{i}/{name}": t for i, p in enumerate(parts) for name, t in p.outputs.items()}
+
+    def finish(self, step_id: int, parts: list[_Part], host: dict[str, torch.Tensor]
+               ) -> StepResult:
+        """The step's result from its parts' outputs, landed on the host (timings left 0)."""
+        rows = []
+        for i, part in enumerate(parts):
+            prefix = f"{i}/"
+            mine = {k[len(prefix):]: v.numpy() for k, v in host.items() if k.startswith(prefix)}
+            r = _Rows.of(part, mine)
+            if part.verify:  # acceptance counters, per draft position
+                self.num_verify_rows += len(r.accept_lens)
+                for a in r.accept_lens:
+                    self.accepted_per_position[:a] += 1
+            rows.append(r)
+        slots = np.concatenate([r.slots for r in rows])
+        tokens = [t for r in rows for t in r.tokens]
+        accept = np.concatenate([r.accept_lens for r in rows])
+        logprobs, n_top, top_ids, top_lps = _merge_logprobs(rows)
         return StepResult(
-            step_id=plan.step_id, slots=pack_i32(slots),
+            step_id=step_id, slots=pack_i32(slots),
             token_ids=pack_i32(np.concatenate(tokens) if tokens else np.zeros(0)),
             logprobs=logprobs, top_logprobs_n=n_top, top_logprob_ids=top_ids,
-            top_logprobs=top_lps, forward_ms=(time.perf_counter() - start) * 1e3,
-            accept_lens=pack_i32(accept))
+            top_logprobs=top_lps, forward_ms=0.0, accept_lens=pack_i32(accept))
 
-    def _prefill(self, extends: list[ExtendEntry]) -> _Rows:
+    def _prefill(self, extends: list[ExtendEntry]) -> _Part:
         r, dev = self.runner, self.runner.device
         ids = [unpack_i32(e.token_ids) for e in extends]
         for e, chunk in zip(extends, ids):
             r.sampling_state.add_prompt_tokens(e.slot, torch.from_numpy(chunk.astype(np.int64)))
-        lens = torch.tensor([len(c) for c in ids], dtype=torch.long, device=dev)
-        slots = torch.tensor([e.slot for e in extends], dtype=torch.long, device=dev)
-        prefix = torch.tensor([e.prefix_len for e in extends], dtype=torch.long, device=dev)
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(dev)
+        # Checked on the host: the draft extend pairs each position with the next token.
+        if any(not e.sample and e.next_token < 0 for e in extends):
+            raise ValueError("a non-final prefill chunk came without next_token: the scheduler "
+                             "must send one token of lookahead when speculating")
+        lens_host = np.array([len(c) for c in ids], dtype=np.int64)
+        total = int(lens_host.sum())
+        lens = host_to_device(lens_host, dev)
+        slots = host_to_device(np.array([e.slot for e in extends], dtype=np.int64), dev)
+        prefix = host_to_device(np.array([e.prefix_len for e in extends], dtype=np.int64), dev)
+        input_ids = host_to_device(np.concatenate(ids).astype(np.int64), dev)
         starts = torch.cumsum(lens, 0) - lens
-        positions = (torch.arange(input_ids.shape[0], device=dev)
-                     - torch.repeat_interleave(starts - prefix, lens))
-        token_slots = torch.repeat_interleave(slots, lens)
+        positions = (torch.arange(total, device=dev)
+                     - torch.repeat_interleave(starts - prefix, lens, output_size=total))
+        token_slots = torch.repeat_interleave(slots, lens, output_size=total)
         batch = self._batch(ForwardMode.EXTEND, input_ids, positions, slots, prefix, lens,
                             prefix + lens, r.req_to_token.req_to_token[token_slots, positions].long())
         hidden, feats = self._target(batch)
@@ -217,7 +270,7 @@ class EagleWorker:
 
         last = starts + lens - 1
         sample_host = np.array([i for i, e in enumerate(extends) if e.sample], dtype=np.int64)
-        sample_rows = torch.from_numpy(sample_host).to(dev)
+        sample_rows = host_to_device(sample_host, dev)
         sample_slots = slots[sample_rows]
         slots_host = np.array([extends[i].slot for i in sample_host], dtype=np.int64)
         out = r.sampler.sample(r.model.logits(hidden[last[sample_rows]]), sample_slots,
@@ -226,11 +279,9 @@ class EagleWorker:
         r.sampling_state.record_outputs(sample_slots, out.token_ids)
 
         # Draft extend: position t pairs the target's state at t with token t + 1.
-        following = torch.tensor([e.next_token for e in extends], dtype=torch.long, device=dev)
+        following = host_to_device(np.array([e.next_token for e in extends], dtype=np.int64),
+                                   dev)
         following[sample_rows] = out.token_ids
-        if bool((following < 0).any()):
-            raise ValueError("a non-final prefill chunk came without next_token: the scheduler "
-                             "must send one token of lookahead when speculating")
         draft_ids = torch.empty_like(input_ids)
         draft_ids[:-1] = input_ids[1:]
         draft_ids[last] = following
@@ -238,11 +289,11 @@ class EagleWorker:
         rows = last[sample_rows]
         topk_p, topk_ids = self._draft_topk(h_logits[rows])
         r.future_map.stash_spec(sample_slots, topk_p, topk_ids, h_out[rows])
-        return _Rows.one_token_rows(slots_host, out)
+        return _Part(slots_host, {"tokens": out.token_ids, **_logprob_outputs(out)})
 
-    def _decode(self, slots_host: np.ndarray) -> _Rows:
+    def _decode(self, slots_host: np.ndarray) -> _Part:
         r, s, dev = self.runner, self.settings, self.runner.device
-        slots = torch.from_numpy(slots_host).to(dev)
+        slots = host_to_device(slots_host, dev)
         bs, T, E = len(slots_host), s.num_draft_tokens, s.num_steps + 1
         fm = r.future_map
         seq_lens = fm.resolve_seq_lens(slots)  # L: tokens in the target's cache
@@ -271,7 +322,10 @@ class EagleWorker:
         fm.stash(slots, result.bonus_tokens)
         emitted = torch.arange(E, device=dev)[None, :] <= acc[:, None]  # [bs, E]
         out_tokens = _pad(result.accepted_tokens, E)
-        r.sampling_state.record_outputs(slots[:, None].expand(-1, E)[emitted], out_tokens[emitted])
+        # Static shapes: every candidate is counted, weighted by whether it was emitted.
+        r.sampling_state.record_outputs(slots[:, None].expand(-1, E).reshape(-1),
+                                        out_tokens.clamp(min=0).reshape(-1),
+                                        weights=emitted.reshape(-1))
 
         # Draft extend over the accepted path (static width E; rows past the path are scratch).
         path = _pad(result.path, E).clamp(min=0)
@@ -296,20 +350,11 @@ class EagleWorker:
             scored = r.sampler.logprobs_of(logits[node_rows.reshape(-1)],
                                            slots.repeat_interleave(E), out_tokens.clamp(min=0)
                                            .reshape(-1), slots_host=np.repeat(slots_host, E))
-
-        acc_host = acc.cpu().numpy()
-        tok_host = out_tokens.cpu().numpy()
-        self.num_verify_rows += bs
-        for a in acc_host:
-            self.accepted_per_position[:a] += 1
-        rows = _Rows(slots_host, [tok_host[i, :a + 1] for i, a in enumerate(acc_host)], acc_host)
-        if scored is None:
-            return rows
-        return rows.with_logprobs(scored, (np.arange(E)[None, :] <= acc_host[:, None])
-                                  .reshape(-1))
+        return _Part(slots_host, {"tokens": out_tokens, "accept": acc,
+                                  **_logprob_outputs(scored)}, verify=True)
 
     def _decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray, seq_lens: torch.Tensor,
-                      root: torch.Tensor) -> _Rows:
+                      root: torch.Tensor) -> _Part:
         """A decode step without drafting, for a batch above spec.disable_above_batch_size
         (there the cores are busy already and a verify costs num_draft_tokens per request):
         the target decodes the root and samples the next token exactly as the plain engine
@@ -332,7 +377,7 @@ class EagleWorker:
         h_out, h_logits = self._draft(dataclasses.replace(batch, input_ids=out.token_ids), feats)
         next_p, next_ids = self._draft_topk(h_logits)
         fm.stash_spec(slots, next_p, next_ids, h_out)
-        return _Rows.one_token_rows(slots_host, out)
+        return _Part(slots_host, {"tokens": out.token_ids, **_logprob_outputs(out)})
 
     def _draft_tree(self, slots, seq_lens, root, topk_p, topk_ids, hidden) -> DraftTree:
         """num_steps levels of drafting from the relayed top-k (SGLang's select_top_k_tokens):
@@ -397,16 +442,16 @@ class EagleWorker:
 
     def _compact_kv(self, slots: torch.Tensor, seq_lens: torch.Tensor,
                     result: AcceptResult) -> None:
-        """Move the accepted nodes' target KV from index L + column to L + depth."""
+        """Move the accepted nodes' target KV from index L + column to L + depth. Static
+        shapes (no host sync): every depth is copied; one off the path, or already in place,
+        copies its own KV onto itself (all reads happen before the writes)."""
         path = result.path[:, 1:]  # depth 1.. (the root is already at L)
         depth = torch.arange(1, path.shape[1] + 1, device=path.device).expand_as(path)
-        keep = (path >= 0) & (path != depth)
-        if not bool(keep.any()):
-            return
-        rows = slots[:, None].expand_as(path)[keep]
+        src_col = torch.where(path >= 0, path, depth)
+        rows = slots[:, None].expand_as(path)
         table = self.runner.req_to_token.req_to_token
-        src = table[rows, (seq_lens[:, None] + path)[keep]].long()
-        dst = table[rows, (seq_lens[:, None] + depth)[keep]].long()
+        src = table[rows, seq_lens[:, None] + src_col].long().reshape(-1)
+        dst = table[rows, seq_lens[:, None] + depth].long().reshape(-1)
         pool = self.runner.kv_pool
         for layer in range(len(pool.k_buffer)):
             pool.k_buffer[layer][dst] = pool.k_buffer[layer][src]
