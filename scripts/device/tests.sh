@@ -9,4 +9,4 @@ step kernels 240 $T tests/test_triton_attention.py tests/test_tree_attention.py 
     tests/test_torch_attention.py tests/test_future_map.py tests/test_sampler.py
 step cuda 240 $T tests/test_cuda.py tests/test_decode_graphs.py tests/test_overlap.py \
     tests/test_worker_process.py
-step service 300 $T tests/test_service.py tests/test_spec_decode.py
+step service 300 $T tests/test_service.py tests/test_spec_decode.py tests/test_host_sync.py
