@@ -35,8 +35,9 @@ def wrwr_check_from_env() -> bool:
 
 def _check_all(cond: torch.Tensor, message: str, slots: torch.Tensor) -> None:
     if cond.device.type == "cpu":  # the value is at hand: raise a readable error
-        if not bool(cond.all()):
-            raise FutureMapInvariantError(f"{message} (slots {slots[~cond].tolist()})")
+        with expected_sync():
+            if not bool(cond.all()):
+                raise FutureMapInvariantError(f"{message} (slots {slots[~cond].tolist()})")
     else:  # no host sync on a GPU: the device raises at the next synchronisation. Its message
         # is fixed text (no slot list: reading one would sync, and CUDA caps it at 255 bytes).
         torch._assert_async(cond.all(), message[:250])

@@ -8,6 +8,7 @@ The same class serves the offline engine (called in-process) and the worker proc
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from gpu.plan_check import check_plan
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS, q4_applies
 from gpu.sampler import Sampler, SamplingState
 from gpu.step_streams import ForwardSpan, HostCopy, StepStreams
+from gpu.sync_guard import no_host_sync, sync_check_from_env
 from ipc.spec_settings import SpecSettings
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, StepPlan, StepResult, WorkerInfo,
                                  pack_f32, pack_i32, unpack_i32)
@@ -54,6 +56,8 @@ class RunnerConfig:
     max_context_len: int | None = None  # None: the model's own
     progress: bool = True
     wrwr_check: bool | None = None  # None: from FMSERVE_WRWR_CHECK
+    # Launch under gpu/sync_guard.py's no_host_sync (debug). None: from FMSERVE_SYNC_CHECK.
+    sync_check: bool | None = None
     cpu_threads: int = 0  # torch threads when running on the CPU; 0 = torch's default
     weight_quant: str = "none"  # "none", "int8" or "fp16": see gpu/quantized_linear.py
     # Forwards of at most this many tokens multiply with a GGUF's own Q4_0/Q4_1 codes (CPU,
@@ -145,6 +149,7 @@ class ModelRunner:
         self.sampler = Sampler(self.sampling_state)
         # Per-slot relay buffers (see module docstring).
         self.future_map = FutureMap(self.num_slots, self.device, cfg.wrwr_check)
+        self.sync_check = sync_check_from_env() if cfg.sync_check is None else cfg.sync_check
         self.streams = StepStreams(self.device)
         if cfg.launch_ahead not in LAUNCH_AHEAD_MODES:
             raise ValueError(f"launch_ahead '{cfg.launch_ahead}' is unknown; choose one of "
@@ -361,7 +366,7 @@ class ModelRunner:
         two halves (launch_ahead "prepare")."""
         start = time.perf_counter()
         step = PreparedStep(plan)
-        with self.streams.scheduling():
+        with self._launch_checks(), self.streams.scheduling():
             self._apply_bookkeeping(plan)
             if self.eagle is None:  # the EAGLE step builds its batches as it goes
                 step.batch, step.sample_rows, step.sample_slots_host = self._build_batch(plan)
@@ -375,7 +380,7 @@ class ModelRunner:
         plan = step.plan
         batch = step.batch
         pending = PendingStep(plan.step_id, 0.0)
-        with self.streams.forwarding() as span:
+        with self._launch_checks(), self.streams.forwarding() as span:
             pending.span = span
             if self.eagle is not None:  # no host sync either: the accept lengths are copied
                 pending.eagle_parts = self.eagle.launch(plan)
@@ -389,6 +394,10 @@ class ModelRunner:
         pending.launch_end = time.perf_counter()
         pending.busy_s = step.prepare_s + pending.launch_end - start
         return pending
+
+    def _launch_checks(self):
+        """no_host_sync around preparing and launching when sync_check is on (debug)."""
+        return no_host_sync(self.device) if self.sync_check else contextlib.nullcontext()
 
     def _sample(self, batch: ForwardBatch, hidden: torch.Tensor, sample_rows: torch.Tensor,
                 sample_slots_host: np.ndarray) -> tuple[HostCopy, int]:

@@ -13,7 +13,9 @@ the forward in flight is done, and plan k+1 is no longer built while step k runs
   by default). Kernels' own internals (Triton's interpreter, torch's Python code) are not
   audited: the caller that counts is the first frame outside torch.
 
-So the CPU test suite keeps the GPU launch path free of hidden syncs without a GPU.
+So the CPU test suite keeps the GPU launch path free of hidden syncs without a GPU
+(tests/test_host_sync.py), and `runtime.sync_check` (or FMSERVE_SYNC_CHECK=1) runs every
+launch of a service's worker under it (the soak test does).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _THIS_FILE = os.path.abspath(__file__)
 # Works on the host lengths it declares it needs (needs_cpu_seq_lens): on a GPU, use Triton.
 _HOST_LENGTH_BACKENDS = (os.path.join(_GPU_DIR, "attention", "torch_backend.py"),)
+
+
+def sync_check_from_env() -> bool:
+    return os.environ.get("FMSERVE_SYNC_CHECK", "0").lower() in ("1", "true", "yes", "on")
 
 
 class HostSyncError(RuntimeError):
@@ -117,15 +123,21 @@ _expected_depth = 0
 @contextmanager
 def expected_sync() -> Iterator[None]:
     """Marks a host read the design calls for: one on a CPU-only path (reading is free there),
-    or the host lengths an attention backend that declares `needs_cpu_seq_lens` asks for. The
-    emulated check lets it pass (on the CPU it cannot tell host tensors from device ones); on
-    CUDA PyTorch's own check still applies, so a GPU taking such a path is still caught."""
+    the host lengths an attention backend that declares `needs_cpu_seq_lens` asks for, a debug
+    check that reads on purpose. Both checks let it pass (on the CPU the emulation cannot tell
+    host tensors from device ones)."""
     global _expected_depth
+    cuda_mode = (torch.cuda.get_sync_debug_mode()
+                 if torch.cuda.is_available() and torch.cuda.is_initialized() else 0)
+    if cuda_mode:
+        torch.cuda.set_sync_debug_mode(0)
     _expected_depth += 1
     try:
         yield
     finally:
         _expected_depth -= 1
+        if cuda_mode:
+            torch.cuda.set_sync_debug_mode(cuda_mode)
 
 
 class _EmulatedSyncCheck(TorchFunctionMode):

@@ -154,6 +154,7 @@ class RuntimeSection:
     max_tokens_per_step: int = _key(2048, IntIn(1, 1 << 20))
     max_context_len: int = _key(0, IntIn(0, 1 << 24))  # 0 = the model's own limit
     wrwr_check: bool = _key(False, Boolean())  # FutureMap write/read invariant checks (debug)
+    sync_check: bool = _key(False, Boolean())  # no host sync while launching (debug)
     worker_cpu_threads: int = _key(0, IntIn(0, 1024))  # 0 = auto (see server.py)
     q4_max_tokens: int = _key(12, IntIn(0, 4096))  # 0 = never (see gpu/q4_linear.py)
     cuda_graph_max_batch: int = _key(0, IntIn(0, 4096))  # 0 = never (gpu/decode_graphs.py)

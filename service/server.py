@@ -80,6 +80,7 @@ class Service:
                                max_running_requests=rt.max_running_requests,
                                max_context_len=rt.max_context_len or None, progress=False,
                                wrwr_check=rt.wrwr_check or None,
+                               sync_check=rt.sync_check or None,
                                cpu_threads=worker_cpu_threads(cfg),
                                q4_max_tokens=rt.q4_max_tokens,
                                cuda_graph_max_batch=rt.cuda_graph_max_batch,

@@ -140,3 +140,29 @@ def test_a_sync_in_the_launch_path_is_caught(monkeypatch):
     else:
         with pytest.raises(HostSyncError, match="resolve_and_peek"):
             list(engine.stream(CHATS[:1], PARAMS[:1]))
+
+
+def test_runtime_sync_check_guards_the_runners_own_launches(monkeypatch):
+    """runtime.sync_check / FMSERVE_SYNC_CHECK: the runner guards prepare and launch_prepared
+    itself (the service's worker, the soak test). A host read compiled as if it were a line of
+    gpu/future_map.py must fail the launch with it on and pass with it off."""
+    import gpu.future_map as fm
+
+    namespace = {"resolve": fm.FutureMap.resolve_future}
+    exec(compile("def resolve_and_peek(self, slots):\n"
+                 "    tokens = resolve(self, slots)\n"
+                 "    assert not bool((tokens < 0).any())\n"
+                 "    return tokens\n", fm.__file__, "exec"), namespace)
+    monkeypatch.setattr(fm.FutureMap, "resolve_future", namespace["resolve_and_peek"])
+    for on in (True, False):
+        monkeypatch.setenv("FMSERVE_SYNC_CHECK", "1" if on else "0")
+        engine = Engine(model="default", dtype="fp32", page_size=4, max_kv_tokens=2048,
+                        max_running_requests=4, progress=False)
+        assert engine.runner.sync_check == on
+        engine.runner.future_map.wrwr_check = False
+        if not on:
+            assert len(engine.generate(CHATS[:1], PARAMS[0])[0].token_ids) == 6
+            continue
+        error = HostSyncError if engine.runner.device.type == "cpu" else RuntimeError
+        with pytest.raises(error):
+            list(engine.stream(CHATS[:1], PARAMS[:1]))

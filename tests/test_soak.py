@@ -190,6 +190,7 @@ def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache, l
              "--set", "service.heartbeat_interval_s=0.5",
              "--set", "scheduling.overlap=true",
              "--set", f"scheduling.launch_ahead={launch_ahead}",
+             "--set", "runtime.sync_check=true",  # every launch free of host syncs
              "--set", f"scheduling.prefix_cache={str(prefix_cache).lower()}"]
     if spec != "none":
         extra += ["--spec-algorithm", spec]
