@@ -18,6 +18,7 @@ if [[ -z "${TRITON_INTERPRET:-}" ]] && ! has_gpu; then
 fi
 # The FutureMap write/read alternation check is always on under test.
 export FMSERVE_WRWR_CHECK="${FMSERVE_WRWR_CHECK:-1}"
+export FMSERVE_SYNC_CHECK="${FMSERVE_SYNC_CHECK:-1}"
 
 cd "$ROOT"
 # No path given -> testpaths from pyproject.toml (tests/). A hung test fails after 600 s rather

@@ -12,6 +12,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # The WRWR check on the FutureMap output buffer is always on under test (see DESIGN.md, item 6).
 os.environ.setdefault("FMSERVE_WRWR_CHECK", "1")
+# So is the host-sync check on every launch (gpu/sync_guard.py): every step any test runs, in
+# process or in a worker, is checked to wait for nothing on a GPU.
+os.environ.setdefault("FMSERVE_SYNC_CHECK", "1")
 
 
 @pytest.fixture(scope="session")
