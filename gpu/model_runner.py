@@ -93,7 +93,7 @@ class PendingStep:
     step_id: int
     launch_end: float  # host clock when launching returned
     busy_s: float = 0.0  # host time preparing and launching (on the CPU: computing)
-    copy: HostCopy | None = None  # None: nothing to copy (idle, or a ready result)
+    copy: HostCopy | None = None  # None: nothing to copy (an idle plain step)
     span: ForwardSpan | None = None  # device timing (GPU)
     eagle_parts: list | None = None  # an EAGLE step: what EagleWorker.finish packs
     n_top: int = 0
