@@ -127,8 +127,8 @@ def expected_sync() -> Iterator[None]:
     check that reads on purpose. Both checks let it pass (on the CPU the emulation cannot tell
     host tensors from device ones)."""
     global _expected_depth
-    cuda_mode = (torch.cuda.get_sync_debug_mode()
-                 if torch.cuda.is_available() and torch.cuda.is_initialized() else 0)
+    # is_initialized alone: cheap where no GPU is (this runs on the CPU's hot paths too)
+    cuda_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_initialized() else 0
     if cuda_mode:
         torch.cuda.set_sync_debug_mode(0)
     _expected_depth += 1
