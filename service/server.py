@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import zmq
 import zmq.asyncio
@@ -185,6 +186,9 @@ class Service:
 
     async def _receive_frames(self) -> None:
         while True:
+            # A ready zmq.asyncio recv completes without suspending: with frames always waiting
+            # (a client flooding pings) this loop would never let the step loop run. Yield.
+            await anyio.lowlevel.checkpoint()
             frames = await self.router.recv_multipart()
             self.clients.touch(frames[0])  # any message is a sign of life
             if len(frames) != 2:
