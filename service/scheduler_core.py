@@ -360,14 +360,18 @@ class SchedulerCore:
         if n_out >= params.min_new_tokens:
             if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 reason, hit_stop_token = FinishReason.STOP, True
+        at_length = n_out >= params.max_new_tokens or req.seq_len >= self.max_seq_len
         stream = self._streams[req.rid]
         text = "" if hit_stop_token else stream.detok.push([token])
+        if hit_stop_token or at_length:
+            # The last text: bytes held back as an unfinished character are output too (as
+            # U+FFFD, what decoding the tokens gives), or the text would stop short of them.
+            text += stream.detok.flush()
         # Before min_new_tokens a stop string ends nothing, so its text must still be streamed.
         text, hit_stop_string = stream.stops.push(text, can_stop=n_out >= params.min_new_tokens)
         if hit_stop_string:
             reason = FinishReason.STOP
-        elif reason is None and (n_out >= params.max_new_tokens
-                                 or req.seq_len >= self.max_seq_len):
+        elif reason is None and at_length:
             reason = FinishReason.LENGTH
         if reason is not None and not hit_stop_string:
             text += stream.stops.flush()
