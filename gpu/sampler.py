@@ -143,6 +143,20 @@ class BatchFlags:
     max_logprobs: int  # -1: no row wants logprobs
 
 
+@dataclass(frozen=True)
+class DraftedBefore:
+    """Per logits row, the tokens that come before the one it samples but are not in its
+    slot's counts yet: a verify-tree node samples the token after the drafts on its path, and
+    plain decoding would have counted those (penalties, min_new_tokens) by then.
+    tokens [rows, D] int64; weights [rows, D] 0/1: which of them are on the row's path."""
+
+    tokens: torch.Tensor
+    weights: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> "DraftedBefore":
+        return DraftedBefore(self.tokens[index], self.weights[index])
+
+
 @dataclass
 class SampleOutput:
     token_ids: torch.Tensor  # [bs] int64
@@ -302,13 +316,17 @@ class SamplingState:
 # The sampler.
 
 
-def apply_penalties(logits: torch.Tensor, slots: torch.Tensor,
-                    state: SamplingState) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, state: SamplingState,
+                    drafted: DraftedBefore | None = None) -> torch.Tensor:
     """Repetition (prompt + output, HF: divide positive / multiply negative logits), then
-    frequency and presence (output only, OpenAI). Rows without penalties come out unchanged."""
+    frequency and presence (output only, OpenAI). Rows without penalties come out unchanged.
+    `drafted`: outputs before each row's token that the slot's counts lack yet."""
     assert state.output_counts is not None, "no request with penalties was ever admitted"
     fp = state.float_params[slots]
     counts = state.output_counts[slots]
+    if drafted is not None and drafted.tokens.numel():
+        counts = counts.scatter_add(1, drafted.tokens.long(),
+                                    drafted.weights.to(counts.dtype))
     generated = counts > 0
     seen = state.prompt_seen[slots] | generated
     rep = fp[:, _F_REP, None]
@@ -316,11 +334,15 @@ def apply_penalties(logits: torch.Tensor, slots: torch.Tensor,
     return logits - fp[:, _F_FREQ, None] * counts - fp[:, _F_PRES, None] * generated
 
 
-def apply_min_tokens(logits: torch.Tensor, slots: torch.Tensor,
-                     state: SamplingState) -> torch.Tensor:
-    """Ban eos / stop ids for rows that have generated fewer than min_new_tokens."""
+def apply_min_tokens(logits: torch.Tensor, slots: torch.Tensor, state: SamplingState,
+                     drafted: DraftedBefore | None = None) -> torch.Tensor:
+    """Ban eos / stop ids for rows that have generated fewer than min_new_tokens (counting
+    `drafted`, the outputs before each row's token that the slot's count lacks yet)."""
     assert state.min_tokens_ban is not None
-    too_early = state.generated_len[slots] < state.int_params[slots, _I_MIN_NEW]
+    generated = state.generated_len[slots]
+    if drafted is not None:
+        generated = generated + drafted.weights.long().sum(-1)
+    too_early = generated < state.int_params[slots, _I_MIN_NEW]
     return logits.masked_fill(state.min_tokens_ban[slots] & too_early[:, None], -math.inf)
 
 
@@ -337,17 +359,18 @@ class Sampler:
             host = slots.cpu().numpy().astype(np.int64, copy=False)
         return self.state.batch_flags(host)
 
-    def process_logits(self, logits: torch.Tensor, slots: torch.Tensor,
-                       flags: BatchFlags) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, slots: torch.Tensor, flags: BatchFlags,
+                       drafted: DraftedBefore | None = None) -> torch.Tensor:
         """Penalties and min-token bans. Returns `logits` itself (any dtype) when neither
-        applies, else a new float32 tensor; the input is never modified."""
+        applies, else a new float32 tensor; the input is never modified. `drafted`: per row,
+        outputs before its token not counted in its slot yet (speculative verify)."""
         if logits.shape[1] != self.state.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns but the sampling state was "
                              f"built for vocab_size={self.state.vocab_size}")
         if flags.any_penalty:
-            logits = apply_penalties(logits.float(), slots, self.state)
+            logits = apply_penalties(logits.float(), slots, self.state, drafted)
         if flags.any_min_tokens:
-            logits = apply_min_tokens(logits.float(), slots, self.state)
+            logits = apply_min_tokens(logits.float(), slots, self.state, drafted)
         return logits
 
     @torch.no_grad()
@@ -372,33 +395,36 @@ class Sampler:
 
     @torch.no_grad()
     def logprobs_of(self, logits: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
-                    slots_host: np.ndarray | Sequence[int] | None = None) -> SampleOutput:
+                    slots_host: np.ndarray | Sequence[int] | None = None,
+                    drafted: DraftedBefore | None = None) -> SampleOutput:
         """The logprobs `sample` would report had it drawn `tokens` from these rows (penalties,
         min-token bans, temperature; before the top-k/top-p cut): for tokens chosen elsewhere,
         e.g. by speculative acceptance. Only `tokens` when no row asks for logprobs."""
         flags = self.batch_flags(slots, slots_host)
         if flags.max_logprobs < 0 or logits.shape[0] == 0:
             return SampleOutput(tokens)
-        logits = self.process_logits(logits, slots, flags)
+        logits = self.process_logits(logits, slots, flags, drafted)
         scaled = logits / self.state.float_params[slots][:, _F_TEMP, None]  # greedy: T = 1
         return self._with_logprobs(tokens, scaled, flags.max_logprobs)
 
     @torch.no_grad()
     def target_probs(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                     slots_host: np.ndarray | Sequence[int] | None = None) -> torch.Tensor:
+                     slots_host: np.ndarray | Sequence[int] | None = None,
+                     drafted: DraftedBefore | None = None) -> torch.Tensor:
         """The exact distribution `sample` draws from for these rows, float32 [n, vocab]:
         penalties and min-token bans, temperature, then the top-k / top-p / min-p cut with the
         sampler's own thresholds and candidate list (so ties at a cut resolve the same way),
         renormalised. Greedy rows get a one-hot at the argmax. For speculative acceptance
         (`gpu.eagle.accept.accept_sampling`), whose residual draw uses the same noise.
         positions is unused (the distribution does not depend on it); it keeps the signature
-        parallel to `sample`."""
+        parallel to `sample`. `drafted`: per row, outputs before its token not counted in its
+        slot yet (a verify-tree node's drafts on its path)."""
         del positions
         n, vocab = logits.shape
         if n == 0:
             return torch.empty(0, vocab, dtype=torch.float32, device=logits.device)
         flags = self.batch_flags(slots, slots_host)
-        logits = self.process_logits(logits, slots, flags)
+        logits = self.process_logits(logits, slots, flags, drafted)
         argmax = logits.argmax(-1)
         one_hot = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
         one_hot.scatter_(1, argmax[:, None], 1.0)

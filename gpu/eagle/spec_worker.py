@@ -29,6 +29,7 @@ from gpu.device import host_to_device
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
 from gpu.q4_linear import q4_applies
+from gpu.sampler import DraftedBefore
 from gpu.sync_guard import expected_sync
 from ipc.spec_settings import SpecSettings
 from ipc.worker_messages import (ExtendEntry, StepPlan, StepResult, pack_f32, pack_i32,
@@ -346,10 +347,11 @@ class EagleWorker:
         # request asks (a host check: no gather of [bs * E, vocab] logits otherwise).
         scored = None
         if r.sampling_state.max_logprobs(slots_host) >= 0:
-            node_rows = torch.arange(bs, device=dev)[:, None] * T + path
-            scored = r.sampler.logprobs_of(logits[node_rows.reshape(-1)],
-                                           slots.repeat_interleave(E), out_tokens.clamp(min=0)
-                                           .reshape(-1), slots_host=np.repeat(slots_host, E))
+            node_rows = (torch.arange(bs, device=dev)[:, None] * T + path).reshape(-1)
+            scored = r.sampler.logprobs_of(logits[node_rows], slots.repeat_interleave(E),
+                                           out_tokens.clamp(min=0).reshape(-1),
+                                           slots_host=np.repeat(slots_host, E),
+                                           drafted=drafted_before(tree).rows(node_rows))
         return _Part(slots_host, {"tokens": out_tokens, "accept": acc,
                                   **_logprob_outputs(scored)}, verify=True)
 
@@ -432,11 +434,15 @@ class EagleWorker:
         node_slots = slots.repeat_interleave(T)
         node_host = np.repeat(slots_host, T)
         flags = r.sampler.batch_flags(node_slots, node_host)
+        # A node samples the token after the drafts on its path: the penalties and the
+        # min_new_tokens ban count them, as plain decoding would have by then.
+        drafted = drafted_before(tree) if flags.any_penalty or flags.any_min_tokens else None
         if flags.all_greedy:
-            processed = r.sampler.process_logits(logits, node_slots, flags)
+            processed = r.sampler.process_logits(logits, node_slots, flags, drafted)
             return accept_greedy(tree, processed.argmax(-1).view(bs, T))
         following = (positions + 1).reshape(-1)  # the position the next token takes
-        probs = r.sampler.target_probs(logits, node_slots, following, slots_host=node_host)
+        probs = r.sampler.target_probs(logits, node_slots, following, slots_host=node_host,
+                                       drafted=drafted)
         seeds = r.sampling_state.int_params[slots, _SEED_COLUMN]
         return accept_sampling(tree, probs.view(bs, T, -1), seeds, positions + 1)
 
@@ -456,6 +462,15 @@ class EagleWorker:
         for layer in range(len(pool.k_buffer)):
             pool.k_buffer[layer][dst] = pool.k_buffer[layer][src]
             pool.v_buffer[layer][dst] = pool.v_buffer[layer][src]
+
+
+def drafted_before(tree: DraftTree) -> DraftedBefore:
+    """Per tree node (row b * T + j), the drafts on its path from the root, itself included:
+    the outputs that come before the token node j's logits sample. The root's own token was
+    counted when it was emitted (it is the previous step's bonus)."""
+    bs, t = tree.tokens.shape
+    tokens = tree.tokens[:, None, 1:].expand(bs, t, t - 1).reshape(bs * t, t - 1)
+    return DraftedBefore(tokens.clamp(min=0), tree.mask[:, :, 1:].reshape(bs * t, t - 1))
 
 
 def _merge_logprobs(parts: list[_Rows]) -> tuple[bytes, int, bytes, bytes]:
