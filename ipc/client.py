@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from ipc.client_messages import (
+    MAX_MESSAGE_BYTES,
     Abort,
     ChatMessage,
     Chunk,
@@ -130,15 +131,19 @@ class AsyncClient:
 
     `service_timeout_s`: while requests are in flight, how long the service may send nothing
     at all (not even a Pong) before they all fail with `ServiceUnavailable`; None = never.
+    `max_message_bytes`: the service's `service.max_message_bytes`; a larger request fails
+    with `RequestFailed("message_too_large")` before it is sent.
     """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *,
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                  timeout_s: float | None = None,
                  service_timeout_s: float | None = DEFAULT_SERVICE_TIMEOUT_S,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
                  context: zmq.asyncio.Context | None = None) -> None:
         _check_service_timeout(service_timeout_s, heartbeat_interval_s)
         self.endpoint = endpoint
+        self.max_message_bytes = max_message_bytes
         self.heartbeat_interval_s = heartbeat_interval_s
         self.timeout_s = timeout_s  # default per-message wait of generate(); None = forever
         self.service_timeout_s = service_timeout_s
@@ -205,6 +210,7 @@ class AsyncClient:
                              request_id=request_id, stream=stream)
         if timeout_s is ...:
             timeout_s = self.timeout_s
+        frame = self._checked_frame(msg)
         sock = self._start()
         if msg.id in self._queues:
             raise ValueError(f"request id {msg.id!r} is already in flight on this client")
@@ -215,7 +221,7 @@ class AsyncClient:
         self._inflight.set()
         finished = False
         try:
-            await sock.send(encode(msg))
+            await sock.send(frame)
             while True:
                 try:
                     async with asyncio.timeout(timeout_s):
@@ -242,6 +248,20 @@ class AsyncClient:
                 self._inflight.clear()
             if not finished and not self._closed:
                 self._send_nowait(Abort(id=msg.id))
+
+    def _checked_frame(self, msg: Generate) -> bytes:
+        """The frame of msg. One over the service's limit is refused here: the service answers
+        one a little over it, but ZeroMQ drops the connection of one far over it without a word,
+        and the request would wait forever."""
+        frame = encode(msg)
+        if len(frame) > self.max_message_bytes:
+            raise RequestFailed(
+                "message_too_large",
+                f"request {msg.id!r} is {len(frame):,} bytes; the service takes messages up to "
+                f"{self.max_message_bytes:,} bytes: send a shorter prompt (or, if the service "
+                f"runs with a larger service.max_message_bytes, give the client that "
+                f"max_message_bytes)", msg.id)
+        return frame
 
     async def complete(self, prompt: str | None = None, *,
                        messages: list[Any] | None = None,
@@ -395,7 +415,8 @@ class Client:
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *,
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                  timeout_s: float | None = None,
-                 service_timeout_s: float | None = DEFAULT_SERVICE_TIMEOUT_S) -> None:
+                 service_timeout_s: float | None = DEFAULT_SERVICE_TIMEOUT_S,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         _check_service_timeout(service_timeout_s, heartbeat_interval_s)  # before the thread
         self.endpoint = endpoint
         self._loop = asyncio.new_event_loop()
@@ -403,7 +424,8 @@ class Client:
                                         daemon=True)
         self._thread.start()
         self._async = AsyncClient(endpoint, heartbeat_interval_s=heartbeat_interval_s,
-                                  timeout_s=timeout_s, service_timeout_s=service_timeout_s)
+                                  timeout_s=timeout_s, service_timeout_s=service_timeout_s,
+                                  max_message_bytes=max_message_bytes)
         self._closed = False
 
     def __enter__(self) -> Client:
