@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 from collections import deque
 from dataclasses import dataclass
@@ -185,7 +186,7 @@ class SchedulerCore:
             req.slot = self.slots.allocate()
             req.state = RequestState.PREFILLING
             self.running[req.slot] = req
-            new_requests.append(NewRequest(req.slot, req.params))
+            new_requests.append(NewRequest(req.slot, self._worker_params(req)))
             if borrowed:  # its first pages hold the KV of its first tokens already
                 req.borrowed = borrowed
                 req.pages = [b.page for b in borrowed]
@@ -206,6 +207,17 @@ class SchedulerCore:
         return StepPlan(step_id=self.step_id, new_requests=new_requests, grants=grants,
                         extends=extends, decode_slots=pack_i32(decode_slots),
                         released_slots=pack_i32(released))
+
+    def _worker_params(self, req: Request) -> SamplingParams:
+        """The params the worker gets for req entering a slot. The worker counts generated
+        tokens from zero there, and a request resumed after a retraction recomputes its outputs
+        as prompt: its min_new_tokens is what is still to come, or eos would be banned for
+        min_new_tokens more tokens."""
+        params = req.params
+        if req.output_ids and params.min_new_tokens:
+            params = msgspec.structs.replace(params, min_new_tokens=max(
+                0, params.min_new_tokens - len(req.output_ids)))
+        return params
 
     def _decoding_requests(self) -> list[Request]:
         return [r for r in self.running.values() if r.state == RequestState.DECODING]
