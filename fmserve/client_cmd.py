@@ -95,4 +95,12 @@ def run_client(args: argparse.Namespace) -> int:
             if not user.strip():
                 continue
             history.append({"role": "user", "content": user})
-            history.append({"role": "assistant", "content": _stream(client, history, params)})
+            try:
+                reply = _stream(client, history, params)
+            except RequestFailed as exc:  # this turn only: the conversation goes on without it
+                history.pop()
+                print(f"\nerror: {exc}\nThis message was left out of the conversation: send "
+                      f"another (a shorter one if it was too long), or Ctrl-D to quit.",
+                      file=sys.stderr)
+                continue
+            history.append({"role": "assistant", "content": reply})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -9,7 +11,7 @@ import pytest
 from ipc.client import Client, RequestFailed
 from ipc.client_messages import MAX_MESSAGE_BYTES
 from ipc.sampling import SamplingParams
-from tests.test_service import ServiceProcess
+from tests.test_service import ROOT, ServiceProcess
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +34,17 @@ def test_a_frame_far_over_the_limit_fails_instead_of_waiting_forever(service):
         assert time.monotonic() - start < 5.0
         # the same client goes on serving
         assert client.complete("Hi", params=SamplingParams(max_new_tokens=2)).token_ids
+
+
+def test_chat_goes_on_after_a_refused_message(service):
+    # `fmserve client --chat`: one message the service refuses (too long for its context) ended
+    # the whole conversation with an error; the next message was never sent.
+    lines = "word " * 5000 + "\nSay hi.\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fmserve.cli", "client", "--endpoint", service.endpoint, "--chat",
+         "--max-new-tokens", "3", "--temperature", "0"],
+        input=lines, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt_too_long" in proc.stderr and "left out of the conversation" in proc.stderr
+    replies = [line for line in proc.stdout.split("> ") if line.strip()]
+    assert len(replies) == 1, proc.stdout  # the answer to "Say hi."
