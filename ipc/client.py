@@ -341,6 +341,11 @@ class AsyncClient:
                 self._fail_all(ServiceUnavailable(f"socket to {self.endpoint} failed: {exc}"))
 
     def _route(self, reply: Any) -> None:
+        if isinstance(reply, Error) and reply.code == "unknown_request":
+            # The answer to an abort that came too late, never a request's end: a request
+            # started since with the same id must not take it for its own.
+            log.debug("abort of %r: it was no longer in flight", reply.id)
+            return
         if isinstance(reply, (Chunk, Finished, Error)) and reply.id is not None:
             queue = self._queues.get(reply.id)
             if queue is not None:

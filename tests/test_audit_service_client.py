@@ -48,3 +48,15 @@ def test_chat_goes_on_after_a_refused_message(service):
     assert "prompt_too_long" in proc.stderr and "left out of the conversation" in proc.stderr
     replies = [line for line in proc.stdout.split("> ") if line.strip()]
     assert len(replies) == 1, proc.stdout  # the answer to "Say hi."
+
+
+def test_a_late_abort_answer_does_not_fail_the_next_request_with_that_id(service):
+    # An abort that comes too late (the request had finished) is answered with an
+    # unknown_request error for that id. A request started right after with the same id (ids
+    # need only be unique among those in flight) took that answer as its own and failed.
+    params = SamplingParams(temperature=0.0, max_new_tokens=3)
+    with Client(service.endpoint) as client:
+        first = client.complete("Hi", params=params, request_id="again")
+        client.abort("again")
+        second = client.complete("Hi", params=params, request_id="again", timeout_s=10.0)
+        assert second.token_ids == first.token_ids
