@@ -73,6 +73,10 @@ class ServiceUnavailable(ClientError):
     """No answer from the service: it is not running, or not at this endpoint."""
 
 
+class ServiceRestarted(ServiceUnavailable):
+    """The service at the endpoint is a new run: requests in flight were lost with the old."""
+
+
 class RequestTimeout(ClientError, TimeoutError):
     """A request waited longer than its `timeout_s` for its next message."""
 
@@ -148,6 +152,7 @@ class AsyncClient:
         self.timeout_s = timeout_s  # default per-message wait of generate(); None = forever
         self.service_timeout_s = service_timeout_s
         self._heard_at = 0.0  # loop time of the last frame from the service (or of going busy)
+        self._instance = ""  # the service run that answered last (Pong/Stats.instance)
         self._context = context
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -232,7 +237,9 @@ class AsyncClient:
                         f"{timeout_s:g} s; it was aborted"
                     ) from None
                 if isinstance(reply, BaseException):
-                    finished = True  # the socket is gone: nothing to abort
+                    # The socket is gone: nothing to abort; after a restart the new service
+                    # may have got it (sent before the client knew): abort it there.
+                    finished = not isinstance(reply, ServiceRestarted)
                     raise reply
                 if isinstance(reply, Error):
                     finished = True
@@ -352,6 +359,7 @@ class AsyncClient:
                 queue.put_nowait(reply)
             # else: a reply to a request we already gave up on (aborted, timed out): drop it.
         elif isinstance(reply, Stats):
+            self._check_instance(reply.instance)
             # Any Stats answers every waiter: they all asked for the current state.
             for waiter in self._health_waiters:
                 if not waiter.done():
@@ -363,7 +371,19 @@ class AsyncClient:
                 if not waiter.done():
                     waiter.set_exception(RequestFailed(reply.code, reply.message))
         elif isinstance(reply, Pong):
-            pass
+            self._check_instance(reply.instance)
+
+    def _check_instance(self, instance: str) -> None:
+        """A new run of the service answers: every request in flight died with the old one, and
+        the new one answers pings, so without this they would wait forever."""
+        if not instance:
+            return
+        if self._instance and instance != self._instance:
+            for queue in self._queues.values():
+                queue.put_nowait(ServiceRestarted(
+                    f"the fmserve service at {self.endpoint} was restarted; the requests in "
+                    f"flight there were lost with it: retry them"))
+        self._instance = instance
 
     async def _heartbeat_loop(self) -> None:
         # Sleep while idle; once a request is in flight, ping every interval until none is, and

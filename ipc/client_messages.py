@@ -109,10 +109,13 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     # nobody borrows count in free_pages too), and prompt tokens served from it since start.
     cached_pages: int = 0
     prefix_cache_hit_tokens: int = 0
+    instance: str = ""  # as in Pong; "" from an older service
 
 
-class Pong(msgspec.Struct, tag="pong", frozen=True):
-    pass
+class Pong(msgspec.Struct, tag="pong", frozen=True, omit_defaults=True):
+    # This run of the service, new at every start: a client that sees it change knows the
+    # requests it has in flight were lost with the old run. "" from an older service.
+    instance: str = ""
 
 
 class Aborted(msgspec.Struct, tag="aborted", frozen=True):

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from collections import deque
 
 import anyio
@@ -94,6 +95,7 @@ class Service:
         self.worker_restarts = 0
         self.worker_ok = False
         self.started = time.monotonic()
+        self.instance = uuid.uuid4().hex  # Pong/Stats: clients tell a restarted service by it
         self.steps = 0
         self.output_tokens = 0
         self.finished_requests = 0
@@ -228,7 +230,7 @@ class Service:
         elif isinstance(msg, Health):
             await self._send(identity, self.stats())
         elif isinstance(msg, Ping):
-            await self._send(identity, Pong())
+            await self._send(identity, Pong(self.instance))
         elif isinstance(msg, AdminAbort):
             await self._on_admin_abort(identity, msg)
 
@@ -461,4 +463,5 @@ class Service:
                      total_slots=acc["total_slots"], steps=self.steps,
                      output_tokens=self.output_tokens, worker_busy_ms=self.worker_busy_ms,
                      worker_idle_ms=self.worker_idle_ms, cached_pages=acc["cached_pages"],
-                     prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"])
+                     prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
+                     instance=self.instance)
