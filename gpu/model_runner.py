@@ -203,7 +203,9 @@ class ModelRunner:
             self.sampling_state.release(slot)
         self.future_map.release(host_to_device(released.astype(np.int64), self.device))
         for req in plan.new_requests:
-            self.sampling_state.set_request(req.slot, req.params, [])
+            self.sampling_state.set_request(req.slot, req.params, [], req.output_start)
+            if req.cached_ids:  # a borrowed prefix: no prefill chunk will carry it
+                self.sampling_state.add_prefill_chunk(req.slot, unpack_i32(req.cached_ids), 0)
         for grant in plan.grants:
             pages = host_to_device(unpack_i32(grant.pages).copy(), self.device)
             self.req_to_token.grant_pages(grant.slot, grant.first_page_index, pages)
@@ -220,7 +222,7 @@ class ModelRunner:
             ext_prefix.append(e.prefix_len)
             ext_lens.append(len(ids))
             ext_sample.append(e.sample)
-            self.sampling_state.add_prompt_tokens(e.slot, torch.from_numpy(ids.astype(np.int64)))
+            self.sampling_state.add_prefill_chunk(e.slot, ids, e.prefix_len)
         decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
         decode_slots = host_to_device(decode_host, dev)
         num_decode = int(decode_slots.shape[0])

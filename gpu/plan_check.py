@@ -28,9 +28,20 @@ def check_plan(plan: StepPlan, num_slots: int, num_pages: int, max_tokens_per_sl
             raise PlanError(f"{where}: {what} slot {int(bad[0])} is outside 1..{num_slots - 1} "
                             f"(slot 0 is padding)")
 
+    def tokens_in_vocab(what: str, ids: np.ndarray) -> None:
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise PlanError(f"{where}: {what} has token id {int(bad[0])}, outside the "
+                            f"vocabulary 0..{vocab_size - 1}")
+
     slots_in_range("released", unpack_i32(plan.released_slots))
     slots_in_range("decode", unpack_i32(plan.decode_slots))
     slots_in_range("new request", np.array([r.slot for r in plan.new_requests], dtype=np.int64))
+    for r in plan.new_requests:
+        if len(r.cached_ids) % 4:
+            raise PlanError(f"{where}: new request in slot {r.slot} has cached_ids of "
+                            f"{len(r.cached_ids)} bytes, not whole int32 token ids")
+        tokens_in_vocab(f"new request in slot {r.slot}'s cached_ids", unpack_i32(r.cached_ids))
     for g in plan.grants:
         slots_in_range("page grant", np.array([g.slot]))
         pages = unpack_i32(g.pages)
@@ -47,7 +58,4 @@ def check_plan(plan: StepPlan, num_slots: int, num_pages: int, max_tokens_per_sl
         if e.prefix_len < 0 or e.prefix_len + len(ids) > max_tokens_per_slot:
             raise PlanError(f"{where}: extend of slot {e.slot} covers tokens {e.prefix_len}.."
                             f"{e.prefix_len + len(ids)}, outside 0..{max_tokens_per_slot}")
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        if bad.size:
-            raise PlanError(f"{where}: extend of slot {e.slot} has token id {int(bad[0])}, "
-                            f"outside the vocabulary 0..{vocab_size - 1}")
+        tokens_in_vocab(f"extend of slot {e.slot}", ids)

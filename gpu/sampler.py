@@ -166,6 +166,9 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None
 
 
+_NO_OUTPUTS = np.iinfo(np.int64).max  # a slot whose prefill is all prompt
+
+
 class SamplingState:
     """Per-slot sampling parameters and token counts on the device (row = request slot)."""
 
@@ -195,6 +198,8 @@ class SamplingState:
         self._min_p = np.zeros(num_slots, dtype=bool)
         self._logprobs = np.full(num_slots, -1, dtype=np.int64)
         self.seeds = np.zeros(num_slots, dtype=np.int64)  # the seed each slot draws with
+        # Where each slot's outputs start among its prefill positions (add_prefill_chunk).
+        self._output_start = np.full(num_slots, _NO_OUTPUTS, dtype=np.int64)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return host_to_device(t, self.device)
@@ -209,8 +214,11 @@ class SamplingState:
         return torch.zeros(self.num_slots, self.vocab_size, dtype=dtype, device=self.device)
 
     def set_request(self, slot: int, params: SamplingParams,
-                    prompt_ids: torch.Tensor | Sequence[int] = ()) -> None:
-        """A request enters `slot`: store its parameters and reset its counts."""
+                    prompt_ids: torch.Tensor | Sequence[int] = (), output_start: int = -1
+                    ) -> None:
+        """A request enters `slot`: store its parameters and reset its counts. `output_start`
+        (-1: none): the position of its first output, for a request whose prefill recomputes
+        outputs it generated before a retraction (add_prefill_chunk)."""
         self._check_slot(slot)
         params.validate(self.vocab_size)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -253,7 +261,20 @@ class SamplingState:
         self._min_p[slot] = min_p > 0.0
         self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.seeds[slot] = seed
+        self._output_start[slot] = output_start if output_start >= 0 else _NO_OUTPUTS
         self.add_prompt_tokens(slot, prompt_ids)
+
+    def add_prefill_chunk(self, slot: int, ids: np.ndarray, start: int) -> None:
+        """A prefill chunk at positions start, start + 1, ...: prompt tokens for the repetition
+        penalty, and from the slot's output_start on, outputs the request generated before a
+        retraction: counted as generated again (frequency / presence penalties,
+        min_new_tokens), or it would repeat and stop differently than it would have."""
+        split = int(min(len(ids), max(0, self._output_start[slot] - start)))
+        self.add_prompt_tokens(slot, torch.from_numpy(ids[:split].astype(np.int64)))
+        if split < len(ids):
+            outputs = ids[split:].astype(np.int64)
+            self.record_outputs(self._to_device(np.full(len(outputs), slot, dtype=np.int64)),
+                                self._to_device(outputs))
 
     def add_prompt_tokens(self, slot: int, ids: torch.Tensor | Sequence[int]) -> None:
         """More of the prompt was seen (a prefill chunk): the repetition penalty covers it."""

@@ -36,6 +36,13 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
 
     slot: int
     params: SamplingParams
+    # Position of the request's first output token. A request resumed after a retraction
+    # prefills its earlier outputs too; from here on its prefill counts as generated (penalties,
+    # min_new_tokens), as it did before. -1: the prefill is all prompt.
+    output_start: int = -1
+    # int32: its first tokens when it borrows their KV from the prefix cache (no prefill chunk
+    # carries them); sent only to a request with penalties, which must see them.
+    cached_ids: bytes = b""
 
 
 class PageGrant(msgspec.Struct, array_like=True, frozen=True):

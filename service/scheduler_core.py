@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import numpy as np
 from collections import deque
 from dataclasses import dataclass
@@ -186,12 +185,16 @@ class SchedulerCore:
             req.slot = self.slots.allocate()
             req.state = RequestState.PREFILLING
             self.running[req.slot] = req
-            new_requests.append(NewRequest(req.slot, self._worker_params(req)))
+            cached_ids = b""
             if borrowed:  # its first pages hold the KV of its first tokens already
                 req.borrowed = borrowed
                 req.pages = [b.page for b in borrowed]
                 req.num_cached = len(borrowed) * self.pages.page_size
                 grants.append(PageGrant(req.slot, 0, pack_i32(req.pages)))
+                if req.params.has_penalties:
+                    cached_ids = pack_i32(req.all_ids[:req.num_cached])
+            new_requests.append(NewRequest(req.slot, req.params, len(req.prompt_ids),
+                                           cached_ids))
             if self.prefix_cache is not None:
                 self.prefix_cache.admitted_tokens += req.seq_len
                 self.prefix_cache.hit_tokens += req.num_cached
@@ -207,17 +210,6 @@ class SchedulerCore:
         return StepPlan(step_id=self.step_id, new_requests=new_requests, grants=grants,
                         extends=extends, decode_slots=pack_i32(decode_slots),
                         released_slots=pack_i32(released))
-
-    def _worker_params(self, req: Request) -> SamplingParams:
-        """The params the worker gets for req entering a slot. The worker counts generated
-        tokens from zero there, and a request resumed after a retraction recomputes its outputs
-        as prompt: its min_new_tokens is what is still to come, or eos would be banned for
-        min_new_tokens more tokens."""
-        params = req.params
-        if req.output_ids and params.min_new_tokens:
-            params = msgspec.structs.replace(params, min_new_tokens=max(
-                0, params.min_new_tokens - len(req.output_ids)))
-        return params
 
     def _decoding_requests(self) -> list[Request]:
         return [r for r in self.running.values() if r.state == RequestState.DECODING]
@@ -267,9 +259,8 @@ class SchedulerCore:
 
     def _borrow_prefix(self, req: Request) -> list:
         """The cached blocks its tokens start with, borrowed (so not evictable), leaving at
-        least its last token to compute. Requests with penalties start from scratch: the worker
-        counts a prompt's tokens as its prefill chunks pass."""
-        if self.prefix_cache is None or req.params.has_penalties:
+        least its last token to compute."""
+        if self.prefix_cache is None:
             return []
         ids = req.all_ids
         blocks = self.prefix_cache.match(ids, len(ids) - 1)

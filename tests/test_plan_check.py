@@ -31,6 +31,10 @@ def test_a_good_plan_passes():
     (dict(grants=[PageGrant(1, -1, pack_i32([3]))]), "starts at page index -1"),
     (dict(extends=[ExtendEntry(2, 60, pack_i32([1] * 5), True)]), "tokens 60..65, outside"),
     (dict(extends=[ExtendEntry(2, 0, pack_i32([1, 100]), True)]), "token id 100"),
+    (dict(new_requests=[NewRequest(1, SamplingParams(), 3, pack_i32([4, -1]))]),
+     "slot 1's cached_ids has token id -1"),
+    (dict(new_requests=[NewRequest(1, SamplingParams(), 3, b"\x01\x02")]),
+     "cached_ids of 2 bytes"),
 ])
 def test_bad_fields_are_named(fields, message):
     with pytest.raises(PlanError, match="plan for step 7: .*" + message.replace(".", r"\.")):

@@ -105,14 +105,23 @@ def test_a_prompt_wholly_cached_still_computes_its_last_token():
     assert entry.prefix_len == 4 and len(unpack_i32(entry.token_ids)) == 4
 
 
-def test_requests_with_penalties_start_from_scratch():
+def test_requests_with_penalties_borrow_and_send_the_borrowed_tokens():
+    # No prefill chunk carries a borrowed prefix, so the worker learns it from the NewRequest
+    # (its penalties must cover it); a request without penalties is not sent it.
     core = cached_core()
     prompt = list(range(100, 110))
     core.add_request("a", prompt, SamplingParams(max_new_tokens=1))
     run(core, [7])
     core.add_request("b", prompt, SamplingParams(max_new_tokens=1, repetition_penalty=1.2))
-    _, extends = first_plan(core)
-    assert [e.prefix_len for e in extends.values()] == [0]
+    plan, extends = first_plan(core)
+    assert [e.prefix_len for e in extends.values()] == [8]
+    (new,) = plan.new_requests
+    assert unpack_i32(new.cached_ids).tolist() == prompt[:8] and new.output_start == 10
+    run(core, [7])
+    core.add_request("c", prompt, SamplingParams(max_new_tokens=1))
+    plan, extends = first_plan(core)
+    assert [e.prefix_len for e in extends.values()] == [8]
+    assert plan.new_requests[0].cached_ids == b""
 
 
 def test_cached_pages_make_room_when_wanted_and_nothing_leaks():

@@ -249,7 +249,7 @@ class EagleWorker:
         r, dev = self.runner, self.runner.device
         ids = [unpack_i32(e.token_ids) for e in extends]
         for e, chunk in zip(extends, ids):
-            r.sampling_state.add_prompt_tokens(e.slot, torch.from_numpy(chunk.astype(np.int64)))
+            r.sampling_state.add_prefill_chunk(e.slot, chunk, e.prefix_len)
         # Checked on the host: the draft extend pairs each position with the next token.
         if any(not e.sample and e.next_token < 0 for e in extends):
             raise ValueError("a non-final prefill chunk came without next_token: the scheduler "
