@@ -22,6 +22,11 @@ import msgspec
 MAX_LOGPROBS = 20  # top-n alternatives a request may ask for (OpenAI's limit)
 MAX_SEED = 2**63  # seeds live in an int64 on the device
 MAX_NEW_TOKENS = 2**63  # min_new_tokens lives in an int64 on the device (so it is < this)
+# Stop conditions are checked for every token on the service's event loop, which all clients
+# share: bounded so one request cannot stall the others (OpenAI allows 4 stop strings).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512  # per stop string
+MAX_STOP_TOKEN_IDS = 256
 # Below these a request is greedy: that is what such values mean (a top_p under 1 / vocab keeps
 # only the most likely token), and the worker's float32 copies would break on them (logits / T
 # overflows to inf and samples token 0; a top_p that rounds to 0 keeps no token and crashed it).
@@ -89,9 +94,18 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not (0 <= self.min_new_tokens <= self.max_new_tokens):
             raise bad("min_new_tokens", self.min_new_tokens,
                       f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"<{len(self.stop)} strings>",
+                      f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             if not s:
                 raise bad("stop", self.stop, "stop strings must be non-empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise bad("stop", f"<a string of {len(s)} characters>",
+                          f"each stop string must be at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
+                      f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         for tid in self.stop_token_ids:
             if tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 rng = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"

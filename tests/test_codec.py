@@ -219,6 +219,10 @@ def test_negative_token_id():
     ({"max_new_tokens": 2**64 - 1, "min_new_tokens": 2**63}, "max_new_tokens"),  # int64
     ({"logprobs": 99}, "logprobs"),
     ({"stop": [""]}, "stop"),
+    # Bounded: stop conditions are checked per token on the loop every client shares.
+    ({"stop": [f"s{i}" for i in range(65)]}, "at most 64 stop strings"),
+    ({"stop": ["x" * 513]}, "at most 512 characters"),
+    ({"stop_token_ids": list(range(257))}, "at most 256 stop token ids"),
 ])
 def test_invalid_params(params, field):
     err = error_of(pack({"type": "generate", "id": "p1", "text": "x", "params": params}))
