@@ -38,6 +38,7 @@ from tui.widgets import (
     SeqLenChart,
     TextPanel,
     accept_label_text,
+    cell,
     header_text,
     kv_gauge_text,
     queue_text,
@@ -89,8 +90,8 @@ class Rate:
 
 
 def _row(r: RequestTelemetry, rate: float | None) -> tuple:
-    return (r.id[:22], r.slot, STATE_LABEL.get(r.state, r.state), r.seq_len, r.generated,
-            r.last_accept_len, Rate(rate))
+    return (cell(r.id, 22), r.slot, cell(STATE_LABEL.get(r.state, r.state), 7), r.seq_len,
+            r.generated, r.last_accept_len, Rate(rate))
 
 
 def _sort_key(value):

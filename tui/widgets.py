@@ -7,7 +7,9 @@ import re
 import time
 from collections.abc import Sequence
 
+from rich.cells import cell_len, set_cell_size
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -24,6 +26,32 @@ from tui.telemetry_feed import FeedStatus
 NA = "n/a"
 STATE_LABEL = {"waiting": "wait", "prefilling": "prefill", "decoding": "decode"}
 LEVEL_STYLE = {ERROR: "bold red", WARNING: "yellow"}
+
+
+# C0 controls, DEL and C1 (U+009B is CSI to many terminals): request ids come from any client
+# and names from model files, and a control character in a cell would reach the terminal.
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with every control character shown as U+FFFD."""
+    return _UNPRINTABLE.sub("\ufffd", text)
+
+
+def clip(text: str, cells: int) -> str:
+    """`printable(text)` cut to at most `cells` terminal columns (CJK and emoji take two)."""
+    text = printable(text)
+    return text if cell_len(text) <= cells else set_cell_size(text, cells)
+
+
+def fit(text: str, cells: int) -> str:
+    """`printable(text)` cut or padded to exactly `cells` columns, for aligned labels."""
+    return set_cell_size(printable(text), cells)
+
+
+def cell(text: str, cells: int) -> str:
+    """A DataTable cell: Textual reads a str cell as markup, so "[/]" in an id would raise."""
+    return escape(clip(text, cells))
 
 
 def _opt(snap: TelemetrySnapshot, name: str):
@@ -60,9 +88,9 @@ def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool
         spec_cfg = _opt(snap, "spec_config")  # None from a service that does not publish it
         spec = "off" if not snap.speculation else \
             spec_settings_text(spec_cfg) if spec_cfg else "on (settings n/a)"
-        out.append(f"{snap.model}", style="bold")
-        out.append(f"  {w.device} {w.dtype} attn={w.attention_backend}"
-                   f"  overlap {'on' if snap.overlap else 'off'}  spec {spec}"
+        out.append(printable(snap.model), style="bold")
+        out.append(printable(f"  {w.device} {w.dtype} attn={w.attention_backend}")
+                   + f"  overlap {'on' if snap.overlap else 'off'}  spec {printable(spec)}"
                    f"  uptime {NA if uptime is None else _fmt_duration(uptime)}\nworker ")
         if w.alive:
             out.append(f"alive pid {w.pid}", style="green")
@@ -115,7 +143,7 @@ def queue_text(snap: TelemetrySnapshot, limit: int) -> Text:
     out = Text(f"waiting: {len(snap.waiting)}", style="bold")
     out.append("  (request, prompt tokens, waited)\n" if snap.waiting else "\n", style="dim")
     for r in sorted(snap.waiting, key=lambda r: -r.age_s)[:limit]:
-        out.append(f"{r.id[:18]:<18} {r.prompt_len:>6}  {r.age_s:6.1f}s\n")
+        out.append(f"{fit(r.id, 18)} {r.prompt_len:>6}  {r.age_s:6.1f}s\n")
     if len(snap.waiting) > limit:
         out.append(f"... and {len(snap.waiting) - limit} more\n", style="dim")
     return out
@@ -167,7 +195,7 @@ def seq_len_chart_text(running: Sequence[RequestTelemetry], width: int, height: 
         for r in sorted(running, key=lambda r: r.slot):
             prompt = round(min(r.prompt_len, r.seq_len) / longest * bar_w)
             total = max(1, round(r.seq_len / longest * bar_w))
-            out.append(f"{r.id[:label_w - 1]:<{label_w}}")
+            out.append(fit(r.id, label_w - 1) + " ")
             out.append("▒" * min(prompt, total), style="blue")
             out.append("█" * max(0, total - prompt), style="cyan")
             out.append(" " * (bar_w - total) + f" {r.seq_len:>{num_w}}\n")
@@ -212,7 +240,7 @@ class EventLog(RichLog):
     def add(self, event: MonitorEvent) -> None:
         stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
         line = Text(f"{stamp} ")
-        line.append(event.text, style=LEVEL_STYLE.get(event.level, ""))
+        line.append(printable(event.text), style=LEVEL_STYLE.get(event.level, ""))
         # Wrap at the panel's width (the console's width can be narrower, e.g. 80 headless);
         # before the first layout the width is unknown and RichLog defers the line.
         self.write(line, width=self.scrollable_content_region.width or None)
@@ -222,7 +250,7 @@ class EventLog(RichLog):
 
 TEXT_NOTE = "text n/a: this service's telemetry carries no request text (no text_tail)"
 NO_TEXT_YET = "no text yet"
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all but tab and newline
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
 
 
 def output_text(text: str | None, width: int, height: int, console: Console) -> Text:
@@ -266,10 +294,10 @@ def accept_label_text(snap: TelemetrySnapshot, tracker: SnapshotTracker) -> str:
 
 def detail_summary_text(track: RequestTrack) -> Text:
     s = track.last
-    out = Text(f"request {track.id}", style="bold")
+    out = Text(f"request {printable(track.id)}", style="bold")
     if track.key != track.id:
-        out.append(f"   key {track.key}")
-    out.append(f"\nstate {STATE_LABEL.get(s.state, s.state)}  slot {s.slot}  "
+        out.append(f"   key {printable(track.key)}")
+    out.append(f"\nstate {printable(STATE_LABEL.get(s.state, s.state))}  slot {s.slot}  "
                f"prompt {track.prompt_len}  seq_len {s.seq_len}  generated {s.generated}  "
                f"accept {s.last_accept_len}{_mean_accept(s.accept_length)}  tok/s "
                f"{NA if s.tokens_per_s is None else f'{s.tokens_per_s:.1f}'}  "
@@ -331,7 +359,7 @@ class RequestDetailScreen(Screen):
         track = tracker.tracks.get(self.key)
         summary = self.query_one("#detail-summary", TextPanel)
         if track is None:
-            summary.show(Text(f"request {self.key}: no longer tracked", style="yellow"))
+            summary.show(Text(f"request {printable(self.key)}: no longer tracked", style="yellow"))
             return
         summary.show(detail_summary_text(track))
         text = self.query_one("#detail-text", OutputText)
@@ -343,6 +371,7 @@ class RequestDetailScreen(Screen):
         table = self.query_one("#detail-history", DataTable)
         table.clear()
         for s in reversed(samples[-self.HISTORY_ROWS:]):
-            table.add_row(f"{s.time - track.first_seen:.2f}", STATE_LABEL.get(s.state, s.state),
+            table.add_row(f"{s.time - track.first_seen:.2f}",
+                          cell(STATE_LABEL.get(s.state, s.state), 8),
                           s.slot, s.seq_len, s.generated, s.last_accept_len,
                           NA if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}")
