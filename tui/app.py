@@ -23,6 +23,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.coordinate import Coordinate
+from textual.markup import escape
 from textual.widgets import DataTable, Footer, Label, Sparkline
 
 from ipc.client_messages import Error
@@ -143,6 +144,7 @@ class TopApp(App):
         self.applied = 0  # snapshots applied to the screen (for tests and the curious)
         self._rows: dict[str, tuple] = {}
         self._was_connected: bool | None = None
+        self._logged_error: str | None = None  # the feed's decode error last put in the log
 
     # ----- layout ----------------------------------------------------------------------------
 
@@ -206,6 +208,10 @@ class TopApp(App):
             else:
                 self._log(MonitorEvent(self.clock(), ERROR, status.explain()))
         self._was_connected = status.connected
+        if status.last_error is not None and status.last_error != self._logged_error:
+            self._log(MonitorEvent(self.clock(), ERROR, f"a telemetry frame from "
+                                   f"{status.endpoint} could not be read: {status.last_error}"))
+        self._logged_error = status.last_error  # None again after a good snapshot
         if not self.paused:
             snap = self.feed.take()
             if snap is not None:
@@ -214,7 +220,7 @@ class TopApp(App):
             header_text(self.snapshot, status, self.paused, SORTS[self.sort_index].label))
         if self.snapshot is not None:
             stale = "" if status.connected else f", stale: {status.describe()}"
-            self.table.border_title = f"running batch ({len(self._rows)}{stale})"
+            self.table.border_title = f"running batch ({len(self._rows)}{escape(stale)})"
 
     def apply(self, snap: TelemetrySnapshot) -> None:
         """Show one snapshot: table, panels, events, and the detail screen if open."""

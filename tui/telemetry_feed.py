@@ -34,11 +34,14 @@ class FeedStatus:
     frames: int  # frames received (after conflation)
     decode_errors: int
     last_error: str | None
+    unreadable: bool = False  # frames arrive (within stale_after_s) but none decodes
 
     def describe(self) -> str:
         """One line for the header."""
         if self.connected:
             return f"connected to {self.endpoint}"
+        if self.unreadable:  # the service may be up: saying "down?" would send people astray
+            return f"cannot read the telemetry from {self.endpoint}: {self.last_error}"
         waited = "no snapshot yet" if self.silent_s is None else \
             f"no snapshot for {self.silent_s:.0f} s"
         return f"service down? {waited} from {self.endpoint}; reconnecting by itself"
@@ -69,6 +72,7 @@ class TelemetryFeed:
         self._frames = 0
         self._decode_errors = 0
         self._last_error: str | None = None
+        self._last_error_at: float | None = None  # monotonic time of the last undecodable frame
         self._stop = threading.Event()
 
     # ----- UI side ---------------------------------------------------------------------------
@@ -83,9 +87,13 @@ class TelemetryFeed:
 
     def status(self) -> FeedStatus:
         with self._lock:
-            silent = None if self._last_at is None else time.monotonic() - self._last_at
+            now = time.monotonic()
+            silent = None if self._last_at is None else now - self._last_at
+            unreadable = self._last_error_at is not None and \
+                now - self._last_error_at < self.stale_after_s
             return FeedStatus(self.endpoint, silent is not None and silent < self.stale_after_s,
-                              silent, self._frames, self._decode_errors, self._last_error)
+                              silent, self._frames, self._decode_errors, self._last_error,
+                              unreadable)
 
     def stop(self) -> None:
         self._stop.set()
@@ -135,12 +143,13 @@ class TelemetryFeed:
             with self._lock:
                 self._frames += 1
                 self._decode_errors += 1
-                self._last_error = (f"could not decode a telemetry frame ({exc}); is the "
-                                    f"service the same fmserve version as this monitor?")
+                self._last_error = (f"{exc} (is it an fmserve service of the same version as "
+                                    f"this monitor?)")
+                self._last_error_at = time.monotonic()
             return
         with self._lock:
             self._frames += 1
             self._latest = snap
             self._latest_seq += 1
             self._last_at = time.monotonic()
-            self._last_error = None
+            self._last_error = self._last_error_at = None
