@@ -40,6 +40,7 @@ from tui.widgets import (
     TextPanel,
     accept_label_text,
     cell,
+    finite,
     header_text,
     kv_gauge_text,
     queue_text,
@@ -232,12 +233,12 @@ class TopApp(App):
         side_w = max(10, self.kv.size.width)
         self.kv.show(kv_gauge_text(snap, side_w))
         self.slots.show(slots_gauge_text(snap, side_w))
-        peak = max(self.tracker.throughput, default=0.0)
+        peak = max(finite(self.tracker.throughput), default=0.0)
         self.throughput_label.update(
             f"throughput {snap.output_tokens_per_s:7.1f} tok/s (peak {peak:.1f})")
-        self.throughput.data = list(self.tracker.throughput)
+        self.throughput.data = finite(self.tracker.throughput)
         self.accept_label.update(accept_label_text(snap, self.tracker))
-        self.accept.data = list(self.tracker.accept_len)
+        self.accept.data = finite(self.tracker.accept_len)
         self.steps.show(step_timing_text(snap, self.tracker))
         self.seq_lens.show(list(snap.running))
         self.seq_lens.border_title = f"sequence lengths ({len(snap.running)} running; " \

@@ -3,6 +3,7 @@ thin widget that redraws it. Anything the snapshot does not carry is shown as "n
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -59,7 +60,15 @@ def _opt(snap: TelemetrySnapshot, name: str):
     return getattr(snap, name, None)
 
 
+def finite(values) -> list[float]:
+    """The finite values, for a Sparkline: one NaN or infinity makes it raise while drawing,
+    and msgpack carries them."""
+    return [v for v in values if math.isfinite(v)]
+
+
 def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return NA
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
@@ -238,7 +247,10 @@ class SeqLenChart(Widget):
 
 class EventLog(RichLog):
     def add(self, event: MonitorEvent) -> None:
-        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        try:
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        except (OverflowError, ValueError, OSError):  # a snapshot's time out of any range
+            stamp = "--:--:--"
         line = Text(f"{stamp} ")
         line.append(printable(event.text), style=LEVEL_STYLE.get(event.level, ""))
         # Wrap at the panel's width (the console's width can be narrower, e.g. 80 headless);
@@ -367,7 +379,8 @@ class RequestDetailScreen(Screen):
         text.show(track.text)
         samples = list(track.samples)
         self.query_one("#detail-seq", Sparkline).data = [s.seq_len for s in samples]
-        self.query_one("#detail-rate", Sparkline).data = [s.tokens_per_s or 0.0 for s in samples]
+        self.query_one("#detail-rate", Sparkline).data = finite(s.tokens_per_s or 0.0
+                                                                for s in samples)
         table = self.query_one("#detail-history", DataTable)
         table.clear()
         for s in reversed(samples[-self.HISTORY_ROWS:]):
