@@ -26,6 +26,15 @@ def request_key(r: RequestTelemetry) -> str:
     return getattr(r, "key", None) or r.id
 
 
+def service_restarted(prev: TelemetrySnapshot, snap: TelemetrySnapshot) -> bool:
+    """A new run of the service: its uptime went back (a run that had finished nothing yet
+    still has every counter at 0), or, from a service without uptime, a counter did."""
+    up_prev, up = getattr(prev, "uptime_s", None), getattr(snap, "uptime_s", None)
+    return (up is not None and up_prev is not None and up < up_prev) or \
+        snap.finished_requests < prev.finished_requests or \
+        snap.total_output_tokens < prev.total_output_tokens
+
+
 @dataclass(frozen=True)
 class MonitorEvent:
     time: float  # unix seconds (the snapshot's clock, or the monitor's for its own events)
@@ -96,8 +105,12 @@ class SnapshotTracker:
             self._sample(key, r, snap.time)
         if prev is None:
             return []
-        self._step_rates(prev, snap)
-        return self._diff(prev, snap, current)
+        restarted = service_restarted(prev, snap)
+        if restarted:  # step ids start again at 1: no rate across the two runs
+            self.steps_per_s = self.worker_busy = None
+        else:
+            self._step_rates(prev, snap)
+        return self._diff(prev, snap, current, restarted)
 
     # ----- internals ---------------------------------------------------------------------
 
@@ -155,16 +168,15 @@ class SnapshotTracker:
                 del self.tracks[old]
 
     def _diff(self, prev: TelemetrySnapshot, snap: TelemetrySnapshot,
-              current: dict[str, RequestTelemetry]) -> list[MonitorEvent]:
+              current: dict[str, RequestTelemetry],
+              service_restarted: bool) -> list[MonitorEvent]:
         t = snap.time
         events: list[MonitorEvent] = []
         pw, cw = prev.worker, snap.worker
         restarted = cw.restarts > pw.restarts
-        service_restarted = snap.finished_requests < prev.finished_requests or \
-            snap.total_output_tokens < prev.total_output_tokens
         if service_restarted:
-            events.append(MonitorEvent(t, WARNING, "the service restarted (its counters went "
-                                       "back to zero)"))
+            events.append(MonitorEvent(t, WARNING, "the service restarted (its uptime and "
+                                       "counters started again)"))
         if restarted:
             events.append(MonitorEvent(
                 t, ERROR, f"worker restarted (restart #{cw.restarts}, pid {pw.pid} -> {cw.pid}); "
