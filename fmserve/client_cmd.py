@@ -10,6 +10,7 @@ import time
 
 from fmserve.arg_types import endpoint, positive_int
 from fmserve.generate_cmd import _messages, _read_jsonl, sampling_from_args
+from fmserve.jsonl import check_output_path
 from ipc.client import AsyncClient, Client, RequestFailed
 from ipc.client_messages import ChatMessage, Chunk
 
@@ -46,6 +47,7 @@ def _stream(client: Client, prompt, params) -> str:
 
 async def _run_file(args: argparse.Namespace, params) -> int:
     prompts = _read_jsonl(args.file, args.raw)
+    check_output_path(args.output)  # written at the end: a bad path must not cost the batch
     sem = asyncio.Semaphore(args.concurrency)
     results: list[dict | None] = [None] * len(prompts)
     async with AsyncClient(args.endpoint) as client:

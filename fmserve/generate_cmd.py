@@ -7,7 +7,7 @@ import json
 import sys
 
 from fmserve.engine import Engine
-from fmserve.jsonl import jsonl_rows
+from fmserve.jsonl import check_output_path, jsonl_rows
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
 
@@ -71,12 +71,14 @@ def _read_jsonl(path: str, raw: bool) -> list:
 
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
+    if args.file is not None:  # the file and --output are checked before the model loads
+        prompts = _read_jsonl(args.file, args.raw)
+        check_output_path(args.output)
     engine = engine_from_args(args)
     if args.prompt is not None:
         _stream_one(engine, args.prompt if args.raw else _messages(args.system, args.prompt), params)
         return 0
     if args.file is not None:
-        prompts = _read_jsonl(args.file, args.raw)
         out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
         try:
             for i, c in enumerate(engine.generate(prompts, params)):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 
 def jsonl_rows(path: str) -> Iterator[tuple[int, object]]:
@@ -32,3 +34,24 @@ def read_prompts(path: str) -> list[str]:
     if not texts:
         raise ValueError(f"{path}: no prompts")
     return texts
+
+
+def check_output_path(path: str, flag: str = "--output") -> None:
+    """Refuse a results file that could not be written, before any work (the commands write it
+    at the end: a batch's answers were lost to a missing directory). "-" is stdout. Nothing is
+    created or truncated here, so a run that fails later leaves an existing file alone."""
+    if path == "-":
+        return
+    target = Path(path).expanduser()
+    parent = target.parent
+    if target.is_dir():
+        problem = "is a directory"
+    elif not parent.is_dir():
+        problem = (f"is in {parent}, which is not a directory" if parent.exists()
+                   else f"is in {parent}, which does not exist")
+    elif not os.access(target if target.exists() else parent, os.W_OK):
+        problem = "cannot be written (no permission)"
+    else:
+        return
+    raise ValueError(f"{flag} {path} {problem}: give a file path in an existing directory, "
+                     f"or - for stdout")
