@@ -201,6 +201,40 @@ def gen_engine_sizes(args) -> tuple[int, int]:
     return batch, args.gen_kv_tokens or max(MIN_GEN_KV_TOKENS, batch * longest)
 
 
+def check_files(args) -> None:
+    """The prompt files the stages will read, and an --out given, checked before any stage:
+    --stage all reads --eval-prompts after hours of data and training, and an --out that cannot
+    hold the head was found when training wrote its first checkpoint's head."""
+    from fmserve.train_eagle.data import read_prompts
+
+    files = []
+    if args.stage in ("data", "all") and not args.tokens_file:
+        files.append(("--prompts", args.prompts))
+    if args.stage in ("eval", "all"):
+        files.append(("--eval-prompts", args.eval_prompts))
+    for flag, path in files:
+        try:
+            read_prompts(path)
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    if args.out and args.stage in ("train", "eval", "all"):
+        check_out(Path(args.out).expanduser())
+
+
+def check_out(out: Path) -> None:
+    """The head directory: it, or the first of its parents that exists, must be a directory."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: the head is a directory (config.json + "
+                         f"model.safetensors); give another --out, or remove that file")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out} cannot be made: {parent} is a file, not a directory")
+
+
 def release_device_memory(device: str) -> None:
     """Hand cached GPU memory back between stages (each stage builds its own model)."""
     if device == "cuda":
@@ -235,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             read_head_config(args.init_head)
         except ValueError as e:
             raise SystemExit(f"train-eagle: --init-head: {e}") from None
+    check_files(args)
     args.device = resolve_device_arg(args.device)
     governor = ThreadGovernor(args.threads, adaptive=not args.fixed_threads, device=args.device)
     model_path = resolve_model_path(args.model, progress=not args.no_progress)
@@ -243,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
     work_dir = Path(args.work_dir or Path.home() / ".cache" / "fmserve" / "train-eagle" / slug)
     work_dir = work_dir.expanduser()
     out = Path(args.out or Path("heads") / f"{slug}-eagle3").expanduser()
+    if args.stage in ("train", "eval", "all"):
+        check_out(out)
     log(f"train-eagle: model {model_path}, work dir {work_dir}, head -> {out}, "
         f"device {device_label(args.device)}, {governor.current} threads")
     stages = ("data", "train", "eval") if args.stage == "all" else (args.stage,)

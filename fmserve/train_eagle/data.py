@@ -144,6 +144,9 @@ def read_prompts(path: str | Path) -> list[str]:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"{path}:{n}: no \"prompt\" string in this row")
             out.append(prompt)
+    if not out:  # else a data run made a "complete" set of 0 shards, and that locked the work dir
+        raise ValueError(f"{path}: no prompts (the file has no rows): give a JSONL file with a "
+                         f"\"prompt\" string on each line")
     return out
 
 
@@ -320,8 +323,13 @@ def build_dataset(engine, cfg: DataConfig, work_dir: str | Path, capture_layers:
     header = {"format": FORMAT_VERSION, "model": model_name,
               "capture_layers": list(capture_layers), "selection": cfg.selection_key()}
     _check_manifest(work_dir, header)
-    items = select_prompts(read_prompts(cfg.prompts), engine.tokenizer, cfg.num_prompts,
-                           cfg.max_prompt_tokens, cfg.seed)
+    prompts = read_prompts(cfg.prompts)
+    items = select_prompts(prompts, engine.tokenizer, cfg.num_prompts, cfg.max_prompt_tokens,
+                           cfg.seed)
+    if not items:  # before any manifest: an empty "complete" set would lock the work dir
+        raise ValueError(f"none of the {len(prompts)} prompts of {cfg.prompts} fits in "
+                         f"--max-prompt-tokens {cfg.max_prompt_tokens} tokens (the chat template "
+                         f"included): give shorter prompts, or a larger --max-prompt-tokens")
     if len(items) < cfg.num_prompts:
         log(f"only {len(items)} prompts of {cfg.prompts} fit {cfg.max_prompt_tokens} tokens "
             f"(asked for {cfg.num_prompts})")

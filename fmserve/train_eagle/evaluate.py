@@ -41,8 +41,11 @@ class SpecResult:
 
 def eval_prompt_ids(tokenizer, prompts_file: str, num: int, max_prompt_tokens: int = 384
                     ) -> list[list[int]]:
-    items = select_prompts(read_prompts(prompts_file), tokenizer, num, max_prompt_tokens,
-                           seed=0, shuffle=False)
+    prompts = read_prompts(prompts_file)
+    items = select_prompts(prompts, tokenizer, num, max_prompt_tokens, seed=0, shuffle=False)
+    if not items:  # else an "evaluation" of 0 prompts
+        raise ValueError(f"--eval-prompts: none of the {len(prompts)} prompts of {prompts_file} "
+                         f"fits in {max_prompt_tokens} tokens (the chat template included)")
     return [it.prompt_ids for it in items]
 
 
