@@ -29,7 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from fmserve.arg_types import positive_int, positive_int_list
+from fmserve.arg_types import non_negative_int, positive_float, positive_int, positive_int_list
 from fmserve.bench_offline import DEV_PROMPTS, FALLBACK_TEXT
 from fmserve.default_model import resolve_model_path
 from ipc.client import AsyncClient, Client, ServiceUnavailable
@@ -78,8 +78,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-level", type=positive_int, default=32,
                    help="requests per concurrency level (at least the concurrency)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
-    p.add_argument("--poisson-requests", type=int, default=32)
+    p.add_argument("--rate", type=positive_float, default=2.0,
+                   help="Poisson arrival rate, requests/s (> 0)")
+    p.add_argument("--poisson-requests", type=non_negative_int, default=32,
+                   help="requests of the Poisson run (0: no Poisson run)")
     p.add_argument("--overlap", default="on", help="on, off, or on,off to compare in one run")
     p.add_argument("--launch-ahead", default=None, metavar="MODES",
                    help="with overlap on, the worker's scheduling.launch_ahead: one of off, "
