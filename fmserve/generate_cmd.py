@@ -56,6 +56,10 @@ def _is_chat(messages: object) -> bool:
 def _read_jsonl(path: str, raw: bool) -> list:
     prompts = []
     for lineno, row in jsonl_rows(path):
+        both = isinstance(row, dict) and None not in (row.get("messages"), row.get("prompt"))
+        if both:
+            raise ValueError(f"{path}:{lineno}: the line has both 'prompt' and 'messages'; give "
+                             "one of them (the other would be ignored)")
         if isinstance(row, dict) and row.get("messages") is not None:
             if not _is_chat(row["messages"]):  # caught here, not as a KeyError later
                 raise ValueError(f"{path}:{lineno}: 'messages' must be a non-empty list of "
@@ -66,6 +70,9 @@ def _read_jsonl(path: str, raw: bool) -> list:
         else:
             raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' string or a "
                              "'messages' list")
+    if not prompts:  # else nothing ran and the command exited 0
+        raise ValueError(f"{path}: no prompts (the file has no rows): give a JSONL file with a "
+                         "'prompt' string or a 'messages' list on each line")
     return prompts
 
 
