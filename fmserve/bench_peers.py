@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fmserve.arg_types import positive_int, positive_int_list
+from fmserve.arg_types import non_negative_int, positive_int, positive_int_list
 from fmserve.bench_peers_llama_server import (LLAMA_SERVER_INSTALL, LlamaServerPeer,
                                               find_llama_server)
 from fmserve.bench_peers_workers import ChildGroup, PointResult, ServedPeer
@@ -107,7 +107,7 @@ def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="one dtype for every peer; auto follows fmserve's rule per device")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=non_negative_int, default=0,
                    help="torch threads of every peer (0: torch's default in-process, the "
                         "service's own rule for a served worker)")
     p.add_argument("--prompts", default=str(DEV_PROMPTS), help="JSONL with a 'prompt' field")
@@ -120,7 +120,7 @@ def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetitions", type=positive_int, default=None, help="round-robin rounds")
     p.add_argument("--peers", default="*", help="comma-separated patterns over the peer keys: "
                    + ", ".join(p.key for p in PEERS) + f" ({BASELINE} always runs)")
-    p.add_argument("--prompt-lookup-tokens", type=int, default=10,
+    p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
                    help="transformers prompt_lookup_num_tokens")
     p.add_argument("--assistant-model", default="",
                    help="a smaller model with the same tokenizer for transformers assisted "

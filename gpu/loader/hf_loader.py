@@ -44,12 +44,29 @@ def _eos_ids(value) -> list[int]:
 
 
 def hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json; ModelLoadError naming the file (and the
+    key, where one is at fault) for anything it cannot use."""
+    try:
+        return _hf_model_config(raw, config_file)
+    except ModelLoadError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong form
+        raise ModelLoadError(f"{config_file}: a value has the wrong type or form "
+                             f"({type(e).__name__}: {e}); compare it with the config.json "
+                             f"transformers writes for a Llama model") from e
+
+
+def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
     if model_type != "llama" and not (model_type is None and "LlamaForCausalLM" in architectures):
         raise ModelLoadError(f"{config_file}: model_type '{model_type}' (architectures "
                              f"{architectures}) is not supported; supported: llama "
                              f"(LlamaForCausalLM)")
+    for key in ("quantization_config", "rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ModelLoadError(f"{config_file}: '{key}' is {raw[key]!r}; it must be an "
+                                 f"object (or be left out)")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{config_file}: the checkpoint is quantized ({method}); use an "
@@ -61,6 +78,9 @@ def hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
     def need(key: str):
         if raw.get(key) is None:
             raise ModelLoadError(f"{config_file} lacks the key '{key}'")
+        if isinstance(raw[key], str):  # int("12") would take it; transformers would not
+            raise ModelLoadError(f"{config_file}: '{key}' is the string {raw[key]!r}; it must "
+                                 f"be a number")
         return raw[key]
 
     hidden = int(need("hidden_size"))
