@@ -279,6 +279,17 @@ def test_bf16_autocast_on_the_cpu_trains_like_fp32(tiny_run, model_path):
     assert records["bf16"]["precision"] == "bf16 autocast, fp32 master weights"
 
 
+def test_resume_without_a_checkpoint_says_it_starts_from_scratch(tiny_run, model_path, capsys):
+    from fmserve.train_eagle.trainer import train
+
+    work, data, target = tiny_run
+    run = train(_config(work, ckpt_dir=str(work / "ckpt-none"), out=str(work / "head-none"),
+                        max_steps=1, resume=True), model_path, progress=False, data=data,
+                target=target)
+    assert run.steps == 1
+    assert "holds no checkpoint: starting from scratch" in capsys.readouterr().err
+
+
 def test_resume_continues_where_it_stopped(tiny_run, model_path):
     from fmserve.train_eagle.trainer import train
 

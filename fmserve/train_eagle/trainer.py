@@ -352,6 +352,9 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     if resume_from is not None and not cfg.resume:
         raise SystemExit(f"train-eagle: {ckpt_dir} already holds checkpoints; pass --resume to "
                          f"continue from {resume_from.name}, or delete them to start over")
+    if resume_from is None and cfg.resume:  # allowed (a first run can be restarted as is)
+        print(f"train-eagle: --resume, but {ckpt_dir} holds no checkpoint: starting from "
+              f"scratch", file=sys.stderr, flush=True)
 
     model_cfg, embed, lm_head, final_norm = target if target is not None else \
         load_target(model_path)
