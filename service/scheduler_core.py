@@ -95,7 +95,7 @@ class SchedulerCore:
         try:
             params.validate(self.info.vocab_size)
         except ValueError as exc:
-            raise RequestRejected("invalid_params", str(exc)) from None
+            raise RequestRejected("invalid_params", f"request {rid!r}: {exc}") from None
         if not prompt_ids:
             raise RequestRejected("invalid_prompt", "the prompt is empty: give at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]

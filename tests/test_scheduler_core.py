@@ -67,3 +67,20 @@ def test_stop_string_before_min_new_tokens_is_streamed_not_dropped():
     assert "".join(o.text for o in outs) == "<100><101><102>"
     assert [t for o in outs for t in o.token_ids] == [100, 101, 102, 101]
     assert outs[-1].finish_reason == FinishReason.STOP
+
+
+def test_params_refused_against_the_vocabulary_name_the_request():
+    # top_k and stop_token_ids are checked against the model's vocabulary here, at admission
+    # (the codec does not know it): the error names the request like the codec's do.
+    import pytest
+
+    from service.scheduler_core import RequestRejected
+
+    core = make_core()
+    vocab = core.info.vocab_size
+    for params in (SamplingParams(top_k=vocab + 1), SamplingParams(stop_token_ids=[vocab])):
+        with pytest.raises(RequestRejected) as info:
+            core.add_request("r-7", [1, 2, 3], params)
+        assert info.value.code == "invalid_params"
+        assert str(info.value).startswith("request 'r-7': sampling parameter")
+    assert core.accounting()["waiting"] == 0
