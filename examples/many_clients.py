@@ -20,7 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipc.client import DEFAULT_ENDPOINT, AsyncClient, ClientError
+from ipc.async_client import AsyncClient
+from ipc.client_errors import ClientError
+from ipc.client_request import DEFAULT_ENDPOINT
 from ipc.client_messages import Chunk, Finished
 from ipc.sampling import SamplingParams
 

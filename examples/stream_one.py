@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ipc.client import DEFAULT_ENDPOINT, Client, ClientError
+from ipc.client import Client
+from ipc.client_errors import ClientError
+from ipc.client_request import DEFAULT_ENDPOINT
 from ipc.client_messages import Chunk, Finished
 from ipc.sampling import SamplingParams
 

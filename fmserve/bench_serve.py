@@ -32,7 +32,9 @@ from rich.table import Table
 from fmserve.arg_types import non_negative_int, positive_float, positive_int, positive_int_list
 from fmserve.bench_offline import DEV_PROMPTS, FALLBACK_TEXT
 from fmserve.default_model import resolve_model_path
-from ipc.client import AsyncClient, Client, ServiceUnavailable
+from ipc.async_client import AsyncClient
+from ipc.client import Client
+from ipc.client_errors import ServiceUnavailable
 from ipc.client_messages import ChatMessage, Chunk, Finished, Usage
 from ipc.sampling import SamplingParams
 

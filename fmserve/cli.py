@@ -158,7 +158,7 @@ def check_draft_model_used(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # imports every command's modules (torch too)
     from gpu.loader.errors import ModelLoadError
-    from ipc.client import ClientError
+    from ipc.client_errors import ClientError
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         check_draft_model_used(args)

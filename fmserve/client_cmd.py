@@ -11,7 +11,9 @@ import time
 from fmserve.arg_types import endpoint, positive_int
 from fmserve.generate_cmd import _messages, _read_jsonl, sampling_from_args
 from fmserve.jsonl import check_output_path
-from ipc.client import AsyncClient, Client, RequestFailed
+from ipc.async_client import AsyncClient
+from ipc.client import Client
+from ipc.client_errors import RequestFailed
 from ipc.client_messages import ChatMessage, Chunk
 
 

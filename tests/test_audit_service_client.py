@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from ipc.client import Client, RequestFailed
+from ipc.client import Client
+from ipc.client_errors import RequestFailed
 from ipc.client_messages import MAX_MESSAGE_BYTES
 from ipc.sampling import SamplingParams
 from tests.test_service import ROOT, ServiceProcess

@@ -9,7 +9,8 @@ import threading
 import time
 
 import tests.test_service as ts
-from ipc.client import Client, ClientError, ServiceUnavailable
+from ipc.client import Client
+from ipc.client_errors import ClientError, ServiceUnavailable
 from ipc.sampling import SamplingParams
 
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from ipc.client import Client, ServiceUnavailable
+from ipc.client import Client
+from ipc.client_errors import ServiceUnavailable
 from ipc.client_messages import Chunk, Finished
 from ipc.sampling import SamplingParams
 from tests.test_service import ServiceProcess

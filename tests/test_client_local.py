@@ -9,13 +9,9 @@ import msgspec
 import pytest
 import zmq
 
-from ipc.client import (
-    AsyncClient,
-    Client,
-    RequestFailed,
-    RequestTimeout,
-    ServiceUnavailable,
-)
+from ipc.async_client import AsyncClient
+from ipc.client import Client
+from ipc.client_errors import RequestFailed, RequestTimeout, ServiceUnavailable
 from ipc.client_messages import Chunk, Finished
 from ipc.sampling import SamplingParams
 

@@ -15,7 +15,8 @@ import msgspec
 import pytest
 import zmq
 
-from ipc.client import Client, RequestFailed, ServiceUnavailable
+from ipc.client import Client
+from ipc.client_errors import RequestFailed, ServiceUnavailable
 from ipc.client_messages import Abort, Chunk, Error, Finished, Generate
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
@@ -152,7 +153,7 @@ def test_concurrent_clients_stream_the_offline_greedy_output(service, reference)
 def test_many_requests_on_one_connection_and_non_streaming(service, reference):
     import asyncio
 
-    from ipc.client import AsyncClient
+    from ipc.async_client import AsyncClient
 
     async def main():
         async with AsyncClient(service.endpoint) as client:

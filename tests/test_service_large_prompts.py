@@ -13,7 +13,8 @@ import time
 import pytest
 import zmq
 
-from ipc.client import Client, RequestFailed
+from ipc.client import Client
+from ipc.client_errors import RequestFailed
 from ipc.client_messages import Abort, Chunk, Error, Finished, Generate, Ping, Pong
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
