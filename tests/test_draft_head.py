@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu.eagle.draft_head import DraftHead, DraftHeadError, dense_causal_attention
-from gpu.eagle.head_io import build_vocab_map, load_draft_head, random_draft_head, save_draft_head
+from gpu.eagle.head_io import load_draft_head, random_draft_head, save_draft_head
+from gpu.eagle.vocab_map import build_vocab_map
 from gpu.model_config import ModelConfig
 
 H, NH, NKV, HD, L, VOCAB, INTER = 64, 4, 2, 16, 8, 300, 128

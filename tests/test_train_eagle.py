@@ -415,7 +415,7 @@ def test_refresh_vocab_counts_this_runs_vocabulary_and_keeps_the_trained_layers(
                                                                                model_path):
     from fmserve.train_eagle.data import response_token_counts
     from fmserve.train_eagle.trainer import train
-    from gpu.eagle.head_io import build_vocab_map
+    from gpu.eagle.vocab_map import build_vocab_map
 
     work, data, target = tiny_run
     train(_config(work, ckpt_dir=str(work / "ckpt-v0"), out=str(work / "head-v0"),

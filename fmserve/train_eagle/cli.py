@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"train-eagle: {e}") from None
     if args.init_head and args.stage in ("train", "all"):  # not after the data stage's hours
-        from gpu.eagle.head_io import read_head_config
+        from gpu.eagle.head_config import read_head_config
         try:
             read_head_config(args.init_head)
         except ValueError as e:

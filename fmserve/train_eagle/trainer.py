@@ -152,7 +152,8 @@ def build_head(model_cfg, embed: torch.Tensor, final_norm: torch.Tensor,
     most frequent response tokens. ``init_lm_head_from_target`` starts lm_head and the final
     norm from the target's instead: measured worse here (the random first steps make the
     borrowed logits wildly overconfident, loss ~70 against ~27 from random)."""
-    from gpu.eagle.head_io import build_vocab_map, random_draft_head
+    from gpu.eagle.head_io import random_draft_head
+    from gpu.eagle.vocab_map import build_vocab_map
 
     dv = min(draft_vocab_size, model_cfg.vocab_size)
     head = random_draft_head(model_cfg, embed, None, algorithm="eagle3", draft_vocab_size=dv,
@@ -367,7 +368,7 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
         counts = vocab_counts_with_prior(counts, cfg.vocab_prior, model_path)
     width = cfg.head_intermediate_size
     if cfg.init_head and not width:  # fine-tuning keeps the trained head's MLP width
-        from gpu.eagle.head_io import read_head_config
+        from gpu.eagle.head_config import read_head_config
         width = int(read_head_config(cfg.init_head).get("intermediate_size") or 0)
     head = build_head(model_cfg, embed, final_norm, counts, cfg.draft_vocab_size, cfg.seed,
                       intermediate_size=width)
