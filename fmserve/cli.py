@@ -118,18 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--baseline-max-batch", type=int, default=32,
                      help="largest batch to run transformers at (it is slow)")
     off.add_argument("--markdown", default=None, help="also write the table to this file")
-    from fmserve.bench_spec import add_bench_spec_args
+    from fmserve.bench.spec import add_bench_spec_args
     add_bench_spec_args(off)
     srv = bench_sub.add_parser("serve", help="the service under load vs the offline engine")
-    from fmserve.bench_serve import add_bench_serve_args
+    from fmserve.bench.serve import add_bench_serve_args
     add_bench_serve_args(srv)
     peers = bench_sub.add_parser("peers", help="fmserve against transformers and llama.cpp: "
                                                "markdown report and plots")
-    from fmserve.bench_peers import add_bench_peers_args
+    from fmserve.bench.peers import add_bench_peers_args
     add_bench_peers_args(peers)
     prefix = bench_sub.add_parser("prefix", help="the prefix cache off and on: a shared system "
                                                  "prompt, and a multi-turn chat")
-    from fmserve.bench_prefix import add_bench_prefix_args
+    from fmserve.bench.prefix import add_bench_prefix_args
     add_bench_prefix_args(prefix)
 
     from fmserve.train_eagle.cli import add_parser as add_train_eagle_parser
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_draft_model_used(args: argparse.Namespace) -> None:
     """Refuse --draft-model where nothing would use it (it used to be ignored silently), before
     any model loads. `fmserve serve` checks it with its config (service/config.py) and
-    `bench peers` against its selected peers (fmserve/bench_peers.py)."""
+    `bench peers` against its selected peers (fmserve/bench/peers.py)."""
     draft = getattr(args, "draft_model", "")
     if not draft:
         return
@@ -177,19 +177,19 @@ def main(argv: list[str] | None = None) -> int:
             from fmserve.client_cmd import run_client
             return run_client(args)
         if args.command == "bench" and args.bench_command == "serve":
-            from fmserve.bench_serve import run_bench_serve
+            from fmserve.bench.serve import run_bench_serve
             return run_bench_serve(args)
         if args.command == "bench" and args.bench_command == "prefix":
-            from fmserve.bench_prefix import run_bench_prefix
+            from fmserve.bench.prefix import run_bench_prefix
             return run_bench_prefix(args)
         if args.command == "bench" and args.bench_command == "peers":
-            from fmserve.bench_peers import run_bench_peers
+            from fmserve.bench.peers import run_bench_peers
             return run_bench_peers(args)
         if args.command == "bench" and args.bench_command == "offline" and args.spec:
-            from fmserve.bench_spec import run_bench_spec
+            from fmserve.bench.spec import run_bench_spec
             return run_bench_spec(args)
         if args.command == "bench" and args.bench_command == "offline":
-            from fmserve.bench_offline import run_bench_offline
+            from fmserve.bench.offline import run_bench_offline
             return run_bench_offline(args)
     except KeyboardInterrupt:
         return 130

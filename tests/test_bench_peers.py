@@ -88,7 +88,7 @@ def test_bench_peers_quick_end_to_end(tmp_path, model_path):
 def test_busy_cores_sees_a_spinning_neighbour():
     import subprocess
     import sys
-    from fmserve.bench_peers import busy_cores
+    from fmserve.bench.peers import busy_cores
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 3\n"
                              "while time.time() < t: pass"])
     try:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fmserve.bench_peers import PeerConfig
-from fmserve.bench_peers_llama_server import LlamaServerPeer, find_llama_server
+from fmserve.bench.peer_types import PeerConfig
+from fmserve.bench.peers_llama_server import LlamaServerPeer, find_llama_server
 
 FAKE = Path(__file__).parent / "fakes" / "fake_llama_server.py"
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from fmserve.bench_serve import (RequestTiming, RunResult, overlap_summary, pool_rounds,
+from fmserve.bench.serve import (RequestTiming, RunResult, overlap_summary, pool_rounds,
                                  round_ratios, run_order, service_variants)
 from fmserve.cli import main
 

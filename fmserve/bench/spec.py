@@ -21,13 +21,13 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fmserve.arg_types import positive_int
+from fmserve.bench.offline import DEV_PROMPTS
 from fmserve.engine import Engine
 from fmserve.jsonl import read_prompts
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
 
-DEV_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "dev.jsonl"
 
 
 @dataclass

@@ -24,7 +24,8 @@ from fmserve.engine import Engine
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 
-DEV_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "dev.jsonl"
+# the dev prompts sit in shared/ beside the checkout (this file: <checkout>/fmserve/bench/)
+DEV_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts" / "dev.jsonl"
 FALLBACK_TEXT = ("The quick brown fox jumps over the lazy dog while the scheduler batches "
                  "requests and the worker decodes tokens. ")
 

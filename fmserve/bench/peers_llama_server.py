@@ -20,12 +20,9 @@ import threading
 import time
 from pathlib import Path
 
-from fmserve.bench_peers_workers import PointResult, Req, RssSampler, req_from_stamps
+from fmserve.bench.peak_rss import RssSampler
+from fmserve.bench.peer_types import PointResult, Req, req_from_stamps
 
-LLAMA_SERVER_INSTALL = (
-    "build llama.cpp's server from its source (the llama-cpp-python sdist carries it under "
-    "vendor/llama.cpp): `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target "
-    "llama-server -j`, then put build/bin/llama-server on PATH or give --llama-server PATH")
 START_TIMEOUT_S = 180.0
 
 

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fmserve.bench_offline import DEV_PROMPTS
+from fmserve.bench.offline import DEV_PROMPTS
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
 

@@ -2,7 +2,7 @@
 child process of its own (spawned, so its memory is its own and its peak RSS means something).
 
 A group is one loaded model serving several peers: transformers (batch 1, batched, prompt
-lookup, assisted), llama.cpp (its Python API; its server is bench_peers_llama_server), or
+lookup, assisted), llama.cpp (its Python API; its server is peers_llama_server), or
 one fmserve offline `Engine` per speculation setting (overlap is an attribute of the engine,
 so overlap off and on share the load).
 
@@ -13,93 +13,13 @@ then for each ("measure", peer, concurrency, requests) one ("point", PointResult
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import os
-import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 
-# --- records ------------------------------------------------------------------------------
-
-
-@dataclass
-class Req:
-    """One request as its client saw it. Times in seconds from when it was submitted."""
-    ttft: float
-    e2e: float
-    tokens: int
-    itl: list[float]  # one entry per token after the first chunk: a chunk of k tokens that came
-    # g seconds after the previous one gives k entries g/k (speculation emits several at once)
-    spec_steps: int = 0  # verify steps (speculative peers)
-    spec_accepted: int = 0  # accepted draft tokens
-    per_position: list[int] = field(default_factory=list)  # verify steps accepting depth i+1
-
-
-@dataclass
-class PointResult:
-    """One peer at one concurrency: `requests` requests with at most `concurrency` in flight."""
-    concurrency: int
-    wall: float
-    reqs: list[Req]
-    peak_rss: int = 0  # bytes, the most the process (tree) running the peer held meanwhile
-    gpu_peak: int = 0  # bytes, torch.cuda.max_memory_allocated (in-process peers on a GPU)
-
-
-def req_from_stamps(stamps: list[float], sizes: list[int], e2e: float, **spec) -> Req:
-    """A Req from chunk arrival times (seconds since submit) and chunk sizes."""
-    itl: list[float] = []
-    for prev, now, k in zip(stamps, stamps[1:], sizes[1:]):
-        itl += [(now - prev) / k] * k
-    return Req(stamps[0] if stamps else e2e, e2e, sum(sizes), itl, **spec)
-
-
-class RssSampler:
-    """The peak resident set size of some processes, sampled every `interval` seconds."""
-
-    def __init__(self, pids_fn, interval: float = 0.02) -> None:
-        import psutil
-        self._psutil, self._pids_fn, self._interval = psutil, pids_fn, interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def rss(self) -> int:
-        total = 0
-        for pid in self._pids_fn():
-            try:
-                total += self._psutil.Process(pid).memory_info().rss
-            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
-                pass
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            self._stop.wait(self._interval)
-
-    def __enter__(self) -> RssSampler:
-        self.peak = self.rss()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-
-def tree_pids(pid: int) -> list[int]:
-    """A process and its descendants (a service: scheduler + worker)."""
-    import psutil
-    try:
-        proc = psutil.Process(pid)
-        return [pid] + [c.pid for c in proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+from fmserve.bench.peak_rss import RssSampler
+from fmserve.bench.peer_types import PointResult, Req, req_from_stamps
 
 
 # --- transformers -------------------------------------------------------------------------
@@ -132,7 +52,7 @@ class HFGroup:
         import torch
         from transformers.utils import logging as hf_logging
         from pathlib import Path
-        from fmserve.bench_offline import load_transformers
+        from fmserve.bench.offline import load_transformers
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.torch, self.cfg = torch, cfg
@@ -320,7 +240,7 @@ def child_main(conn, cfg, group: str) -> None:
 
 
 class ChildGroup:
-    """A spawned child process holding one model load (see bench_peers_workers)."""
+    """A spawned child process holding one model load (see this module's docstring)."""
 
     def __init__(self, cfg, group: str) -> None:
         ctx = mp.get_context("spawn")
@@ -365,49 +285,3 @@ class ChildGroup:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
-
-
-class ServedPeer:
-    """`fmserve serve` (scheduler + worker processes) for one served peer."""
-
-    def __init__(self, cfg, peer) -> None:
-        from fmserve.bench_serve import start_service
-        extra = ["--max-kv-tokens", str(cfg.max_kv_tokens)]
-        if cfg.threads:
-            extra += ["--set", f"runtime.worker_cpu_threads={cfg.threads}"]
-        if peer.spec != "off":
-            algorithm, draft, steps, topk, tokens = cfg.spec[peer.spec]
-            extra += ["--spec-algorithm", algorithm, "--spec-num-steps", str(steps),
-                      "--spec-topk", str(topk), "--spec-num-draft-tokens", str(tokens)]
-            extra += ["--draft-model", draft] if draft else []
-        ns = SimpleNamespace(dtype=cfg.dtype, device=cfg.device,
-                             attention_backend=cfg.attention_backend)
-        self.cfg = cfg
-        self.proc, self.endpoint = start_service(ns, Path(cfg.model_path), peer.overlap, extra,
-                                                 max_running_requests=max(cfg.concurrency))
-
-    def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
-        from fmserve.bench_serve import run_closed_loop
-        from ipc.sampling import SamplingParams
-        asyncio.run(run_closed_loop(self.endpoint, [requests[0][:8]], 1,
-                                    SamplingParams(max_new_tokens=2)))  # warm-up
-        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
-                                ignore_eos=True)
-        with RssSampler(lambda: tree_pids(self.proc.pid)) as rss:
-            run = asyncio.run(run_closed_loop(self.endpoint, requests, concurrency, params))
-        reqs = []
-        for t in run.timings:
-            u = t.usage
-            spec = {} if u is None else dict(spec_steps=u.spec_verify_steps,
-                                             spec_accepted=u.spec_accepted_drafts,
-                                             per_position=list(u.spec_accepted_per_position))
-            reqs.append(req_from_stamps(t.stamps, t.sizes, t.e2e, **spec))
-        return PointResult(concurrency, run.wall, reqs, peak_rss=rss.peak)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except Exception:  # noqa: BLE001 - a service that will not stop is killed
-            self.proc.kill()
-            self.proc.wait()

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fmserve.bench_peers import BASELINE, LLAMA_INSTALL, PeerResult
-from fmserve.bench_peers_llama_server import LLAMA_SERVER_INSTALL
+from fmserve.bench.peer_types import BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL, PeerResult
 
 REPORT = "peers.md"
 

@@ -32,64 +32,18 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fmserve.arg_types import non_negative_int, positive_int, positive_int_list
-from fmserve.bench_peers_llama_server import (LLAMA_SERVER_INSTALL, LlamaServerPeer,
-                                              find_llama_server)
-from fmserve.bench_peers_workers import ChildGroup, PointResult, ServedPeer
-from fmserve.bench_spec import DEV_PROMPTS, spec_settings_for
+from fmserve.bench.peer_types import (BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL,
+                                     NOT_APPLICABLE, PEERS, QUICK_LEAVES_OUT, Peer, PeerConfig,
+                                     PeerResult)
+from fmserve.bench.peers_llama_server import LlamaServerPeer, find_llama_server
+from fmserve.bench.peers_served import ServedPeer
+from fmserve.bench.peers_workers import ChildGroup
+from fmserve.bench.spec import DEV_PROMPTS, spec_settings_for
 from fmserve.jsonl import read_prompts
 
-
-@dataclass(frozen=True)
-class Peer:
-    key: str
-    label: str
-    group: str  # "hf", "llama-cpp", "llama-server", "offline:<spec>" or "served"
-    only: str = ""  # "batch1": C = 1 only; "batched": C > 1 only
-    overlap: bool = False
-    spec: str = "off"  # off, chain, tree; prompt-lookup / assistant for transformers
-
-
-def _fmserve_peers() -> list[Peer]:
-    peers = []
-    for mode in ("offline", "served"):
-        for spec in ("off", "chain", "tree"):
-            for overlap in (False, True):
-                key = mode + ("-overlap" if overlap else "") + ("" if spec == "off" else f"-{spec}")
-                label = (f"fmserve {mode}, overlap {'on' if overlap else 'off'}, "
-                         f"{'no speculation' if spec == 'off' else 'EAGLE-3 ' + spec}")
-                peers.append(Peer(key, label, f"offline:{spec}" if mode == "offline" else "served",
-                                  overlap=overlap, spec=spec))
-    return peers
-
-
-PEERS: list[Peer] = [
-    Peer("hf-b1", "transformers generate, batch 1 (baseline)", "hf", only="batch1"),
-    Peer("hf-batched", "transformers generate, batched", "hf", only="batched"),
-    Peer("hf-prompt-lookup", "transformers prompt-lookup decoding (assisted, no assistant)", "hf",
-         only="batch1", spec="prompt-lookup"),
-    Peer("hf-assisted", "transformers assisted generation (assistant model)", "hf",
-         only="batch1", spec="assistant"),
-    Peer("llama-cpp", "llama.cpp (llama-cpp-python)", "llama-cpp", only="batch1"),
-    Peer("llama-server", "llama.cpp server, parallel slots (llama-server)", "llama-server"),
-    *_fmserve_peers(),
-]
-BASELINE = "hf-b1"
-# --quick leaves out the two served combinations of overlap and speculation (each is another
-# service start); the offline engine runs all six, they share three model loads.
-QUICK_LEAVES_OUT = ("served-overlap-chain", "served-overlap-tree")
-LLAMA_INSTALL = "pip install llama-cpp-python"
-NOT_APPLICABLE = {
-    "hf-b1": "batch 1 only (batched: see transformers generate, batched)",
-    "hf-batched": "at C = 1 this is the baseline",
-    "hf-prompt-lookup": "transformers' assisted generation runs batch 1 only",
-    "hf-assisted": "transformers' assisted generation runs batch 1 only",
-    "llama-cpp": ("the Python API decodes one sequence at a time (see llama.cpp server, "
-                  "parallel slots)"),
-}
 
 QUICK = dict(num_prompts=3, max_prompt_tokens=96, max_new_tokens=16, concurrency="1,8",
              repetitions=1)
@@ -137,32 +91,6 @@ def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="docs/benchmarks",
                    help="where peers.md, peers.json and the PNG plots go")
     p.add_argument("--note", default="", help="a line of text for the report (e.g. 'contended')")
-
-
-@dataclass
-class PeerConfig:
-    """What a child process needs (picklable)."""
-    model_path: str
-    device: str
-    dtype: str
-    attention_backend: str
-    threads: int
-    max_new_tokens: int
-    concurrency: list[int]
-    max_kv_tokens: int
-    max_context: int
-    spec: dict[str, tuple]  # chain / tree -> SpecSettings fields
-    prompt_lookup_tokens: int
-    assistant_model: str
-    llama_server: str = ""  # the binary, "" when there is none
-
-
-@dataclass
-class PeerResult:
-    peer: Peer
-    skipped: str = ""  # the reason, when the peer did not run at all
-    points: dict[int, list[PointResult]] = field(default_factory=dict)  # C -> one per round
-    point_skips: dict[int, str] = field(default_factory=dict)  # C -> why not measured
 
 
 def load_prompts(path: str, n: int, max_tokens: int, tokenizer) -> list[list[int]]:
@@ -330,7 +258,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from fmserve.bench_peers_report import machine_description, write_report
+    from fmserve.bench.peers_report import machine_description, write_report
     from fmserve.default_model import resolve_model_path
     from service.tokenizer import TextTokenizer
 

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fmserve.arg_types import non_negative_int, positive_float, positive_int, positive_int_list
-from fmserve.bench_offline import DEV_PROMPTS, FALLBACK_TEXT
+from fmserve.bench.offline import DEV_PROMPTS, FALLBACK_TEXT
 from fmserve.default_model import resolve_model_path
 from ipc.async_client import AsyncClient
 from ipc.client import Client

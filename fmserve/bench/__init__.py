@@ -1,0 +1,1 @@
+"""The benchmarks behind `fmserve bench offline|serve|spec|prefix|peers`."""
