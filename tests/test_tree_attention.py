@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from gpu.attention import triton_kernels  # noqa: E402
+from gpu.attention import triton_common, triton_decode, triton_extend  # noqa: E402
 from gpu.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from gpu.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -32,11 +32,13 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
 LAYER = 1
 ATOL = 1e-4
 
-if DEVICE.type == "cpu" and not triton_kernels.KERNELS_INTERPRETED:
+if DEVICE.type == "cpu" and not triton_common.KERNELS_INTERPRETED:
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         pytest.skip("TRITON_INTERPRET is set to something other than 1 and there is no GPU",
                     allow_module_level=True)
-    importlib.reload(triton_kernels)  # imported earlier as GPU kernels: rebuild interpreted
+    # Imported earlier as GPU kernels: rebuild them interpreted.
+    for module in (triton_common, triton_decode, triton_extend):
+        importlib.reload(module)
 
 
 class DeviceOnlyBatch(ForwardBatch):

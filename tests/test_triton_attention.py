@@ -1,7 +1,7 @@
 """Triton paged attention (decode + extend) against a naive float64 reference.
 
 Without a GPU the kernels run under the Triton interpreter on CPU tensors. ``triton.jit``
-reads TRITON_INTERPRET when ``gpu.attention.triton_kernels`` is imported, so it is set here
+reads TRITON_INTERPRET when ``gpu.attention.triton_decode`` is imported, so it is set here
 before that import; if another test module imported the kernels earlier without it, they are
 reloaded (see ``_kernels_for_this_device``).
 """
@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from gpu.attention import triton_kernels  # noqa: E402
+from gpu.attention import triton_common, triton_decode, triton_extend  # noqa: E402
 from gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from gpu.forward_batch import ForwardMode  # noqa: E402
 from tests import attention_cases as cases  # noqa: E402
@@ -27,11 +27,12 @@ from tests.attention_cases import (BF16, DEVICE, FP32, MIXED_LENS, SMOL,  # noqa
 
 
 def _kernels_for_this_device() -> None:
-    if DEVICE.type == "cpu" and not triton_kernels.KERNELS_INTERPRETED:
+    if DEVICE.type == "cpu" and not triton_common.KERNELS_INTERPRETED:
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
             pytest.skip("TRITON_INTERPRET is set to something other than 1 and there is no GPU")
         # Imported earlier (by another test module) as GPU kernels: rebuild them interpreted.
-        importlib.reload(triton_kernels)
+        for module in (triton_common, triton_decode, triton_extend):
+            importlib.reload(module)
 
 
 _kernels_for_this_device()

@@ -7,7 +7,7 @@ Per-forward metadata (query offsets, extend block schedule, decode scratch) is b
 ``init_forward_metadata`` and shared by all layers. An EXTEND batch's ``tree_mask`` goes to
 the extend kernel as is (its K comes from the mask's shape, the tree's start from
 ``seq_lens - K`` on the device). On CPU the kernels run under the Triton
-interpreter only; see ``gpu.attention.triton_kernels`` for how to enable it.
+interpreter only; see ``gpu.attention.triton_common`` for how to enable it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.attention import triton_kernels
+from gpu.attention import triton_decode, triton_extend
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
 
@@ -38,7 +38,7 @@ class TritonAttentionBackend:
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
-                 num_kv_splits: int = triton_kernels.DEFAULT_NUM_KV_SPLITS) -> None:
+                 num_kv_splits: int = triton_decode.DEFAULT_NUM_KV_SPLITS) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads}) for grouped-query attention")
@@ -72,7 +72,7 @@ class TritonAttentionBackend:
             if batch.tree_mask is not None:
                 _check_tree_mask(batch)
             meta.query_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-            meta.block_req, meta.block_m = triton_kernels.extend_block_schedule(
+            meta.block_req, meta.block_m = triton_extend.extend_block_schedule(
                 batch.extend_lens, batch.num_tokens)
         self._meta = meta
 
@@ -94,11 +94,11 @@ class TritonAttentionBackend:
                           device=q.device)
         table = self.req_to_token.req_to_token
         if batch.mode == ForwardMode.DECODE:
-            triton_kernels.decode_attention(q, k_buffer, v_buffer, out, table, batch.slots,
+            triton_decode.decode_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.seq_lens, meta.mid_out, meta.mid_lse,
                                             self.scale)
         else:
-            triton_kernels.extend_attention(q, k_buffer, v_buffer, out, table, batch.slots,
+            triton_extend.extend_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.prefix_lens, batch.extend_lens,
                                             meta.query_start, meta.block_req, meta.block_m,
                                             self.scale, seq_lens=batch.seq_lens,
