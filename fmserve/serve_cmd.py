@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import socket
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from fmserve.default_model import resolve_draft_model, resolve_model_path
 from service.config import ConfigError, ServiceConfig, load_config, parse_set_flags
@@ -70,7 +70,7 @@ def with_draft_model(cfg: ServiceConfig) -> ServiceConfig:
     if sp.algorithm == "none":
         return cfg
     head = resolve_draft_model(sp.algorithm, sp.draft_model, cfg.model.path)
-    return dataclasses.replace(cfg, spec=dataclasses.replace(sp, draft_model=str(head)))
+    return msgspec.structs.replace(cfg, spec=msgspec.structs.replace(sp, draft_model=str(head)))
 
 
 def check_endpoints(cfg: ServiceConfig) -> None:

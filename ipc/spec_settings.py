@@ -7,9 +7,13 @@ knows: the verify tree and the draft nodes of the step in flight plus those of t
 
 from __future__ import annotations
 
-import msgspec
+from typing import Annotated, Literal, get_args
 
-SPEC_ALGORITHMS = ("none", "eagle3", "eagle")
+import msgspec
+from msgspec import Meta
+
+SpecAlgorithm = Literal["none", "eagle3", "eagle"]  # "eagle": EAGLE-1 heads
+SPEC_ALGORITHMS = get_args(SpecAlgorithm)
 
 
 def accept_length(accepted_drafts: int, verify_steps: int) -> float | None:
@@ -20,14 +24,18 @@ def accept_length(accepted_drafts: int, verify_steps: int) -> float | None:
 
 
 class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    algorithm: str = "none"  # "none" | "eagle3" | "eagle"
+    """config.toml [spec]. Decoding checks each field's range; `validate` checks them for a
+    struct built in code too, and adds the rules that tie fields together."""
+
+    algorithm: SpecAlgorithm = "none"
     draft_model: str = ""  # HF-style head directory; "" = the shipped head for the default model
-    num_steps: int = 3  # draft depth
-    topk: int = 1  # children per draft node; 1 = a chain
-    num_draft_tokens: int = 4  # tree nodes verified per step, the root included
+    num_steps: Annotated[int, Meta(ge=1, le=16)] = 3  # draft depth
+    topk: Annotated[int, Meta(ge=1, le=8)] = 1  # children per draft node; 1 = a chain
+    # tree nodes verified per step, the root included
+    num_draft_tokens: Annotated[int, Meta(ge=2, le=64)] = 4
     # Decode batches with more requests than this run without drafting (0: never): on a busy
     # device verifying num_draft_tokens per request costs more than the accepted drafts save.
-    disable_above_batch_size: int = 0
+    disable_above_batch_size: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
     @property
     def enabled(self) -> bool:
@@ -40,9 +48,14 @@ class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return 2 * max(self.num_steps * self.topk, self.num_draft_tokens)
 
     def validate(self) -> "SpecSettings":
-        if self.algorithm not in SPEC_ALGORITHMS:
-            raise ValueError(f"spec.algorithm '{self.algorithm}' is unknown; choose one of "
-                             f"{', '.join(SPEC_ALGORITHMS)}")
+        """Returns self; raises ValueError (msgspec.ValidationError for a field out of range)."""
+        try:  # a struct built in code skipped its fields' constraints
+            msgspec.convert(msgspec.to_builtins(self), SpecSettings)
+        except msgspec.ValidationError as exc:
+            problem, _, field = str(exc).partition(" - at `$.")
+            field = field.rstrip("`")
+            raise msgspec.ValidationError(f"spec.{field} = {getattr(self, field, '?')!r}: "
+                                          f"{problem}") from None
         if not self.enabled:
             if self.draft_model:  # else it would be silently ignored
                 raise ValueError(f"spec.draft_model {self.draft_model!r} is given but "
@@ -50,13 +63,6 @@ class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                  f"spec.algorithm to 'eagle3' or 'eagle' to use it, or leave "
                                  f"spec.draft_model empty")
             return self
-        if self.disable_above_batch_size < 0:
-            raise ValueError(f"spec.disable_above_batch_size must be >= 0 (0: always speculate), "
-                             f"got {self.disable_above_batch_size}")
-        if self.num_steps < 1:
-            raise ValueError(f"spec.num_steps must be >= 1 (got {self.num_steps})")
-        if not 1 <= self.topk <= 8:
-            raise ValueError(f"spec.topk must be 1..8 (got {self.topk})")
         most = self.topk + (self.num_steps - 1) * self.topk ** 2  # candidates the draft makes
         if not 2 <= self.num_draft_tokens <= most + 1:
             raise ValueError(f"spec.num_draft_tokens must be 2..{most + 1} for num_steps="

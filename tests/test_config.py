@@ -155,13 +155,12 @@ def test_spec_settings_are_checked_together(tmp_path):
 
 def test_spec_disable_above_batch_size_reaches_the_worker_settings(tmp_path):
     from fmserve.serve_cmd import add_serve_args, config_from_args
-    from service.config import spec_settings
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args(["--config", str(write(tmp_path, "[spec]\nalgorithm = \"eagle3\"\n")),
                               "--spec-disable-above-batch-size", "6"])
-    assert spec_settings(config_from_args(args)).disable_above_batch_size == 6
+    assert config_from_args(args).spec.disable_above_batch_size == 6
     assert "spec.disable_above_batch_size = -1 is out of range" in refused(
         None, {"spec.disable_above_batch_size": -1})
 
