@@ -232,3 +232,21 @@ def test_serve_log_level_is_checked_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--log-level", "bogus"])
     assert "argument --log-level: invalid choice: 'BOGUS'" in capsys.readouterr().err
+
+
+def test_strict_types_and_finite_numbers():
+    # A bool is no integer and an integer no bool; NaN and inf are no durations.
+    assert "wrong type" in refused(None, {"runtime.page_size": True})
+    assert "wrong type" in refused(None, {"runtime.wrwr_check": 1})
+    for bad in (float("nan"), float("inf")):
+        msg = refused(None, {"service.heartbeat_interval_s": bad})
+        assert "service.heartbeat_interval_s" in msg and "out of range" in msg
+    msg = refused(None, {"spec.topk": 9})
+    assert msg == "command line: spec.topk = 9 is out of range: must be an integer in [1, 8]"
+
+
+def test_worker_config_comes_from_the_sections():
+    cfg = load_config(SHIPPED, {"runtime.page_size": 32, "spec.algorithm": "eagle3"})
+    worker = cfg.worker_config()
+    assert worker.runtime is cfg.runtime and worker.model is cfg.model and worker.spec is cfg.spec
+    assert worker.launch_ahead == "off"  # config.toml's, not WorkerConfig's own "auto"
