@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 
 from ipc.sampling import SamplingParams
-from ipc.telemetry import TEXT_TAIL_CHARS
 from ipc.spec_settings import accept_length
 
 
@@ -46,12 +45,6 @@ class Request:
     spec_accepted_drafts: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     last_accept_len: int = 0  # draft tokens accepted by the last verify step
-    text_tail: str = ""  # the newest TEXT_TAIL_CHARS characters streamed to the client (telemetry)
-
-    def append_text(self, text: str) -> None:
-        """Text released to the client (after stop-string hold-back); only a tail is kept."""
-        if text:
-            self.text_tail = (self.text_tail + text)[-TEXT_TAIL_CHARS:]
 
     def record_accept(self, accepted: int) -> None:
         self.last_accept_len = accepted
@@ -74,6 +67,27 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class TokenOutput:
+    """What the SchedulerCore made of one step for one request: new tokens, maybe its end.
+    service/output_text.py turns it into a RequestOutput (text, logprobs)."""
+
+    rid: str
+    token_ids: list[int]
+    result_row: int = 0  # the step result's row of token_ids[0] (where its logprobs are)
+    finish_reason: FinishReason | None = None  # STOP with tokens: the last is a stop token
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # the request's output tokens so far, these included
+    error: str | None = None
+    spec_verify_steps: int = 0  # set when it ends, as in RequestOutput
+    spec_accepted_drafts: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

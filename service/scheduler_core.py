@@ -1,4 +1,4 @@
-"""Continuous batching, free of I/O: requests in, step plans out, step results in, outputs out.
+"""Continuous batching, free of I/O: requests in, step plans out, step results in, tokens out.
 
 The service drives it from its anyio loop and the offline engine from a plain loop; both send
 the plans to the same `ModelRunner`. Policy, in the spirit of SGLang's scheduler:
@@ -11,6 +11,9 @@ the plans to the same `ModelRunner`. Policy, in the spirit of SGLang's scheduler
 - with `prefix_cache`, a request that lets go of its pages leaves its full, computed ones in a
   PrefixCache (service/prefix_cache.py), and a new one starts from the longest cached prefix
   of its tokens; unborrowed cached pages count as free and are taken back when wanted.
+The core ends requests on tokens (eos, stop ids, length) and frees what they hold; their text
+and stop strings are service/output_text.py's, which ends a request here through
+`end_at_stop_string` (service/scheduler.py joins the two).
 """
 
 from __future__ import annotations
@@ -23,14 +26,11 @@ from dataclasses import dataclass
 
 from ipc.sampling import SamplingParams
 from ipc.worker_messages import (ExtendEntry, NewRequest, PageGrant, StepPlan, StepResult,
-                                 WorkerInfo, pack_i32, unpack_f32, unpack_i32)
+                                 WorkerInfo, pack_i32, unpack_i32)
 from service.kv_accounting import PageAllocator, SlotAllocator
 from service.prefix_cache import PrefixCache
-from service.request import (FinishReason, Request, RequestOutput, RequestState,
-                             TokenLogprob)
+from service.request import FinishReason, Request, RequestState, TokenOutput
 from service.spec_stats import SpecAcceptStats
-from service.stop_strings import StopStringMatcher
-from service.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 class RequestRejected(ValueError):
@@ -48,18 +48,11 @@ class SchedulerConfig:
     prefix_cache: bool = False  # reuse the KV pages of earlier requests' shared prefixes
 
 
-@dataclass
-class _Streaming:
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-
-
 class SchedulerCore:
-    def __init__(self, info: WorkerInfo, tokenizer: TextTokenizer, cfg: SchedulerConfig) -> None:
+    def __init__(self, info: WorkerInfo, cfg: SchedulerConfig) -> None:
         if cfg.max_tokens_per_step < 1:
             raise ValueError("max_tokens_per_step must be >= 1")
         self.info = info
-        self.tokenizer = tokenizer
         self.cfg = cfg
         self.pages = PageAllocator(info.num_pages, info.page_size)
         self.prefix_cache = PrefixCache(info.page_size) if cfg.prefix_cache else None
@@ -76,7 +69,6 @@ class SchedulerCore:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request, in admission order
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, _Streaming] = {}
         self._released: list[int] = []
         # step id -> slot -> (request, its retraction count when planned). With overlap two
         # plans are in flight; an entry is stale if the request finished or was retracted since.
@@ -112,12 +104,9 @@ class SchedulerCore:
                                   f"it must be shorter than that")
         req = Request(rid=rid, prompt_ids=list(prompt_ids), params=params)
         self.requests[rid] = req
-        self._streams[rid] = _Streaming(
-            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True),
-            StopStringMatcher(params.stop))
         self.waiting.append(req)
 
-    def abort(self, rid: str) -> RequestOutput | None:
+    def abort(self, rid: str) -> TokenOutput | None:
         """End a request now. Returns its terminal output, or None if the id is unknown."""
         req = self.requests.get(rid)
         if req is None:
@@ -126,7 +115,7 @@ class SchedulerCore:
             self.waiting.remove(req)
         return self._finish(req, FinishReason.ABORT)
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
+    def fail_all(self, message: str) -> list[TokenOutput]:
         """The worker died: every request ends with an error; accounting returns to empty."""
         outs = [self._finish(req, FinishReason.ERROR, error=message)
                 for req in list(self.requests.values())]
@@ -306,13 +295,9 @@ class SchedulerCore:
 
     # -- results in, outputs out ------------------------------------------------------------
 
-    def process_result(self, result: StepResult) -> list[RequestOutput]:
+    def process_result(self, result: StepResult) -> list[TokenOutput]:
         slots = unpack_i32(result.slots)
         tokens = unpack_i32(result.token_ids)
-        logprobs = unpack_f32(result.logprobs) if result.logprobs else None
-        n_top = result.top_logprobs_n
-        top_ids = unpack_i32(result.top_logprob_ids).reshape(-1, n_top) if n_top else None
-        top_lps = unpack_f32(result.top_logprobs).reshape(-1, n_top) if n_top else None
         # Under speculation a verify row emits accept_len + 1 tokens, a prefill row one.
         accept = unpack_i32(result.accept_lens) if result.accept_lens else None
         counts = np.ones(len(slots), dtype=np.int64) if accept is None else np.maximum(accept + 1, 1)
@@ -334,69 +319,62 @@ class SchedulerCore:
             if accept is not None and accept[row] >= 0:
                 req.record_accept(int(accept[row]))
                 accepted.append(int(accept[row]))
-            row_out = None
-            for i in range(int(starts[row]), int(starts[row] + counts[row])):
-                lp = None
-                if req.params.logprobs is not None and logprobs is not None:
-                    k = req.params.logprobs
-                    top = [] if top_ids is None or k == 0 else list(
-                        zip(top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
-                    lp = [TokenLogprob(float(logprobs[i]), top)]
-                out = self._on_token(req, int(tokens[i]), lp, now)
-                row_out = out if row_out is None else row_out.merge(out)
-                if out.finished:
-                    break  # tokens past a stop are dropped
-            outputs.append(row_out)
+            first = int(starts[row])
+            out = TokenOutput(req.rid, [], first)
+            for token in tokens[first:first + int(counts[row])].tolist():
+                out.token_ids.append(token)
+                reason = self._on_token(req, token, now)
+                if reason is not None:  # tokens past a stop are dropped
+                    out = self._finish(req, reason, token_ids=out.token_ids, result_row=first)
+                    break
+            out.completion_tokens = len(req.output_ids)
+            outputs.append(out)
         self.spec_stats.record_step(accepted)
         return outputs
 
-    def _on_token(self, req: Request, token: int, lp: list[TokenLogprob] | None,
-                  now: float) -> RequestOutput:
+    def _on_token(self, req: Request, token: int, now: float) -> FinishReason | None:
         if req.first_token_time is None:
             req.first_token_time = now
         req.state = RequestState.DECODING
         req.output_ids.append(token)
         params = req.params
         n_out = len(req.output_ids)
-        reason = None
-        hit_stop_token = False
-        if n_out >= params.min_new_tokens:
-            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                reason, hit_stop_token = FinishReason.STOP, True
-        at_length = n_out >= params.max_new_tokens or req.seq_len >= self.max_seq_len
-        stream = self._streams[req.rid]
-        text = "" if hit_stop_token else stream.detok.push([token])
-        if hit_stop_token or at_length:
-            # The last text: bytes held back as an unfinished character are output too (as
-            # U+FFFD, what decoding the tokens gives), or the text would stop short of them.
-            text += stream.detok.flush()
-        # Before min_new_tokens a stop string ends nothing, so its text must still be streamed.
-        text, hit_stop_string = stream.stops.push(text, can_stop=n_out >= params.min_new_tokens)
-        if hit_stop_string:
-            reason = FinishReason.STOP
-        elif reason is None and at_length:
-            reason = FinishReason.LENGTH
-        if reason is not None and not hit_stop_string:
-            text += stream.stops.flush()
-        req.append_text(text)
-        if reason is None:
-            return RequestOutput(req.rid, [token], text, lp)
-        out = self._finish(req, reason)
-        out.token_ids, out.text, out.logprobs = [token], text, lp
-        return out
+        if n_out >= params.min_new_tokens and (
+                (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids):
+            return FinishReason.STOP
+        if n_out >= params.max_new_tokens or req.seq_len >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None
 
-    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    def end_at_stop_string(self, out: TokenOutput, keep: int) -> TokenOutput:
+        """The text of out.token_ids[keep - 1] completed a stop string: the request ends there
+        with "stop", as if out's later tokens (the rest of a verify row) never came. Returns
+        what replaces out."""
+        dropped = len(out.token_ids) - keep
+        req = self.requests.get(out.rid)
+        if req is not None:  # still running: end it now, freeing its slot and pages
+            del req.output_ids[len(req.output_ids) - dropped:]
+            end = self._finish(req, FinishReason.STOP, token_ids=out.token_ids[:keep],
+                               result_row=out.result_row)
+        else:  # ended on a later token of the row (eos, length): its resources are free
+            # already (whatever the dropped tokens were, KV was planned only before them)
+            end = out
+            end.token_ids, end.finish_reason = out.token_ids[:keep], FinishReason.STOP
+            end.completion_tokens -= dropped
+        return end
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None,
+                token_ids: list[int] | None = None, result_row: int = 0) -> TokenOutput:
         self._release_resources(req)
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.rid, None)
-        self._streams.pop(req.rid, None)
         per_position = list(req.spec_accepted_per_position)
         if req.spec_verify_steps:  # one entry per draft position, depths never accepted too
             per_position += [0] * (self.info.spec_num_steps - len(per_position))
-        return RequestOutput(req.rid, [], "", None, reason, len(req.prompt_ids),
-                             len(req.output_ids), error, req.spec_verify_steps,
-                             req.spec_accepted_drafts, per_position)
+        return TokenOutput(req.rid, token_ids or [], result_row, reason, len(req.prompt_ids),
+                           len(req.output_ids), error, req.spec_verify_steps,
+                           req.spec_accepted_drafts, per_position)
 
     # -- introspection ----------------------------------------------------------------------
 

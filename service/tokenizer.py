@@ -299,6 +299,11 @@ class TextTokenizer:
     # -- tokens -----------------------------------------------------------------------------
 
     @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers.Tokenizer` itself (service/detokenizer.py streams with it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -350,44 +355,3 @@ class TextTokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt),
                            add_special_tokens=False)
 
-
-class IncrementalDetokenizer:
-    """Turns one request's tokens, as they arrive, into text that is safe to stream.
-
-    Decoding a token alone is wrong twice over: a multi-byte character can span tokens (its first
-    token decodes to U+FFFD), and some decoders change a token's text by what precedes it. So we
-    decode a short window that starts at the last point where output was complete, and emit only
-    the part past what was already emitted, and only once it no longer ends in U+FFFD.
-    """
-
-    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""  # everything emitted so far
-        self._prefix_offset = 0  # window start: a point where decoded text was complete
-        self._read_offset = 0  # tokens before this are emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_ids: Iterable[int]) -> str:
-        """Add new tokens; returns the newly completed text ("" while a character is partial)."""
-        self.ids.extend(int(t) for t in token_ids)
-        prefix_text = self._decode(self.ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self.ids[self._prefix_offset:])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-            return ""
-        new_text = full_text[len(prefix_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        self.text += new_text
-        return new_text
-
-    def flush(self) -> str:
-        """At the end of a request: whatever is held back, even an incomplete character."""
-        prefix_text = self._decode(self.ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self.ids[self._prefix_offset:])
-        new_text = full_text[len(prefix_text):]
-        self._prefix_offset = self._read_offset = len(self.ids)
-        self.text += new_text
-        return new_text

@@ -65,8 +65,8 @@ def test_preemption_under_kv_pressure_keeps_outputs(model_path, prompts, alone):
     engine = make_engine(model_path, page_size=4, max_kv_tokens=4 * 28)
     outs = engine.generate(prompts, GREEDY)
     assert [c.token_ids for c in outs] == alone
-    assert engine.scheduler.num_retractions > 0, "the test no longer exercises retraction"
-    assert engine.scheduler.accounting()["free_pages"] == engine.scheduler.pages.capacity
+    assert engine.scheduler.core.num_retractions > 0, "the test no longer exercises retraction"
+    assert engine.scheduler.accounting()["free_pages"] == engine.scheduler.core.pages.capacity
 
 
 def test_triton_backend_equals_torch(tiny_llama):

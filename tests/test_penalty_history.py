@@ -29,7 +29,7 @@ def test_frequency_and_presence_penalties_survive_a_retraction(tiny_llama):
     assert [c.token_ids for c in plain] != want
     tight = make_engine(tiny_llama, 4 * 10)  # 9 pages: 2-3 requests at a time
     got = [c.token_ids for c in tight.generate(PROMPTS, params)]
-    assert tight.scheduler.num_retractions > 0, "the test no longer exercises retraction"
+    assert tight.scheduler.core.num_retractions > 0, "the test no longer exercises retraction"
     assert got == want
     assert_accounting_empty(tight)
 
@@ -47,7 +47,7 @@ def test_repetition_penalty_covers_a_borrowed_prefix(tiny_llama):
     assert [c.token_ids for c in plain] != want
     cached = make_engine(tiny_llama, prefix_cache=True)
     cached.generate(prompts[:1], params)  # leaves the prefix's pages in the cache
-    before = cached.scheduler.prefix_cache.hit_tokens
+    before = cached.scheduler.core.prefix_cache.hit_tokens
     got = [c.token_ids for c in cached.generate(prompts, params)]
-    assert cached.scheduler.prefix_cache.hit_tokens - before >= len(prompts) * 16
+    assert cached.scheduler.core.prefix_cache.hit_tokens - before >= len(prompts) * 16
     assert got == want

@@ -62,7 +62,7 @@ def test_the_same_tokens_cached_twice_keep_one_copy():
 def cached_core(num_pages: int = 64):
     from service.scheduler_core import SchedulerConfig, SchedulerCore
     core = make_core(num_pages=num_pages, page_size=PS)
-    return SchedulerCore(core.info, core.tokenizer, SchedulerConfig(prefix_cache=True))
+    return SchedulerCore(core.info, SchedulerConfig(prefix_cache=True))
 
 
 def first_plan(core):
@@ -182,10 +182,10 @@ def test_greedy_tokens_are_the_same_from_cached_prefixes(engines, overlap):
     chats = chats_with_history(plain)
     params = SamplingParams(temperature=0.0, max_new_tokens=20)
     want = [c.token_ids for c in plain.generate(chats, params)]
-    before = cached.scheduler.prefix_cache.hit_tokens
+    before = cached.scheduler.core.prefix_cache.hit_tokens
     for chat, ids in zip(chats, want):  # one at a time, so each finds the earlier ones cached
         assert cached.generate([chat], params)[0].token_ids == ids
-    assert cached.scheduler.prefix_cache.hit_tokens - before > 3 * len(SYSTEM) // 8
+    assert cached.scheduler.core.prefix_cache.hit_tokens - before > 3 * len(SYSTEM) // 8
     assert_accounting_empty(cached)
 
 
@@ -204,5 +204,5 @@ def test_speculative_decoding_from_cached_prefixes(model_path):
     want = [c.token_ids for c in plain.generate(chats, params)]
     got = [cached.generate([chat], params)[0].token_ids for chat in chats]
     assert got == want
-    assert cached.scheduler.prefix_cache.hit_tokens > 0
+    assert cached.scheduler.core.prefix_cache.hit_tokens > 0
     assert_accounting_empty(cached)

@@ -2,30 +2,45 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models
+
 from ipc.sampling import SamplingParams
-from ipc.worker_messages import StepResult, WorkerInfo, pack_i32, unpack_i32
-from service.request import FinishReason, RequestOutput
+from ipc.worker_messages import StepResult, WorkerInfo, pack_f32, pack_i32, unpack_i32
+from service.request import FinishReason, RequestOutput, TokenOutput
+from service.scheduler import Scheduler
 from service.scheduler_core import SchedulerConfig, SchedulerCore
+from service.tokenizer import TextTokenizer
 
 
-class FakeTokenizer:
-    """Enough of TextTokenizer for the detokenizer: token t reads "<t>"."""
+def word_tokenizer(spelling: str = "<{}>", vocab_size: int = 1000) -> TextTokenizer:
+    """A real TextTokenizer whose token t reads spelling.format(t): text is easy to predict."""
+    words = {spelling.format(i): i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(words, unk_token=spelling.format(0)))
+    backend.decoder = decoders.Fuse()  # "<1>" "<2>" -> "<1><2>", no space between
+    return TextTokenizer(backend, bos_token=None, eos_tokens=[], eos_token_ids=[],
+                         chat_template=None, source=Path("word-level"))
 
-    vocab_size = 1000
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(f"<{i}>" for i in ids)
-
-
-def make_core(num_pages: int = 128, page_size: int = 4) -> SchedulerCore:
-    info = WorkerInfo(protocol_version=1, model_name="fake", device="cpu", dtype="fp32",
+def fake_info(num_pages: int = 128, page_size: int = 4) -> WorkerInfo:
+    return WorkerInfo(protocol_version=1, model_name="fake", device="cpu", dtype="fp32",
                       attention_backend="torch", num_layers=2, vocab_size=1000,
                       max_context_len=512, page_size=page_size, num_pages=num_pages,
                       num_slots=5, eos_token_ids=[2])
-    return SchedulerCore(info, FakeTokenizer(), SchedulerConfig())
 
 
-def run(core: SchedulerCore, tokens: list[int], max_steps: int = 500) -> list[RequestOutput]:
+def make_core(num_pages: int = 128, page_size: int = 4) -> SchedulerCore:
+    return SchedulerCore(fake_info(num_pages, page_size), SchedulerConfig())
+
+
+def make_scheduler(num_pages: int = 128, page_size: int = 4) -> Scheduler:
+    """The core with the output text of its requests: token t reads "<t>"."""
+    return Scheduler(fake_info(num_pages, page_size), word_tokenizer(), SchedulerConfig())
+
+
+def run(core: SchedulerCore | Scheduler, tokens: list[int],
+        max_steps: int = 500) -> list[RequestOutput | TokenOutput]:
     """Plan and answer steps until nothing can be planned; every sample of a step is the next
     of `tokens` (cycling)."""
     outs: list[RequestOutput] = []
@@ -60,7 +75,7 @@ def test_request_outgrowing_the_kv_cache_ends_with_length_and_never_blocks_the_q
 def test_stop_string_before_min_new_tokens_is_streamed_not_dropped():
     # A stop string completed before min_new_tokens ends nothing; its text used to vanish from
     # the stream while its token was still sent.
-    core = make_core()
+    core = make_scheduler()
     core.add_request("r", [5, 6], SamplingParams(max_new_tokens=10, min_new_tokens=3,
                                                  stop=["<101>"]))
     outs = [o for o in run(core, [100, 101, 102, 101, 103])]
@@ -84,3 +99,42 @@ def test_params_refused_against_the_vocabulary_name_the_request():
         assert info.value.code == "invalid_params"
         assert str(info.value).startswith("request 'r-7': sampling parameter")
     assert core.accounting()["waiting"] == 0
+
+
+def answer(core: Scheduler, rows: dict[str, list[int]], logprobs: bool = False) -> list:
+    """Answer the next plan as a speculative step would: each request's row emits its tokens
+    (accept_len + 1 of them)."""
+    plan = core.plan_step()
+    slot_rid = {r.slot: r.rid for r in core.core.running.values()}
+    sampled = [e.slot for e in plan.extends if e.sample] + unpack_i32(plan.decode_slots).tolist()
+    tokens = [t for s in sampled for t in rows[slot_rid[s]]]
+    return core.process_result(StepResult(
+        step_id=plan.step_id, slots=pack_i32(sampled), token_ids=pack_i32(tokens),
+        logprobs=pack_f32([-0.5 - i for i in range(len(tokens))]) if logprobs else b"",
+        top_logprobs_n=0, top_logprob_ids=b"", top_logprobs=b"", forward_ms=1.0,
+        accept_lens=pack_i32([len(rows[slot_rid[s]]) - 1 for s in sampled])))
+
+
+def test_a_stop_string_inside_a_verify_row_ends_the_request_there_and_frees_it():
+    # The core ends requests on tokens; the text finds the stop string at the row's second token
+    # and the core drops the rest (an eos among them included), counting only what was kept.
+    for tail in ([103, 104], [2, 104], [103, 2]):
+        core = make_scheduler()
+        core.add_request("r", [5, 6], SamplingParams(max_new_tokens=20, stop=["<101><102>"],
+                                                     logprobs=0))
+        assert [o.token_ids for o in answer(core, {"r": [100]})] == [[100]]  # the prefill
+        (out,) = answer(core, {"r": [101, 102, *tail]}, logprobs=True)
+        assert out.finish_reason == FinishReason.STOP
+        assert out.token_ids == [101, 102] and out.text == "" and out.completion_tokens == 3
+        assert [lp.logprob for lp in out.logprobs] == [-0.5, -1.5]
+        acc = core.accounting()
+        assert (acc["free_pages"], acc["free_slots"], acc["running"]) == (
+            acc["total_pages"], acc["total_slots"], 0)
+
+
+def test_text_before_a_stop_token_is_released_and_the_stop_token_has_none():
+    core = make_scheduler()
+    core.add_request("r", [5, 6], SamplingParams(max_new_tokens=20, stop=["<100><9>"]))
+    outs = run(core, [100, 2])  # "<100>" could begin the stop string: held back until the end
+    assert ["".join(o.text for o in outs)] == ["<100>"]
+    assert outs[-1].token_ids == [2] and outs[-1].finish_reason == FinishReason.STOP

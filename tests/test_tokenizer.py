@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from service.chat_template import ChatTemplate, ChatTemplateError
-from service.tokenizer import IncrementalDetokenizer, TextTokenizer, TokenizerLoadError
+from service.detokenizer import IncrementalDetokenizer
+from service.tokenizer import TextTokenizer, TokenizerLoadError
 
 
 TEXTS = [
@@ -198,7 +199,7 @@ def test_incremental_detokenizer_streams_whole_characters(ours):
     # The text must really split characters across tokens, or this test proves nothing.
     assert any("\ufffd" in ours.decode([i]) for i in ids)
     detok = IncrementalDetokenizer(ours)
-    pieces = [detok.push([i]) for i in ids]
+    pieces = [detok.push(i) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + detok.flush() == ours.decode(ids) == STREAM_TEXT
     assert detok.text == STREAM_TEXT
@@ -207,7 +208,7 @@ def test_incremental_detokenizer_streams_whole_characters(ours):
 def test_incremental_detokenizer_skips_special_tokens(ours, reference):
     ids = ours.encode_chat(CHATS[2], add_generation_prompt=False)
     detok = IncrementalDetokenizer(ours, skip_special_tokens=True)
-    streamed = "".join(detok.push([i]) for i in ids) + detok.flush()
+    streamed = "".join(detok.push(i) for i in ids) + detok.flush()
     assert streamed == reference.decode(ids, skip_special_tokens=True)
     assert "<|im_start|>" not in streamed
 
@@ -216,8 +217,79 @@ def test_incremental_detokenizer_flush_returns_held_back_bytes(ours):
     ids = ours.encode("😀")
     assert len(ids) > 1
     detok = IncrementalDetokenizer(ours)
-    assert detok.push(ids[:-1]) == ""
+    assert [detok.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.flush() == ours.decode(ids[:-1])  # the incomplete character, as U+FFFD
+
+
+class PythonWindowDetokenizer:
+    """The detokenizer the service used before DecodeStream, kept as the reference: decode the
+    window since the last complete point, release what is new once it is whole."""
+
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+
+def byte_fallback_tokenizer() -> TextTokenizer:
+    """A Llama 2 style tokenizer: Metaspace "▁" for spaces, `<0x..>` byte-fallback tokens for
+    what the vocabulary lacks (an emoji is four of them), the first token's space stripped."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for word in ["▁Hello", "▁world", "▁", "Hello", "!", "▁a", "b", "é"]:
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True,
+                                   fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return TextTokenizer(backend, bos_token="<s>", eos_tokens=["</s>"], eos_token_ids=[2],
+                         chat_template=None, source=Path("byte-fallback"))
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_stream_gives_the_python_windows_text_on_byte_level_bpe(ours, skip):
+    # Split UTF-8 (emoji, CJK), leading and runs of spaces, special tokens skipped or not.
+    ids = ours.encode(STREAM_TEXT + "<|im_start|>user\n  two  spaces <|im_end|> 😀")
+    assert any("\ufffd" in ours.decode([i]) for i in ids) and ours.token_to_id("<|im_end|>") in ids
+    ours_stream, reference = IncrementalDetokenizer(ours, skip), PythonWindowDetokenizer(ours, skip)
+    assert [ours_stream.push(i) for i in ids] == [reference.push(i) for i in ids]
+    # Random ids: bytes that never make a whole character, specials anywhere.
+    import random
+
+    rng = random.Random(7)
+    for _ in range(50):
+        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 30))]
+        ours_stream, reference = IncrementalDetokenizer(ours, skip), PythonWindowDetokenizer(ours, skip)
+        assert [ours_stream.push(i) for i in ids] == [reference.push(i) for i in ids], ids
+
+
+@pytest.mark.parametrize("text", ["Hello world!", " Hello 😀 world é", "😀😀 a b", "  Hello"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_stream_gives_the_python_windows_text_on_byte_fallback_tokens(text, skip):
+    tok = byte_fallback_tokenizer()
+    ids = [1] + tok.encode(text) + [2]
+    if "😀" in text:
+        assert tok.token_to_id("<0xF0>") in ids  # the emoji really is split into bytes
+    detok, reference = IncrementalDetokenizer(tok, skip), PythonWindowDetokenizer(tok, skip)
+    pieces = [detok.push(i) for i in ids]
+    assert pieces == [reference.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == tok.decode(ids, skip_special_tokens=skip)
+
 
 
 @pytest.mark.parametrize("text", TEXTS + [
