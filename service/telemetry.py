@@ -1,25 +1,27 @@
-"""Publishes whole-state `TelemetrySnapshot`s on a ZMQ PUB socket for `fmserve top`."""
+"""Publishes whole-state `TelemetrySnapshot`s on a ZMQ PUB socket for `fmserve top`.
+
+It reads the service's counters (service/counters.py), the scheduler and the worker's info,
+handed to it; it never sees the Service itself."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from ipc.telemetry import (RequestTelemetry, SpecConfigTelemetry, TelemetrySnapshot,
                            WorkerTelemetry)
+from ipc.worker_messages import WorkerInfo
+from service.counters import ServiceCounters
 from service.request import Request, RequestState
-
-if TYPE_CHECKING:
-    from service.server import Service
+from service.scheduler import Scheduler
 
 THROUGHPUT_WINDOW_S = 5.0
 
 
-def request_telemetry(req: Request, now: float) -> RequestTelemetry:
+def request_telemetry(req: Request, now: float, text_tail: str = "") -> RequestTelemetry:
     # A request whose last prompt chunk is planned counts as decoding for the scheduler;
     # until its first token arrives, people would call it prefilling.
     state = "prefilling" if req.state == RequestState.DECODING and not req.output_ids else \
@@ -28,7 +30,7 @@ def request_telemetry(req: Request, now: float) -> RequestTelemetry:
                             seq_len=req.seq_len, generated=len(req.output_ids),
                             last_accept_len=req.last_accept_len, age_s=now - req.arrival,
                             key=req.rid, accept_length=req.spec_accept_length,
-                            text_tail=req.text_tail)
+                            text_tail=text_tail)
 
 
 def spec_config_telemetry(spec) -> SpecConfigTelemetry | None:
@@ -41,8 +43,10 @@ def spec_config_telemetry(spec) -> SpecConfigTelemetry | None:
 
 
 class TelemetryPublisher:
-    def __init__(self, ctx: zmq.Context, endpoint: str, service: Service) -> None:
-        self.service = service
+    def __init__(self, ctx: zmq.Context, endpoint: str, counters: ServiceCounters, spec,
+                 overlap: bool) -> None:
+        """`spec`: the config's [spec] section; `overlap`: scheduling.overlap."""
+        self.counters = counters
         self._requested = endpoint
         self.socket = zmq.Socket(ctx, zmq.PUB)  # a plain (blocking-API) socket: sends never wait
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -50,38 +54,41 @@ class TelemetryPublisher:
         self.endpoint: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._history: deque[tuple[float, int]] = deque()
-        self._spec_config = spec_config_telemetry(service.cfg.spec)  # fixed for the service's life
+        self._overlap = overlap
+        self._speculation = spec.algorithm != "none"
+        self._spec_config = spec_config_telemetry(spec)  # fixed for the service's life
 
     def bind(self) -> None:
         self.socket.bind(self._requested)
         self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    def snapshot(self) -> TelemetrySnapshot:
-        svc = self.service
+    def snapshot(self, scheduler: Scheduler, info: WorkerInfo, worker_alive: bool,
+                 worker_pid: int | None) -> TelemetrySnapshot:
+        counters = self.counters
         now_m = time.monotonic()
-        self._history.append((now_m, svc.output_tokens))
+        self._history.append((now_m, counters.output_tokens))
         while self._history and now_m - self._history[0][0] > THROUGHPUT_WINDOW_S:
             self._history.popleft()
         t0, n0 = self._history[0]
-        rate = (svc.output_tokens - n0) / (now_m - t0) if now_m > t0 else 0.0
-        core, info = svc.core, svc.info
-        running = [request_telemetry(r, now_m) for r in core.running.values()]
-        waiting = [request_telemetry(r, now_m) for r in core.waiting
+        rate = (counters.output_tokens - n0) / (now_m - t0) if now_m > t0 else 0.0
+        core, text = scheduler.core, scheduler.text
+        running = [request_telemetry(r, now_m, text.tail(r.rid)) for r in core.running.values()]
+        waiting = [request_telemetry(r, now_m, text.tail(r.rid)) for r in core.waiting
                    if r.state == RequestState.WAITING]
         acc = core.accounting()
         spec = core.spec_stats
         return TelemetrySnapshot(
-            time=time.time(), uptime_s=now_m - svc.started, model=info.model_name, overlap=svc.cfg.scheduling.overlap,
-            speculation=svc.cfg.spec.algorithm != "none",
+            time=time.time(), uptime_s=now_m - counters.started, model=info.model_name,
+            overlap=self._overlap, speculation=self._speculation,
             running=running, waiting=waiting, free_pages=acc["free_pages"],
             total_pages=acc["total_pages"], page_size=info.page_size,
             free_slots=acc["free_slots"], total_slots=acc["total_slots"],
-            output_tokens_per_s=rate, total_output_tokens=svc.output_tokens,
-            finished_requests=svc.finished_requests, retractions=core.num_retractions,
-            recent_steps=list(svc.recent_steps)[-16:],
-            worker_idle_share=svc.worker_idle_ms / max(svc.worker_idle_ms + svc.worker_busy_ms, 1e-9),
-            worker=WorkerTelemetry(alive=svc.worker_ok, pid=svc.worker.pid,
-                                   restarts=svc.worker_restarts, device=info.device,
+            output_tokens_per_s=rate, total_output_tokens=counters.output_tokens,
+            finished_requests=counters.finished_requests, retractions=core.num_retractions,
+            recent_steps=list(counters.recent_steps)[-16:],
+            worker_idle_share=counters.worker_idle_share,
+            worker=WorkerTelemetry(alive=worker_alive, pid=worker_pid,
+                                   restarts=counters.worker_restarts, device=info.device,
                                    dtype=info.dtype, attention_backend=info.attention_backend),
             spec_accept_length=spec.recent_accept_length, spec_verify_steps=spec.verify_steps,
             spec_accept_rate_per_position=spec.accept_rate_per_position,
@@ -90,11 +97,13 @@ class TelemetryPublisher:
             core.prefix_cache.hit_tokens / max(1, core.prefix_cache.admitted_tokens),
             cached_pages=acc["cached_pages"])
 
-    def publish(self) -> None:
-        if self.endpoint is None or self.service.core is None:
+    def publish(self, scheduler: Scheduler, info: WorkerInfo, worker_alive: bool,
+                worker_pid: int | None) -> None:
+        if self.endpoint is None:
             return
+        snapshot = self.snapshot(scheduler, info, worker_alive, worker_pid)
         try:
-            self.socket.send(self._encoder.encode(self.snapshot()), flags=zmq.NOBLOCK)
+            self.socket.send(self._encoder.encode(snapshot), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
 

@@ -1,9 +1,7 @@
 """Speculative decoding statistics: per-request accept lengths and acceptance per draft position
-in `Finished` usage and in telemetry, fed to a SchedulerCore by hand-made step results."""
+in `Finished` usage and in telemetry, fed to a Scheduler by hand-made step results."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -12,25 +10,19 @@ import zmq
 from ipc.client_messages import Finished, Usage
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
 from ipc.telemetry import TelemetrySnapshot
 from ipc.worker_messages import StepResult, WorkerInfo, pack_i32, unpack_i32
-from service.config import SpecSection
+from service.counters import ServiceCounters
 from service.request import FinishReason
-from service.scheduler_core import SchedulerConfig, SchedulerCore
-from service.server import usage_of
+from service.replies import usage_of
+from service.scheduler import Scheduler
+from service.scheduler_core import SchedulerConfig
 from service.spec_stats import SpecAcceptStats
 from service.telemetry import TelemetryPublisher
+from tests.test_scheduler_core import word_tokenizer
 
 NUM_STEPS = 3  # draft depth
-
-
-class FakeTokenizer:
-    """Enough of TextTokenizer for the detokenizer: token t reads "<t>"."""
-
-    vocab_size = 1000
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(f"<{i}>" for i in ids)
 
 
 def make_core() -> SchedulerCore:
@@ -39,14 +31,14 @@ def make_core() -> SchedulerCore:
                       max_context_len=512, page_size=4, num_pages=128, num_slots=5,
                       eos_token_ids=[2], spec_algorithm="eagle3", spec_num_steps=NUM_STEPS,
                       spec_reserve_tokens=2 * (NUM_STEPS + 1))
-    return SchedulerCore(info, FakeTokenizer(), SchedulerConfig())
+    return Scheduler(info, word_tokenizer(), SchedulerConfig())
 
 
 def step(core: SchedulerCore, accepts: dict[str, int]) -> list:
     """Plan a step and answer it: a request with accept n emits n drafts + a bonus token; -1 is a
     prefill row (one token). Tokens are 100, 101, ... so none is eos."""
     plan = core.plan_step()
-    slot_of = {r.rid: r.slot for r in core.running.values()}
+    slot_of = {r.rid: r.slot for r in core.core.running.values()}
     rid_of = {s: rid for rid, s in slot_of.items()}
     sampled = [e.slot for e in plan.extends if e.sample] + unpack_i32(plan.decode_slots).tolist()
     assert sorted(rid_of[s] for s in sampled) == sorted(accepts)
@@ -59,18 +51,14 @@ def step(core: SchedulerCore, accepts: dict[str, int]) -> list:
     return core.process_result(result)
 
 
-def snapshot_of(core: SchedulerCore) -> TelemetrySnapshot:
-    svc = SimpleNamespace(
-        core=core, info=core.info, output_tokens=0, started=0.0, finished_requests=0,
-        recent_steps=[], worker_idle_ms=0.0, worker_busy_ms=0.0, worker_ok=True,
-        worker_restarts=0, worker=SimpleNamespace(pid=1),
-        cfg=SimpleNamespace(scheduling=SimpleNamespace(overlap=True),
-                            spec=SpecSection(algorithm="eagle3", num_steps=NUM_STEPS, topk=1,
-                                             num_draft_tokens=NUM_STEPS + 1)))
+def snapshot_of(core: Scheduler) -> TelemetrySnapshot:
+    spec = SpecSettings(algorithm="eagle3", num_steps=NUM_STEPS, topk=1,
+                        num_draft_tokens=NUM_STEPS + 1)
     ctx = zmq.Context()
     try:
-        publisher = TelemetryPublisher(ctx, "tcp://127.0.0.1:0", svc)
-        snap = publisher.snapshot()
+        publisher = TelemetryPublisher(ctx, "tcp://127.0.0.1:0", ServiceCounters(started=0.0),
+                                       spec, overlap=True)
+        snap = publisher.snapshot(core, core.core.info, worker_alive=True, worker_pid=1)
         publisher.close()
     finally:
         ctx.term()
@@ -162,7 +150,6 @@ def test_recent_window_follows_new_steps_while_lifetime_rates_remember():
 
 def test_engine_completion_carries_acceptance_per_position(model_path):
     from fmserve.engine import Engine
-    from ipc.spec_settings import SpecSettings
 
     engine = Engine(model=str(model_path), dtype="fp32", page_size=4, max_kv_tokens=1024,
                     max_running_requests=4, progress=False,
@@ -177,7 +164,7 @@ def test_engine_completion_carries_acceptance_per_position(model_path):
         # The prefill token, then accepted drafts + one bonus per verify step (the last step
         # may be cut short by the length limit).
         assert len(c.token_ids) <= 1 + c.spec_verify_steps + c.spec_accepted_drafts
-    stats = engine.scheduler.spec_stats
+    stats = engine.scheduler.core.spec_stats
     assert stats.verify_steps == sum(c.spec_verify_steps for c in done)
     assert stats.accepted_per_position == [sum(x) for x in zip(
         *(c.spec_accepted_per_position for c in done))]

@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -31,12 +30,15 @@ from textual.widgets import DataTable
 from ipc.client import Client
 from ipc.client_messages import Chunk, Finished
 from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
 from ipc.telemetry import (TEXT_TAIL_CHARS, RequestTelemetry, SpecConfigTelemetry, StepTelemetry,
                            TelemetrySnapshot, WorkerTelemetry)
 from ipc.worker_messages import StepResult, WorkerInfo, pack_i32, unpack_i32
-from service.config import SpecSection
-from service.scheduler_core import SchedulerConfig, SchedulerCore
+from service.counters import ServiceCounters
+from service.scheduler import Scheduler
+from service.scheduler_core import SchedulerConfig
 from service.telemetry import TelemetryPublisher
+from tests.test_scheduler_core import word_tokenizer
 from tests.test_service import ServiceProcess, free_port
 from tui.app import AdminAbort, TopApp, send_admin_abort
 from tui.events import request_key
@@ -346,32 +348,20 @@ async def test_screen_text_and_svg(pub, tmp_path):
 
 # ----- request text and speculation settings, from the service's own telemetry -------------
 
-class WordTokenizer:
-    """Enough of TextTokenizer for the detokenizer: token t reads "w<t> "."""
-
-    vocab_size = 1000
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(f"w{i} " for i in ids)
-
-
 class SchedulerTelemetry:
-    """A SchedulerCore answered by hand (no worker) and the service's TelemetryPublisher
-    making snapshots of it, as `fmserve serve` publishes them."""
+    """A Scheduler answered by hand (no worker; token t reads "w<t> ") and the service's
+    TelemetryPublisher making snapshots of it, as `fmserve serve` publishes them."""
 
-    def __init__(self, spec: SpecSection = SpecSection()) -> None:
+    def __init__(self, spec: SpecSettings = SpecSettings()) -> None:
         info = WorkerInfo(protocol_version=1, model_name="fake", device="cpu", dtype="fp32",
                           attention_backend="torch", num_layers=2, vocab_size=1000,
                           max_context_len=4096, page_size=16, num_pages=64, num_slots=5,
                           eos_token_ids=[2])
-        self.core = SchedulerCore(info, WordTokenizer(), SchedulerConfig())
-        svc = SimpleNamespace(
-            core=self.core, info=info, output_tokens=0, started=time.monotonic(),
-            finished_requests=0, recent_steps=[], worker_idle_ms=0.0, worker_busy_ms=0.0,
-            worker_ok=True, worker_restarts=0, worker=SimpleNamespace(pid=1),
-            cfg=SimpleNamespace(scheduling=SimpleNamespace(overlap=False), spec=spec))
+        self.core = Scheduler(info, word_tokenizer("w{} "), SchedulerConfig())
+        self.info = info
         self.ctx = zmq.Context()
-        self.publisher = TelemetryPublisher(self.ctx, "tcp://127.0.0.1:0", svc)
+        self.publisher = TelemetryPublisher(self.ctx, "tcp://127.0.0.1:0", ServiceCounters(),
+                                            spec, overlap=False)
         self.streamed: dict[str, str] = {}  # the text each client received, in its chunks
 
     def step(self, token: int) -> None:
@@ -386,7 +376,7 @@ class SchedulerTelemetry:
             self.streamed[out.rid] = self.streamed.get(out.rid, "") + out.text
 
     def snapshot(self) -> TelemetrySnapshot:
-        return self.publisher.snapshot()
+        return self.publisher.snapshot(self.core, self.info, worker_alive=True, worker_pid=1)
 
     def close(self) -> None:
         self.publisher.close()
@@ -459,8 +449,8 @@ async def test_detail_view_before_the_first_token(pub):
 
 
 async def test_header_shows_the_speculation_settings(pub):
-    sched = SchedulerTelemetry(SpecSection(algorithm="eagle3", num_steps=3, topk=2,
-                                           num_draft_tokens=6))
+    sched = SchedulerTelemetry(SpecSettings(algorithm="eagle3", num_steps=3, topk=2,
+                                            num_draft_tokens=6))
     app = make_app(pub.endpoint)
     header = lambda: app.query_one("#header").render().plain  # noqa: E731
     try:
@@ -468,9 +458,9 @@ async def test_header_shows_the_speculation_settings(pub):
             # The service's publisher takes them from its config's [spec] section.
             await show(pilot, app, pub, sched.snapshot())
             assert "spec eagle3 (steps 3, topk 2, draft 6)" in header()
-            limited = SchedulerTelemetry(SpecSection(algorithm="eagle3", num_steps=3, topk=2,
-                                                     num_draft_tokens=6,
-                                                     disable_above_batch_size=4))
+            limited = SchedulerTelemetry(SpecSettings(algorithm="eagle3", num_steps=3, topk=2,
+                                                      num_draft_tokens=6,
+                                                      disable_above_batch_size=4))
             try:
                 await show(pilot, app, pub, limited.snapshot())
                 assert "spec eagle3 (steps 3, topk 2, draft 6, off above batch 4)" in header()

@@ -1,0 +1,44 @@
+"""What the service counts over its life, in one place: `Service.stats()` (Stats replies) and
+the telemetry snapshots read the same numbers."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ipc.telemetry import StepTelemetry
+from ipc.worker_messages import StepPlan, StepResult, unpack_i32
+
+RECENT_STEPS = 64
+
+
+@dataclass
+class ServiceCounters:
+    started: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    output_tokens: int = 0  # tokens sent to clients
+    finished_requests: int = 0  # answered with their terminal message, errors included
+    # Sums over steps: the worker's idle share = idle / (idle + busy). Idle counts only for
+    # steps that followed queued work (waiting for clients is not the worker's idle).
+    worker_busy_ms: float = 0.0
+    worker_idle_ms: float = 0.0
+    worker_restarts: int = 0
+    recent_steps: deque[StepTelemetry] = field(
+        default_factory=lambda: deque(maxlen=RECENT_STEPS))
+
+    def record_step(self, plan: StepPlan, result: StepResult, sent: float,
+                    idle_counts: bool) -> None:
+        """A step's result came back; `sent` is the perf_counter() reading when its plan went."""
+        decodes = len(unpack_i32(plan.decode_slots))
+        num_tokens = sum(len(unpack_i32(e.token_ids)) for e in plan.extends) + decodes
+        self.steps += 1
+        self.worker_busy_ms += result.forward_ms
+        self.worker_idle_ms += result.idle_ms if idle_counts else 0.0
+        self.recent_steps.append(StepTelemetry(
+            plan.step_id, len(plan.extends) + decodes, num_tokens, result.forward_ms,
+            (time.perf_counter() - sent) * 1000.0, result.idle_ms))
+
+    @property
+    def worker_idle_share(self) -> float:
+        return self.worker_idle_ms / max(self.worker_idle_ms + self.worker_busy_ms, 1e-9)

@@ -1,0 +1,84 @@
+"""What the service sends to clients for their requests: chunks as tokens come (gathered into
+one for a request that does not stream), then `Finished` with its usage, or an `Error`."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from ipc.client_messages import Chunk, Error, Finished, Usage
+from ipc.codec import encode
+from service.client_registry import ClientRegistry
+from service.counters import ServiceCounters
+from service.request import FinishReason, RequestOutput
+
+log = logging.getLogger("fmserve.service")
+
+
+def usage_of(out: RequestOutput, arrival: float, first_token: float | None, now: float) -> Usage:
+    """The `Usage` of a terminal output; times are `time.monotonic()` readings."""
+    ttft = None if first_token is None else (first_token - arrival) * 1000.0
+    return Usage(out.prompt_tokens, out.completion_tokens, ttft, (now - arrival) * 1000.0,
+                 spec_verify_steps=out.spec_verify_steps,
+                 spec_accepted_drafts=out.spec_accepted_drafts,
+                 spec_accept_length=out.spec_accept_length,
+                 spec_accepted_per_position=out.spec_accepted_per_position)
+
+
+class Replies:
+    def __init__(self, router: zmq.asyncio.Socket, clients: ClientRegistry,
+                 counters: ServiceCounters) -> None:
+        self.router = router
+        self.clients = clients
+        self.counters = counters
+
+    async def send(self, identity: bytes, msg) -> None:
+        await self.send_envelope([identity], msg)
+
+    async def send_envelope(self, envelope: list[bytes], msg) -> None:
+        try:
+            await self.router.send_multipart([*envelope, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client is gone or its queue is full: drop
+            log.debug("dropping a reply to %s: %s", envelope[0].hex(), exc)
+
+    async def output(self, out: RequestOutput) -> None:
+        """A step's output for one request: its tokens and text, and its end if it ended."""
+        info = self.clients.requests.get(out.rid)
+        if info is None:
+            return
+        if out.token_ids:
+            self.counters.output_tokens += len(out.token_ids)
+            if info.first_token is None:
+                info.first_token = time.monotonic()
+            lps = [lp.logprob for lp in out.logprobs] if out.logprobs else None
+            tops = [lp.top for lp in out.logprobs] if out.logprobs else None
+            if info.stream:
+                await self.send(info.identity, Chunk(info.client_id, out.token_ids, out.text,
+                                                     lps, tops))
+            else:
+                info.tokens += out.token_ids
+                info.text.append(out.text)
+                info.logprobs += lps or []
+                info.top_logprobs += tops or []
+        if out.finished:
+            await self.terminal(out)
+
+    async def terminal(self, out: RequestOutput, code: str = "internal_error") -> None:
+        """The end of a request: `Error(code)` for a failed one, else what a non-streaming
+        request gathered and `Finished`. The request is no longer in flight afterwards."""
+        info = self.clients.pop(out.rid)
+        if info is None:
+            return
+        self.counters.finished_requests += 1
+        if out.finish_reason == FinishReason.ERROR:
+            await self.send(info.identity, Error(info.client_id, code, out.error or "failed"))
+            return
+        if not info.stream and info.tokens:
+            await self.send(info.identity, Chunk(
+                info.client_id, info.tokens, "".join(info.text),
+                info.logprobs or None, info.top_logprobs or None))
+        usage = usage_of(out, info.arrival, info.first_token, time.monotonic())
+        await self.send(info.identity, Finished(info.client_id, out.finish_reason.value, usage))
