@@ -297,6 +297,10 @@ class SamplingState:
             self.output_counts.index_put_((slots, token_ids), counts.to(torch.int32),
                                           accumulate=True)
 
+    def seeds_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The seed each of `slots` draws with, on the device (no host sync)."""
+        return self.int_params[slots, _I_SEED]
+
     def release(self, slot: int) -> None:
         """The slot is free: back to greedy with no extras, so stale rows cost nothing."""
         self._check_slot(slot)

@@ -1,7 +1,7 @@
-"""The worker process: a ModelRunner behind one ZMQ PAIR socket.
+"""The worker process: a Worker (gpu/worker.py) behind one ZMQ PAIR socket.
 
     python -m gpu.worker_main --endpoint ipc:///tmp/fmserve-x/worker.sock \
-        --config '{"model_path": "...", "dtype": "fp32"}' [--parent-pid N] [--cleanup-dir D]
+        --config '{"model": {"path": "...", "dtype": "fp32"}}' [--parent-pid N] [--cleanup-dir D]
 
 The scheduler binds the endpoint and spawns this module (service/worker_supervisor.py); the worker
 connects (PAIR: one peer, ordered, both ways; see ipc/zmq_util.py). Conversation:
@@ -19,8 +19,6 @@ or of a long forward, so a killed service never leaves a process holding the dev
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -28,8 +26,10 @@ import threading
 import time
 import traceback
 
+import msgspec
 import zmq
 
+from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import Shutdown, StepPlan, WorkerFailed, WorkerReady
 from ipc.zmq_util import WorkerSideCodec, configure_socket
 
@@ -63,32 +63,14 @@ def watch_parent(parent_pid: int, cleanup_dir: str | None = None,
     return thread
 
 
-def parse_runner_config(text: str):
-    """JSON of RunnerConfig fields -> RunnerConfig; the load progress bar is always off here
-    (stderr is a log file)."""
-    from gpu.model_runner import RunnerConfig  # imports torch: after the parent watch is up
-
+def parse_worker_config(text: str) -> WorkerConfig:
+    """--config: a WorkerConfig as JSON (ipc/worker_config.py), checked like config.toml; the
+    load progress bar is always off here (stderr is a log file)."""
     try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--config is not valid JSON ({exc}): {text[:200]!r}") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"--config must be a JSON object of RunnerConfig fields, "
-                         f"got {text[:200]!r}")
-    known = {f.name for f in dataclasses.fields(RunnerConfig)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"--config has unknown RunnerConfig fields {unknown}; "
-                         f"known fields are {sorted(known)}")
-    if "model_path" not in fields:
-        raise ValueError("--config lacks model_path")
-    fields["progress"] = False
-    if isinstance(fields.get("spec"), dict):
-        import msgspec
-
-        from ipc.spec_settings import SpecSettings
-        fields["spec"] = msgspec.convert(fields["spec"], SpecSettings)
-    return RunnerConfig(**fields)
+        cfg = msgspec.json.decode(text, type=WorkerConfig)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"--config is not a valid WorkerConfig ({exc}): {text[:200]!r}") from None
+    return msgspec.structs.replace(cfg, progress=False).validate()
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -116,38 +98,28 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
         return EXIT_FAILED
 
     try:
-        from gpu.model_runner import ModelRunner
+        from gpu.worker import Worker  # imports torch: after the parent watch is up
 
-        runner = ModelRunner(parse_runner_config(config_json))
-        info = runner.info()
+        worker = Worker(parse_worker_config(config_json))
+        info = worker.info()
     except Exception as exc:
         return fail(None, describe_exception(exc))
     sock.send(codec.encode(WorkerReady(info)))
-    q4 = runner.model.q4_projections
-    q4_note = (f", {q4} projections on the file's 4-bit codes up to "
-               f"{runner.cfg.q4_max_tokens} tokens" if q4 else "")
-    from gpu.q4_linear import Q4Linear
-    if isinstance(runner.model.lm_head, Q4Linear):
-        q4_note += f", the lm_head up to {runner.model.lm_head.max_tokens}"
-    if runner.decode_graphs is not None:
-        q4_note += f", CUDA graphs for decode batches up to {runner.decode_graphs.max_batch}"
-    elif runner.cfg.cuda_graph_max_batch:
-        q4_note += ", no CUDA graphs (they need a CUDA device and no speculative decoding)"
     print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
-          f"{info.dtype}, {info.attention_backend}{q4_note})", file=sys.stderr, flush=True)
+          f"{info.dtype}, {info.attention_backend}{worker.fast_paths()})", file=sys.stderr, flush=True)
 
-    return answer_plans(sock, codec, runner, fail)
+    return answer_plans(sock, codec, worker, fail)
 
 
-def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, runner, fail) -> int:
+def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, worker, fail) -> int:
     """Answer plans with results, in order, until Shutdown (EXIT_OK) or a failure (`fail`'s
-    exit code, after sending WorkerFailed). `runner` is a loaded ModelRunner."""
-    from gpu.model_runner import PreparedStep
+    exit code, after sending WorkerFailed). `worker` is a loaded gpu.worker.Worker."""
+    from gpu.step_types import PreparedStep
 
     def send_result(pending) -> int | None:
         """Finish a launched step and send its result; an exit code if that failed."""
         try:
-            result = runner.finish(pending)
+            result = worker.finish(pending)
         except Exception as exc:
             return fail(pending.step_id, f"step {pending.step_id} failed in the worker: "
                                          f"{describe_exception(exc)}")
@@ -157,10 +129,10 @@ def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, runner, fail) -> int:
     # One launched step may wait for its result while the next plan is taken up: with plans
     # queued (overlap), plan k+1 is prepared (launch_ahead "prepare") or prepared and launched
     # ("on") before step k's result is copied and sent, so the device waits for the host
-    # between the two forwards for the sending at most, or not at all (runner.launch_ahead).
+    # between the two forwards for the sending at most, or not at all (worker.launch_ahead).
     pending = None
     while True:
-        if pending is not None and not (runner.launch_ahead != "off" and sock.poll(0)):
+        if pending is not None and not (worker.launch_ahead != "off" and sock.poll(0)):
             code, pending = send_result(pending), None
             if code is not None:
                 return code
@@ -176,9 +148,9 @@ def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, runner, fail) -> int:
         step, failure = None, None
         if isinstance(msg, StepPlan):
             try:
-                step = runner.prepare(msg)
-                if pending is None or runner.launch_ahead == "on":
-                    step = runner.launch_prepared(step)
+                step = worker.prepare(msg)
+                if pending is None or worker.launch_ahead == "on":
+                    step = worker.launch_prepared(step)
             except Exception as exc:
                 failure = exc
         if pending is not None:  # the earlier step's result goes first, whatever comes next
@@ -189,7 +161,7 @@ def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, runner, fail) -> int:
             return EXIT_OK
         if isinstance(step, PreparedStep) and failure is None:
             try:
-                step = runner.launch_prepared(step)
+                step = worker.launch_prepared(step)
             except Exception as exc:
                 failure = exc
         if failure is not None:
@@ -202,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu.worker_main",
                                      description="fmserve worker process (spawned by the service)")
     parser.add_argument("--endpoint", required=True, help="ZMQ endpoint the scheduler bound")
-    parser.add_argument("--config", required=True, help="JSON object of RunnerConfig fields")
+    parser.add_argument("--config", required=True, help="a WorkerConfig as JSON")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (default: the parent at start)")
     parser.add_argument("--cleanup-dir", default=None,

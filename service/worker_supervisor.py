@@ -1,6 +1,6 @@
 """Spawns one worker process (`python -m gpu.worker_main`), talks to it, notices when it dies.
 
-    worker = WorkerHandle({"model_path": path, "dtype": "fp32"})
+    worker = WorkerHandle(worker_config(model_path=path, dtype="fp32"))
     info = await worker.start()            # WorkerStartError if it cannot load
     result = await worker.step(plan)       # WorkerDied well within 1 s of a crash
     await worker.stop()
@@ -22,7 +22,6 @@ exits by itself when this process dies (see gpu/worker_main.py). This module mus
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -32,13 +31,13 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
 import zmq
 import zmq.asyncio
 
+from ipc.worker_config import WorkerConfig, worker_config
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, Shutdown, StepPlan, StepResult,
                                  WorkerFailed, WorkerInfo, WorkerReady, WorkerToScheduler)
 from ipc.zmq_util import SchedulerSideCodec, configure_socket, ipc_endpoint, make_ipc_dir
@@ -86,12 +85,11 @@ class WorkerHandle:
     """One worker process and its socket. Not for concurrent use by several tasks: one task
     sends plans and reads results (the scheduler loop)."""
 
-    def __init__(self, runner_config: dict[str, Any], ready_timeout_s: float = 300.0,
+    def __init__(self, config: WorkerConfig, ready_timeout_s: float = 300.0,
                  step_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
-        if "model_path" not in runner_config:
-            raise ValueError("runner_config needs a model_path")
-        # Paths and the like become strings; the worker rebuilds a RunnerConfig from this JSON.
-        self.runner_config = json.loads(json.dumps(runner_config, default=str))
+        # The worker decodes it back into a WorkerConfig (its load progress bar off: stderr
+        # is a log file).
+        self.config = msgspec.structs.replace(config, progress=False)
         self.ready_timeout_s = ready_timeout_s
         self.step_timeout_s = step_timeout_s
         self.extra_env = dict(env or {})
@@ -199,7 +197,8 @@ class WorkerHandle:
             env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1"}
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
             cmd = [sys.executable, "-m", WORKER_MODULE, "--endpoint", self._endpoint,
-                   "--config", json.dumps(self.runner_config), "--parent-pid", str(os.getpid()),
+                   "--config", msgspec.json.encode(self.config).decode(),
+                   "--parent-pid", str(os.getpid()),
                    "--cleanup-dir", str(self._dir)]
             try:
                 self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
@@ -215,7 +214,7 @@ class WorkerHandle:
         return self.info
 
     async def _await_ready(self) -> WorkerInfo:
-        model = self.runner_config.get("model_path")
+        model = self.config.model.path
         what = f"the worker for {model!r} (pid {self.pid})"
         try:
             msg = await self._receive(self.ready_timeout_s)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fmserve.engine import Engine
-from gpu.eagle.spec_worker import EagleWorker
+from gpu.eagle.eagle_step import EagleStep
 from gpu.eagle.tree import chain_tree
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
@@ -48,35 +48,35 @@ VOCAB, A, B, ROOT, EOS = 16, 5, 6, 7, 2
 
 @pytest.fixture(scope="module")
 def spec_runner(tiny_llama, tmp_path_factory):
-    """A runner with a random EAGLE-1 head on tiny_llama: only its sampler state and
-    EagleWorker._accept are used, with logits made here."""
+    """A worker with a random EAGLE-1 head on tiny_llama: only its sampler state and
+    EagleStep._accept are used, with logits made here."""
     from gpu.eagle.head_io import random_draft_head, save_draft_head
-    from gpu.model_runner import ModelRunner, RunnerConfig
+    from gpu.worker import Worker
+    from ipc.worker_config import worker_config
 
-    base = ModelRunner(RunnerConfig(model_path=str(tiny_llama), dtype="fp32",
-                                    max_kv_tokens=256, max_running_requests=4, progress=False))
+    tiny = dict(model_path=str(tiny_llama), dtype="fp32", max_kv_tokens=256,
+                max_running_requests=4, progress=False)
+    base = Worker(worker_config(**tiny)).state
     head = random_draft_head(base.model_config, base.model.embed_tokens,
                              base.model.embed_tokens, "eagle", seed=1)
     path = tmp_path_factory.mktemp("tiny-head")
     save_draft_head(head, path)
     spec = SpecSettings("eagle", str(path), num_steps=3, topk=1, num_draft_tokens=4)
-    return ModelRunner(RunnerConfig(model_path=str(tiny_llama), dtype="fp32",
-                                    max_kv_tokens=256, max_running_requests=4,
-                                    progress=False, spec=spec))
+    return Worker(worker_config(**tiny, spec=spec))
 
 
 def verify(runner, params: SamplingParams, drafts: list[int], logits: torch.Tensor,
            generated: list[int]) -> list[int]:
     """Slot 1 runs `params` and has generated `generated`; a chain root -> drafts is verified
     against `logits` [len(drafts) + 1, vocab]. Returns the emitted tokens."""
-    state = runner.sampling_state
+    state = runner.state.sampling_state
     state.set_request(1, params, [])
     slots = torch.tensor([1])
     if generated:
         state.record_outputs(slots.repeat(len(generated)), torch.tensor(generated))
     tree = chain_tree(torch.tensor([ROOT]), torch.tensor([drafts]))
     positions = torch.arange(len(drafts) + 1)[None, :] + 10
-    result = EagleWorker._accept(runner.eagle, tree, logits, slots, np.array([1]), positions)
+    result = EagleStep._accept(runner.step, tree, logits, slots, np.array([1]), positions)
     out = result.accepted_tokens[0]
     return out[out >= 0].tolist()
 
@@ -94,7 +94,7 @@ def test_a_draft_accepted_earlier_in_the_step_counts_for_the_penalty(spec_runner
     # Every node favours A by 1.5 over B. Plain decoding emits A, then (A's count 1, penalty 2)
     # B. Verify used to score every node with the counts from before the step, so it accepted
     # A, A, A: the frequency penalty missed the drafts accepted above each node.
-    vocab = spec_runner.sampling_state.vocab_size
+    vocab = spec_runner.state.sampling_state.vocab_size
     # Seeded: at temperature 0.05 the 1.5 lead (and, after the penalty, the 0.5 loss) is
     # decisive, so rejection sampling must give the same tokens.
     params = SamplingParams(temperature=0.0 if greedy else 0.05, frequency_penalty=2.0, seed=3)
@@ -107,7 +107,7 @@ def test_a_draft_accepted_earlier_in_the_step_counts_for_the_penalty(spec_runner
 def test_min_new_tokens_counts_the_drafts_above_a_node(spec_runner):
     # Two tokens generated, min_new_tokens 3: the root samples token 3 (eos banned), the
     # first draft's node samples token 4, where eos is allowed, as plain decoding allows it.
-    vocab = spec_runner.sampling_state.vocab_size
+    vocab = spec_runner.state.sampling_state.vocab_size
     params = SamplingParams(temperature=0.0, min_new_tokens=3)
     logits = chain_logits(vocab, [(EOS, 9.0), (EOS, 9.0), (A, 9.0), (A, 9.0)])
     logits[0, A] = 5.0  # with eos banned the root's choice is A

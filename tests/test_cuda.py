@@ -46,7 +46,7 @@ def cpu_reference(model_path) -> list[list[int]]:
 def test_cuda_greedy_equals_the_cpu_with_overlap_on_and_off(model_path, cpu_reference, backend):
     engine = Engine(model=str(model_path), device="cuda", dtype="fp32", max_kv_tokens=4096,
                     max_running_requests=8, attention_backend=backend, progress=False)
-    assert engine.runner.streams.enabled and engine.runner.launch_ahead == "on"
+    assert engine.worker.state.streams.enabled and engine.worker.launch_ahead == "on"
     assert greedy(engine, overlap=False) == cpu_reference
     assert greedy(engine, overlap=True) == cpu_reference
 
@@ -57,7 +57,7 @@ def test_cuda_graph_decode_equals_the_cpu(model_path, cpu_reference):
     engine = Engine(model=str(model_path), device="cuda", dtype="fp32", max_kv_tokens=4096,
                     max_running_requests=8, attention_backend="triton", progress=False,
                     cuda_graph_max_batch=6)
-    graphs = engine.runner.decode_graphs
+    graphs = engine.worker.step.decode_graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 6]
     assert greedy(engine, overlap=False) == cpu_reference
     replays = graphs.replays

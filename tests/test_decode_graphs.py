@@ -50,7 +50,7 @@ def greedy(engine: Engine, overlap: bool) -> list[list[int]]:
 
 
 def test_padded_replays_give_the_tokens_of_the_plain_decode(engine):
-    runner = engine.runner
+    runner = engine.worker.step  # a PlainStep
     assert runner.decode_graphs is None  # cuda_graph_max_batch = 0: never captured on its own
     plain = greedy(engine, overlap=False)
     assert len({tuple(t) for t in plain}) > 1  # the prompts lead to different outputs
@@ -88,10 +88,10 @@ def test_padding_rows_touch_only_the_padding_page(engine):
     """A 3-request batch in the 4-row graph: the hidden states of the eager forward, the 4th
     row of every static input is padding (not what the previous 4-request replay left there),
     and of the KV pool only the live rows' locations and page 0 are written."""
-    runner = engine.runner
-    graphs = runner.make_decode_graphs(4)
+    runner = engine.worker.state
+    graphs = engine.worker.step.make_decode_graphs(4)
     graphs.capture()
-    page = runner.cfg.page_size
+    page = runner.page_size
     four = decode_batch(runner, [(1, 3, 2), (2, 5, 0), (3, 4, 7), (4, 6, 1)])
     graphs.run(four)
     three = decode_batch(runner, [(2, 7, 3), (3, 4, 8), (1, 3, 3)])
@@ -116,4 +116,4 @@ def test_graphs_refuse_a_backend_that_reads_host_lengths(tiny_llama):
     engine = Engine(model=str(tiny_llama), device=DEVICE, dtype="fp32", attention_backend="torch",
                     max_kv_tokens=256, max_running_requests=2, progress=False)
     with pytest.raises(ValueError, match="triton"):
-        DecodeGraphs(engine.runner.model, engine.runner.attn, 2)
+        DecodeGraphs(engine.worker.state.model, engine.worker.state.attn, 2)

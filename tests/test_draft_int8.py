@@ -51,7 +51,7 @@ def test_a_bf16_engine_drafts_on_int8_and_its_drafts_are_accepted(model_path):
     spec = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
     engine = Engine(model=str(model_path), dtype="bf16", max_running_requests=2, progress=False,
                     spec=spec)  # q4_max_tokens: the default
-    head = engine.runner.eagle.head
+    head = engine.worker.step.head
     keys_before = set(head.state_dict())
     wrapped = [m for m in head.modules() if isinstance(m, SmallRowsInt8Linear)]
     # fc, q/k/v/o, gate/up/down and the lm_head.
@@ -73,4 +73,4 @@ def test_fp32_engines_keep_the_heads_linears(model_path):
     spec = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
     engine = Engine(model=str(model_path), dtype="fp32", max_running_requests=1, progress=False,
                     spec=spec)
-    assert not any(isinstance(m, SmallRowsInt8Linear) for m in engine.runner.eagle.head.modules())
+    assert not any(isinstance(m, SmallRowsInt8Linear) for m in engine.worker.step.head.modules())

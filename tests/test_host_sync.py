@@ -48,11 +48,11 @@ def guarded_engine(spec: SpecSettings | None, **guard) -> tuple[Engine, list[int
                     attention_backend="triton" if device == "cuda" else "torch", page_size=4,
                     max_kv_tokens=2048, max_running_requests=4, max_tokens_per_step=32,
                     progress=False, spec=spec)
-    engine.runner.future_map.wrwr_check = False  # the debug check reads on purpose
-    runner, launch, launches = engine.runner, engine.runner.launch, [0]
+    engine.worker.state.future_map.wrwr_check = False  # the debug check reads on purpose
+    runner, launch, launches = engine.worker, engine.worker.launch, [0]
 
     def launch_guarded(plan):
-        with no_host_sync(runner.device, **guard):
+        with no_host_sync(runner.state.device, **guard):
             launches[0] += 1
             return launch(plan)
 
@@ -134,7 +134,7 @@ def test_a_sync_in_the_launch_path_is_caught(monkeypatch):
     monkeypatch.setattr(fm.FutureMap, "resolve_future", resolve_and_peek)
     # The patched function lives in this file: audit it beside gpu/.
     engine, _ = guarded_engine(None, audited=(str(Path(fm.__file__).parent), __file__))
-    if engine.runner.device.type == "cuda":  # PyTorch's own check
+    if engine.worker.state.device.type == "cuda":  # PyTorch's own check
         with pytest.raises(RuntimeError, match="synchroniz"):
             list(engine.stream(CHATS[:1], PARAMS[:1]))
     else:
@@ -158,11 +158,11 @@ def test_runtime_sync_check_guards_the_runners_own_launches(monkeypatch):
         monkeypatch.setenv("FMSERVE_SYNC_CHECK", "1" if on else "0")
         engine = Engine(model="default", dtype="fp32", page_size=4, max_kv_tokens=2048,
                         max_running_requests=4, progress=False)
-        assert engine.runner.sync_check == on
-        engine.runner.future_map.wrwr_check = False
+        assert engine.worker.state.sync_check == on
+        engine.worker.state.future_map.wrwr_check = False
         if not on:
             assert len(engine.generate(CHATS[:1], PARAMS[0])[0].token_ids) == 6
             continue
-        error = HostSyncError if engine.runner.device.type == "cpu" else RuntimeError
+        error = HostSyncError if engine.worker.state.device.type == "cpu" else RuntimeError
         with pytest.raises(error):
             list(engine.stream(CHATS[:1], PARAMS[:1]))

@@ -33,17 +33,17 @@ def engine(model_path):
 
 
 def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt, through the runner's paged path."""
-    runner = engine.runner
-    page = runner.kv_pool.page_size
+    """Logits at every position of one prompt, through the worker's paged path."""
+    worker = engine.worker
+    page = worker.state.kv_pool.page_size
     pages = list(range(1, 1 + -(-len(ids) // page)))
     plan = StepPlan(step_id=0, new_requests=[NewRequest(1, SamplingParams())],
                     grants=[PageGrant(1, 0, pack_i32(pages))],
                     extends=[ExtendEntry(1, 0, pack_i32(ids), True)],
                     decode_slots=b"", released_slots=b"")
-    _, hidden, _ = runner.forward(plan)
-    runner.step(StepPlan(1, [], [], [], b"", pack_i32([1])))  # forget slot 1 again
-    return runner.model.logits(hidden)
+    _, hidden, _ = worker.step.forward(plan)
+    worker.run_step(StepPlan(1, [], [], [], b"", pack_i32([1])))  # forget slot 1 again
+    return worker.state.model.logits(hidden)
 
 
 def test_logits_match_transformers(engine, hf_model):

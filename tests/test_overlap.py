@@ -40,13 +40,13 @@ def run(engine: Engine, overlap: bool, abort_after: int | None = None) -> list[t
 
 def test_greedy_outputs_identical_with_and_without_overlap(engine):
     off = run(engine, overlap=False)
-    stale_before = engine.scheduler.num_stale_results
+    stale_before = engine.scheduler.core.num_stale_results
     on = run(engine, overlap=True)
     assert on == off
     reasons = {r[2] for r in off}
     assert {"stop", "length"} <= reasons, reasons  # the scenario mixes stop kinds
     # Requests finished in step k while already planned into step k+1: dropped, once each.
-    assert engine.scheduler.num_stale_results > stale_before
+    assert engine.scheduler.core.num_stale_results > stale_before
 
 
 def test_abort_mid_stream_with_overlap(engine):
@@ -62,17 +62,17 @@ def test_retraction_under_overlap_keeps_outputs(model_path, engine):
     tight = Engine(model=str(model_path), dtype="fp32", page_size=4, max_kv_tokens=4 * 30,
                    max_running_requests=6, max_tokens_per_step=64, progress=False)
     assert run(tight, overlap=True) == reference
-    assert tight.scheduler.num_retractions > 0, "the test no longer exercises retraction"
+    assert tight.scheduler.core.num_retractions > 0, "the test no longer exercises retraction"
 
 
 def test_decode_before_any_write_trips_the_invariant(engine):
-    runner = engine.runner
-    if runner.device.type != "cpu":
+    state = engine.worker.state
+    if state.device.type != "cpu":
         pytest.skip("on a GPU the check is a device-side assert, which ends the process: "
                     "tests/test_cuda.py checks it there in a subprocess")
-    assert runner.future_map.wrwr_check, "the suite runs with FMSERVE_WRWR_CHECK=1"
+    assert state.future_map.wrwr_check, "the suite runs with FMSERVE_WRWR_CHECK=1"
     # Slot 5 is released (its last token forgotten) and then decoded without a prefill.
     plan = StepPlan(step_id=10_000, new_requests=[], grants=[], extends=[],
                     decode_slots=pack_i32([5]), released_slots=pack_i32([5]))
     with pytest.raises(FutureMapInvariantError):
-        runner.step(plan)
+        engine.worker.run_step(plan)

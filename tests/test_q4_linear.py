@@ -182,7 +182,8 @@ def test_fp32_models_and_a_zero_limit_keep_only_dense_weights(loaded_q4):
 
 
 def test_a_negative_limit_is_refused_with_what_to_set(model_path):
-    from gpu.model_runner import ModelRunner, RunnerConfig
-    with pytest.raises(ValueError, match="q4_max_tokens is -3: it must be 0"):
-        ModelRunner(RunnerConfig(model_path=str(model_path), dtype="bf16", q4_max_tokens=-3,
-                                 progress=False))
+    import msgspec
+
+    from fmserve.engine import Engine
+    with pytest.raises(msgspec.ValidationError, match=r">= 0 - at `\$.runtime.q4_max_tokens`"):
+        Engine(model=str(model_path), dtype="bf16", q4_max_tokens=-3, progress=False)

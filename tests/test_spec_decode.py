@@ -18,7 +18,8 @@ import torch
 import gpu.eagle.accept as accept_mod
 from fmserve.engine import Engine
 from gpu.eagle.head_io import random_draft_head, save_draft_head
-from gpu.eagle.spec_worker import EagleWorker, hidden_size_for
+from gpu.eagle.drafter import Drafter
+from gpu.eagle.eagle_step import hidden_size_for
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
 from ipc.worker_messages import StepPlan, pack_i32, unpack_i32
@@ -74,8 +75,8 @@ def reference(plain):
 def random_heads(plain, tmp_path_factory):
     """Random EAGLE-3 (reduced vocabulary) and EAGLE-1 heads for the default model, and an
     EAGLE-3 head with a wider MLP than the target's (train-eagle --head-intermediate-size)."""
-    runner = plain.runner
-    mc, embed = runner.model_config, runner.model.embed_tokens
+    state = plain.worker.state
+    mc, embed = state.model_config, state.model.embed_tokens
     out = {}
     for name, algorithm, vocab, width in (("eagle3", "eagle3", 4096, None),
                                           ("eagle", "eagle", None, None),
@@ -131,7 +132,7 @@ def test_greedy_identical_with_random_head(request, model_path, reference, rando
                         topk=TREE.topk, num_draft_tokens=TREE.num_draft_tokens)
     engine = make_engine(model_path, spec)
     if head == "eagle3-wide":
-        assert engine.runner.eagle.head.config.intermediate_size == 2048
+        assert engine.worker.step.head.config.intermediate_size == 2048
     rows, counters = run(engine, overlap=True)
     assert rows == reference
     if head == "eagle3":  # the shipped head drafts far better than chance
@@ -149,7 +150,7 @@ def test_abort_mid_stream_frees_everything(tree_engine, reference):
 def test_triton_backend_tree(model_path, reference):
     """The Triton kernels (tree-masked extend, paged decode) in the whole spec step."""
     engine = make_engine(model_path, TREE, attention_backend="triton", max_running_requests=2)
-    assert engine.runner.needs_cpu_seq_lens is False  # neither backend asks for host lengths
+    assert engine.worker.step.needs_cpu_seq_lens is False  # neither backend asks for host lengths
     engine.overlap = True
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS[1:3]]
     params = [SamplingParams(temperature=0.0, max_new_tokens=6)] * 2
@@ -158,13 +159,14 @@ def test_triton_backend_tree(model_path, reference):
     assert_accounting_empty(engine)
 
 
-def test_idle_plans_run_the_spec_path(chain_engine, tree_engine):
+def test_idle_plans_run_the_spec_path(chain_engine, tree_engine, plain):
     for engine in (chain_engine, tree_engine):
-        runner = engine.runner
-        assert hidden_size_for(runner) == 3 * runner.model_config.hidden_size  # EAGLE-3
+        worker = engine.worker
+        assert hidden_size_for(worker.step) == 3 * worker.state.model_config.hidden_size  # EAGLE-3
+        assert hidden_size_for(plain.worker.step) == worker.state.model_config.hidden_size
         empty = StepPlan(step_id=10_000, new_requests=[], grants=[], extends=[],
                          decode_slots=pack_i32(np.zeros(0)), released_slots=pack_i32(np.zeros(0)))
-        result = runner.step(empty)
+        result = worker.run_step(empty)
         assert len(unpack_i32(result.slots)) == 0
         assert len(unpack_i32(result.token_ids)) == 0
         assert len(unpack_i32(result.accept_lens)) == 0
@@ -181,7 +183,7 @@ def test_all_finished_batch_under_overlap(tree_engine, reference):
     gone, and its results are dropped once."""
     engine = tree_engine
     engine.overlap = True
-    stale = engine.scheduler.num_stale_results
+    stale = engine.scheduler.core.num_stale_results
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS[1:4]]
     refs = [r[0] for r in reference[1:4]]
     params = [SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=[ref[1]])
@@ -190,7 +192,7 @@ def test_all_finished_batch_under_overlap(tree_engine, reference):
     for c, ref in zip(out, refs):
         assert c.finish_reason.value == "stop"
         assert c.token_ids == ref[:len(c.token_ids)] and 1 <= len(c.token_ids) <= 2
-    assert engine.scheduler.num_stale_results > stale
+    assert engine.scheduler.core.num_stale_results > stale
     assert_accounting_empty(engine)
 
 
@@ -248,7 +250,7 @@ def _target_probs(engine: Engine, ids: list[int]) -> torch.Tensor:
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=1,
                                                 logprobs=SAMPLING["top_k"]))
     top = out[0].logprobs[0].top  # (token id, logprob) of the raw distribution, best first
-    probs = torch.zeros(engine.runner.model_config.vocab_size, dtype=torch.float64)
+    probs = torch.zeros(engine.worker.state.model_config.vocab_size, dtype=torch.float64)
     p = torch.tensor([lp for _, lp in top], dtype=torch.float64).exp()
     probs[torch.tensor([t for t, _ in top])] = p / p.sum()
     return probs
@@ -263,7 +265,7 @@ def _second_token_counts(engine: Engine, setup, monkeypatch) -> tuple[np.ndarray
         ids = torch.full((n, self.settings.topk), poor, dtype=torch.long, device=hidden.device)
         return p, ids
 
-    monkeypatch.setattr(EagleWorker, "_draft_topk", poor_draft)
+    monkeypatch.setattr(Drafter, "topk", poor_draft)
     params = [SamplingParams(seed=1000 + i, **SAMPLING) for i in range(NUM_SEEDS)]
     out = engine.generate([prompt] * NUM_SEEDS, params)
     seconds = [c.token_ids[1] for c in out if c.token_ids[0] == first and len(c.token_ids) > 1]

@@ -87,12 +87,12 @@ def _draft_keys_when(engine, chats, params, rid_index: int, at_tokens: int):
         tokens += out.token_ids
         if out.finished:
             spec = (out.spec_verify_steps, out.spec_accepted_drafts)
-        req = engine.scheduler.requests.get(rid)
+        req = engine.scheduler.core.requests.get(rid)
         if keys is None and len(tokens) >= at_tokens and req is not None and not out.finished:
-            runner = engine.runner
-            length = int(runner.future_map.resolve_seq_lens_host(np.array([req.slot]))[0])
-            locs = runner.req_to_token.req_to_token[req.slot, :length].long()
-            keys = runner.eagle.draft_kv.k_buffer[0][locs].float().clone()
+            state = engine.worker.state
+            length = int(state.future_map.resolve_seq_lens_host(np.array([req.slot]))[0])
+            locs = state.req_to_token.req_to_token[req.slot, :length].long()
+            keys = engine.worker.step.drafter.draft_kv.k_buffer[0][locs].float().clone()
     assert_accounting_empty(engine)
     return keys, tokens, spec
 

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from fmserve.engine import Engine
-from gpu.model_runner import ModelRunner, RunnerConfig
+from gpu.worker import Worker
+from ipc.worker_config import worker_config
 from ipc.sampling import SamplingParams
 from ipc.worker_messages import (ExtendEntry, NewRequest, PageGrant, StepPlan, pack_i32,
                                  unpack_i32)
@@ -116,8 +117,8 @@ def tiny_plans() -> list[StepPlan]:
 @pytest.fixture(scope="module")
 async def loaded(model):
     """(worker handle, in-process reference Engine), loaded at the same time."""
-    handle = WorkerHandle({"model_path": model, **SMALL}, ready_timeout_s=120, step_timeout_s=60,
-                          env=WORKER_ENV)
+    handle = WorkerHandle(worker_config(model_path=model, **SMALL), ready_timeout_s=120,
+                          step_timeout_s=60, env=WORKER_ENV)
     engine = None
 
     def build_engine():
@@ -233,10 +234,10 @@ async def test_pipelined_plans_match_an_in_process_runner(tiny_model, launch_ahe
     # With launch_ahead "prepare" or "on" (GPU orders, forced here on the CPU) the worker
     # prepares, or prepares and launches, plan k+1 before it finishes step k.
     plans = tiny_plans()
-    runner = ModelRunner(RunnerConfig(model_path=tiny_model, progress=False, **TINY))
-    expected = [unpack_i32(runner.step(p).token_ids).tolist() for p in plans]
-    async with WorkerHandle({"model_path": tiny_model, "launch_ahead": launch_ahead, **TINY},
-                            ready_timeout_s=60, env=WORKER_ENV) as h:
+    reference = Worker(worker_config(model_path=tiny_model, progress=False, **TINY))
+    expected = [unpack_i32(reference.run_step(p).token_ids).tolist() for p in plans]
+    async with WorkerHandle(worker_config(model_path=tiny_model, launch_ahead=launch_ahead,
+                                          **TINY), ready_timeout_s=60, env=WORKER_ENV) as h:
         for p in plans:
             await h.send_plan(p)
         assert h.num_inflight == len(plans)
@@ -248,7 +249,7 @@ async def test_pipelined_plans_match_an_in_process_runner(tiny_model, launch_ahe
 
 @pytest.mark.anyio
 async def test_step_that_fails_in_the_worker_raises_worker_died(tiny_model):
-    async with WorkerHandle({"model_path": tiny_model, **TINY}, ready_timeout_s=60,
+    async with WorkerHandle(worker_config(model_path=tiny_model, **TINY), ready_timeout_s=60,
                             env=WORKER_ENV) as h:
         await h.step(tiny_plans()[0])
         bad = StepPlan(2, [], [], [], pack_i32([99]), pack_i32([]))  # slot 99 of 5
@@ -274,7 +275,7 @@ def test_worker_loop_takes_up_a_waiting_plan_in_the_launch_ahead_order(tiny_mode
 
     calls: list[str] = []
 
-    class LoggingRunner(ModelRunner):
+    class LoggingWorker(Worker):
         def prepare(self, plan):
             calls.append(f"prepare {plan.step_id}")
             return super().prepare(plan)
@@ -288,10 +289,10 @@ def test_worker_loop_takes_up_a_waiting_plan_in_the_launch_ahead_order(tiny_mode
             return super().finish(pending)
 
     plans = tiny_plans()[:3]
-    reference = ModelRunner(RunnerConfig(model_path=tiny_model, progress=False, **TINY))
-    expected = [unpack_i32(reference.step(p).token_ids).tolist() for p in plans]
-    runner = LoggingRunner(RunnerConfig(model_path=tiny_model, progress=False,
-                                        launch_ahead=launch_ahead, **TINY))
+    reference = Worker(worker_config(model_path=tiny_model, progress=False, **TINY))
+    expected = [unpack_i32(reference.run_step(p).token_ids).tolist() for p in plans]
+    runner = LoggingWorker(worker_config(model_path=tiny_model, progress=False,
+                                         launch_ahead=launch_ahead, **TINY))
     ctx = zmq.Context()
     worker_side, scheduler_side = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     try:
@@ -326,8 +327,8 @@ async def test_launched_ahead_step_failure_comes_after_the_earlier_result(tiny_m
                                                                           launch_ahead):
     # Plan 2 is prepared (and fails) while step 1 is still pending: step 1's result must still
     # arrive first, then the failure of step 2.
-    async with WorkerHandle({"model_path": tiny_model, "launch_ahead": launch_ahead, **TINY},
-                            ready_timeout_s=60, env=WORKER_ENV) as h:
+    async with WorkerHandle(worker_config(model_path=tiny_model, launch_ahead=launch_ahead,
+                                          **TINY), ready_timeout_s=60, env=WORKER_ENV) as h:
         await h.send_plan(tiny_plans()[0])
         await h.send_plan(StepPlan(2, [], [], [], pack_i32([99]), pack_i32([])))
         first = await h.next_result()
@@ -339,7 +340,8 @@ async def test_launched_ahead_step_failure_comes_after_the_earlier_result(tiny_m
 @pytest.mark.anyio
 async def test_worker_that_cannot_load_reports_why(tmp_path):
     missing = tmp_path / "no-such-model.gguf"
-    h = WorkerHandle({"model_path": str(missing), **SMALL}, ready_timeout_s=60, env=WORKER_ENV)
+    h = WorkerHandle(worker_config(model_path=str(missing), **SMALL), ready_timeout_s=60,
+                     env=WORKER_ENV)
     with pytest.raises(WorkerStartError) as err:
         await h.start()
     message = str(err.value)
@@ -356,10 +358,11 @@ async def test_parent_killed_worker_exits_by_itself(model):
     # the main thread is busy there, so this exercises the worker's own parent watch.
     parent_code = textwrap.dedent("""
         import sys, anyio
+        from ipc.worker_config import worker_config
         from service.worker_supervisor import WorkerHandle
 
         async def main():
-            h = WorkerHandle({"model_path": sys.argv[1], "dtype": "fp32"})
+            h = WorkerHandle(worker_config(model_path=sys.argv[1], dtype="fp32"))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(h.start)
                 while h.pid is None:

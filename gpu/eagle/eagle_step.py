@@ -1,0 +1,287 @@
+"""The EAGLE step ("spec v2" shape): the same prepare / launch / finish interface as PlainStep.
+
+The FutureMap protocol of an EAGLE step (every running request's state crosses steps through
+it, so a plan never carries a length or a token of a decoding request, and plan k+1 may be
+built before step k's result is known):
+    prefill:  target forward (capturing the draft's input states) -> sample -> *commit*
+              (publish lengths, stash the bonus token, record) -> draft extend over the chunk
+              -> *stash_spec* (draft top-k, draft hidden)
+    decode:   *resolve* (root token, lengths, draft relay) -> draft `num_steps` levels -> verify
+              the tree in one target forward -> accept -> compact the accepted path's KV
+              (trees) -> *commit* (new lengths, bonus token, accepted tokens) -> draft extend
+              over the accepted tokens -> *stash_spec*
+Shapes are static per step (the draft extend always covers num_steps + 1 positions, the verify
+tree always num_draft_tokens nodes), so nothing here needs the accept lengths on the host
+except the result message itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from gpu.device import host_to_device
+from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
+from gpu.eagle.drafter import Drafter, SpecBatches
+from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
+                                    pad_to, rows_of)
+from gpu.eagle.tree import DraftTree
+from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.sampler import DraftedBefore
+from gpu.step_types import PendingStep, PreparedStep
+from gpu.worker_state import WorkerState
+from ipc.worker_messages import ExtendEntry, StepResult, pack_i32, unpack_i32
+
+
+def hidden_size_for(step: "EagleStep | object") -> int:
+    """Width of the target hidden states a step hands its draft head: the concatenation of
+    the captured layers for EAGLE-3, the final hidden state otherwise. The one place this width
+    is computed; idle batches build their empty tensors from it."""
+    if isinstance(step, EagleStep):
+        return step.drafter.head.config.input_hidden_size
+    return step.state.model_config.hidden_size
+
+
+class EagleStep:
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        self.settings = settings = state.cfg.spec.validate()
+        self.drafter = drafter = Drafter(state, settings)
+        self.head = drafter.head
+        self.capture_layers = tuple(self.head.config.capture_layers)
+        # Host lengths only if some backend in use (target or draft) needs them.
+        self.needs_cpu_seq_lens = (state.attn.needs_cpu_seq_lens
+                                   or drafter.draft_attn.needs_cpu_seq_lens)
+        self.batches = SpecBatches(state, self.needs_cpu_seq_lens)
+        state.future_map.enable_spec(settings.topk, self.head.config.hidden_size, state.dtype)
+        self.max_position = drafter.max_position
+        # Lifetime acceptance counters, per draft position (for telemetry and benchmarks).
+        self.num_verify_rows = 0
+        self.accepted_per_position = np.zeros(settings.num_steps, dtype=np.int64)
+
+    # -- the interface the Worker calls ------------------------------------------------------
+
+    def prepare(self, step: PreparedStep) -> None:
+        """Nothing beyond the plan's bookkeeping: the EAGLE step builds its batches as it goes."""
+
+    def launch(self, step: PreparedStep, pending: PendingStep) -> None:
+        """Enqueue every kernel of the step, the FutureMap's writes included, and nothing that
+        waits for the device, so the host can plan the next step while this one runs
+        (tests/test_host_sync.py checks it)."""
+        plan, parts = step.plan, []
+        if plan.extends:
+            parts.append(self._prefill(plan.extends))
+        decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
+        if len(decode_host) or not plan.extends:  # an empty plan runs the decode path idle
+            parts.append(self._decode(decode_host))
+        pending.parts = parts
+        pending.copy = self.state.streams.copy_to_host(outputs_of(parts))
+
+    def finish(self, pending: PendingStep, host: dict[str, torch.Tensor]) -> StepResult:
+        """The step's result from its parts' outputs, landed on the host (timings left 0)."""
+        rows = rows_of(pending.parts, host)
+        for part, r in zip(pending.parts, rows):
+            if part.verify:  # acceptance counters, per draft position
+                self.num_verify_rows += len(r.accept_lens)
+                for a in r.accept_lens:
+                    self.accepted_per_position[:a] += 1
+        tokens = [t for r in rows for t in r.tokens]
+        logprobs, n_top, top_ids, top_lps = merge_logprobs(rows)
+        return StepResult(
+            step_id=pending.step_id, slots=pack_i32(np.concatenate([r.slots for r in rows])),
+            token_ids=pack_i32(np.concatenate(tokens) if tokens else np.zeros(0)),
+            logprobs=logprobs, top_logprobs_n=n_top, top_logprob_ids=top_ids,
+            top_logprobs=top_lps, forward_ms=0.0,
+            accept_lens=pack_i32(np.concatenate([r.accept_lens for r in rows])))
+
+    # -- forwards ---------------------------------------------------------------------------
+
+    def _target(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward; returns (final hidden, the draft's input features)."""
+        st = self.state
+        if batch.batch_size:
+            st.attn.init_forward_metadata(batch)
+        hidden, captured = st.model.hidden_states(batch, st.attn, self.capture_layers)
+        feats = torch.cat(captured, dim=-1) if captured else hidden
+        return hidden, feats.view(-1, hidden_size_for(self))
+
+    def _prefill(self, extends: list[ExtendEntry]) -> StepPart:
+        st, dev = self.state, self.state.device
+        ids = [unpack_i32(e.token_ids) for e in extends]
+        for e, chunk in zip(extends, ids):
+            st.sampling_state.add_prefill_chunk(e.slot, chunk, e.prefix_len)
+        # Checked on the host: the draft extend pairs each position with the next token.
+        if any(not e.sample and e.next_token < 0 for e in extends):
+            raise ValueError("a non-final prefill chunk came without next_token: the scheduler "
+                             "must send one token of lookahead when speculating")
+        lens_host = np.array([len(c) for c in ids], dtype=np.int64)
+        total = int(lens_host.sum())
+        lens = host_to_device(lens_host, dev)
+        slots = host_to_device(np.array([e.slot for e in extends], dtype=np.int64), dev)
+        prefix = host_to_device(np.array([e.prefix_len for e in extends], dtype=np.int64), dev)
+        input_ids = host_to_device(np.concatenate(ids).astype(np.int64), dev)
+        starts = torch.cumsum(lens, 0) - lens
+        positions = (torch.arange(total, device=dev)
+                     - torch.repeat_interleave(starts - prefix, lens, output_size=total))
+        token_slots = torch.repeat_interleave(slots, lens, output_size=total)
+        batch = self.batches.make(ForwardMode.EXTEND, input_ids, positions, slots, prefix, lens,
+                                  prefix + lens,
+                                  st.req_to_token.req_to_token[token_slots, positions].long())
+        hidden, feats = self._target(batch)
+        st.future_map.publish(slots, batch.seq_lens)  # every chunk's length, sampled or not
+
+        last = starts + lens - 1
+        sample_host = np.array([i for i, e in enumerate(extends) if e.sample], dtype=np.int64)
+        sample_rows = host_to_device(sample_host, dev)
+        sample_slots = slots[sample_rows]
+        slots_host = np.array([extends[i].slot for i in sample_host], dtype=np.int64)
+        out = st.sampler.sample(st.model.logits(hidden[last[sample_rows]]), sample_slots,
+                                batch.seq_lens[sample_rows], slots_host=slots_host)
+        st.commit(sample_slots, out.token_ids)
+
+        # Draft extend: position t pairs the target's state at t with token t + 1.
+        following = host_to_device(np.array([e.next_token for e in extends], dtype=np.int64),
+                                   dev)
+        following[sample_rows] = out.token_ids
+        draft_ids = torch.empty_like(input_ids)
+        draft_ids[:-1] = input_ids[1:]
+        draft_ids[last] = following
+        h_out, h_logits = self.drafter.forward(dataclasses.replace(batch, input_ids=draft_ids),
+                                               feats)
+        rows = last[sample_rows]
+        topk_p, topk_ids = self.drafter.topk(h_logits[rows])
+        st.future_map.stash_spec(sample_slots, topk_p, topk_ids, h_out[rows])
+        return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
+
+    def _decode(self, slots_host: np.ndarray) -> StepPart:
+        st, s, dev = self.state, self.settings, self.state.device
+        slots = host_to_device(slots_host, dev)
+        bs, T, E = len(slots_host), s.num_draft_tokens, s.num_steps + 1
+        fm, batches = st.future_map, self.batches
+        seq_lens = fm.resolve_seq_lens(slots)  # L: tokens in the target's cache
+        root = fm.resolve_future(slots)  # the last bonus token, at position L
+        if s.disable_above_batch_size and bs > s.disable_above_batch_size:
+            return self._decode_plain(slots, slots_host, seq_lens, root)
+        topk_p, topk_ids, draft_hidden = fm.resolve_spec(slots)
+        tree = self.drafter.tree(batches, slots, seq_lens, root, topk_p, topk_ids, draft_hidden)
+
+        # Verify: node j's KV goes to index L + j; it sits at position L + depth(j).
+        cols = torch.arange(T, device=dev)
+        positions = (seq_lens[:, None] + tree.depth).clamp_(max=self.max_position)
+        batch = batches.make(
+            ForwardMode.EXTEND, tree.tokens.reshape(-1), positions.reshape(-1), slots,
+            seq_lens, torch.full_like(seq_lens, T), seq_lens + T,
+            batches.locs(slots, seq_lens[:, None] + cols),
+            tree.mask if s.topk > 1 else None)  # a chain is the ordinary causal extend
+        hidden, feats = self._target(batch)
+        logits = st.model.logits(hidden)  # [bs * T, V]
+        result = self._accept(tree, logits, slots, slots_host, positions)
+        acc = result.accept_lens
+        if s.topk > 1:
+            self._compact_kv(slots, seq_lens, result)
+        emitted = torch.arange(E, device=dev)[None, :] <= acc[:, None]  # [bs, E]
+        out_tokens = pad_to(result.accepted_tokens, E)
+        # Static shapes: every candidate is recorded, weighted by whether it was emitted.
+        st.commit(slots, result.bonus_tokens, seq_lens=seq_lens + acc + 1,
+                  emitted=out_tokens.clamp(min=0).reshape(-1),
+                  emitted_slots=slots[:, None].expand(-1, E).reshape(-1),
+                  weights=emitted.reshape(-1))
+
+        # Draft extend over the accepted path (static width E; rows past the path are scratch).
+        path = pad_to(result.path, E).clamp(min=0)
+        width = hidden_size_for(self)
+        path_feats = feats.view(bs, T, width).gather(1, path[:, :, None].expand(-1, -1, width))
+        ext = torch.arange(E, device=dev)
+        draft_batch = batches.make(
+            ForwardMode.EXTEND, out_tokens.clamp(min=0).reshape(-1),
+            (seq_lens[:, None] + ext).clamp_(max=self.max_position).reshape(-1), slots, seq_lens,
+            torch.full_like(seq_lens, E), seq_lens + E, batches.locs(slots, seq_lens[:, None] + ext))
+        h_out, h_logits = self.drafter.forward(draft_batch, path_feats.reshape(bs * E, width))
+        last = torch.arange(bs, device=dev) * E + acc
+        next_p, next_ids = self.drafter.topk(h_logits[last])
+        fm.stash_spec(slots, next_p, next_ids, h_out[last])
+
+        # Logprobs of the emitted tokens, each from the logits of the node it follows (the
+        # root, then the accepted drafts), as the plain step would report them; only when a
+        # request asks (a host check: no gather of [bs * E, vocab] logits otherwise).
+        scored = None
+        if st.sampling_state.max_logprobs(slots_host) >= 0:
+            node_rows = (torch.arange(bs, device=dev)[:, None] * T + path).reshape(-1)
+            scored = st.sampler.logprobs_of(logits[node_rows], slots.repeat_interleave(E),
+                                            out_tokens.clamp(min=0).reshape(-1),
+                                            slots_host=np.repeat(slots_host, E),
+                                            drafted=drafted_before(tree).rows(node_rows))
+        return StepPart(slots_host, {"tokens": out_tokens, "accept": acc,
+                                     **logprob_outputs(scored)}, verify=True)
+
+    def _decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray, seq_lens: torch.Tensor,
+                      root: torch.Tensor) -> StepPart:
+        """A decode step without drafting, for a batch above spec.disable_above_batch_size
+        (there the cores are busy already and a verify costs num_draft_tokens per request):
+        the target decodes the root and samples the next token exactly as the plain step
+        does, then the draft extends over that one token, so its KV and the relayed top-k stay
+        complete and a later, smaller batch speculates from where this one left off. Rows
+        report accept length -1: not verify steps, left out of the acceptance statistics."""
+        st, batches = self.state, self.batches
+        positions = seq_lens.clamp(max=self.max_position)
+        batch = batches.make(ForwardMode.DECODE, root, positions, slots, seq_lens,
+                             torch.ones_like(seq_lens), seq_lens + 1,
+                             batches.locs(slots, seq_lens[:, None]))
+        hidden, feats = self._target(batch)
+        out = st.sampler.sample(st.model.logits(hidden), slots, batch.seq_lens,
+                                slots_host=slots_host)
+        st.commit(slots, out.token_ids, seq_lens=batch.seq_lens)
+        # Draft extend: the target's state at L paired with the token just sampled (L + 1);
+        # the same positions, lengths and KV locations as the target's batch.
+        h_out, h_logits = self.drafter.forward(
+            dataclasses.replace(batch, input_ids=out.token_ids), feats)
+        next_p, next_ids = self.drafter.topk(h_logits)
+        st.future_map.stash_spec(slots, next_p, next_ids, h_out)
+        return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
+
+    def _accept(self, tree: DraftTree, logits: torch.Tensor, slots: torch.Tensor,
+                slots_host: np.ndarray, positions: torch.Tensor) -> AcceptResult:
+        st = self.state
+        bs, T = tree.tokens.shape
+        node_slots = slots.repeat_interleave(T)
+        node_host = np.repeat(slots_host, T)
+        flags = st.sampler.batch_flags(node_slots, node_host)
+        # A node samples the token after the drafts on its path: the penalties and the
+        # min_new_tokens ban count them, as plain decoding would have by then.
+        drafted = drafted_before(tree) if flags.any_penalty or flags.any_min_tokens else None
+        if flags.all_greedy:
+            processed = st.sampler.process_logits(logits, node_slots, flags, drafted)
+            return accept_greedy(tree, processed.argmax(-1).view(bs, T))
+        following = (positions + 1).reshape(-1)  # the position the next token takes
+        probs = st.sampler.target_probs(logits, node_slots, following, slots_host=node_host,
+                                        drafted=drafted)
+        seeds = st.sampling_state.seeds_of(slots)
+        return accept_sampling(tree, probs.view(bs, T, -1), seeds, positions + 1)
+
+    def _compact_kv(self, slots: torch.Tensor, seq_lens: torch.Tensor,
+                    result: AcceptResult) -> None:
+        """Move the accepted nodes' target KV from index L + column to L + depth. Static
+        shapes (no host sync): every depth is copied; one off the path, or already in place,
+        copies its own KV onto itself (all reads happen before the writes)."""
+        path = result.path[:, 1:]  # depth 1.. (the root is already at L)
+        depth = torch.arange(1, path.shape[1] + 1, device=path.device).expand_as(path)
+        src_col = torch.where(path >= 0, path, depth)
+        rows = slots[:, None].expand_as(path)
+        table = self.state.req_to_token.req_to_token
+        src = table[rows, seq_lens[:, None] + src_col].long().reshape(-1)
+        dst = table[rows, seq_lens[:, None] + depth].long().reshape(-1)
+        pool = self.state.kv_pool
+        for layer in range(len(pool.k_buffer)):
+            pool.k_buffer[layer][dst] = pool.k_buffer[layer][src]
+            pool.v_buffer[layer][dst] = pool.v_buffer[layer][src]
+
+
+def drafted_before(tree: DraftTree) -> DraftedBefore:
+    """Per tree node (row b * T + j), the drafts on its path from the root, itself included:
+    the outputs that come before the token node j's logits sample. The root's own token was
+    counted when it was emitted (it is the previous step's bonus)."""
+    bs, t = tree.tokens.shape
+    tokens = tree.tokens[:, None, 1:].expand(bs, t, t - 1).reshape(bs * t, t - 1)
+    return DraftedBefore(tokens.clamp(min=0), tree.mask[:, :, 1:].reshape(bs * t, t - 1))

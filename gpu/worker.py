@@ -1,0 +1,114 @@
+"""The worker: a WorkerState and its step class (PlainStep, or EagleStep under speculative
+decoding), driven by the worker process's loop (gpu/worker_main.py) and by the offline engine.
+
+    worker = Worker(worker_config(model_path="default"))
+    result = worker.finish(worker.launch(plan))
+
+A step runs in two halves: `prepare` (the plan's bookkeeping and batch, on the schedule
+stream) and `launch_prepared` (forward, sampling and the FutureMap's writes, on the forward
+stream); `finish` waits for the result's host copy and packs it with the step's timings.
+On a GPU `launch` returns before the device has run the step; on the CPU it has run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import torch
+
+from gpu.eagle.eagle_step import EagleStep
+from gpu.plain_step import PlainStep
+from gpu.step_streams import ForwardSpan
+from gpu.step_types import PendingStep, PreparedStep
+from gpu.worker_state import WorkerState
+from ipc.worker_config import WorkerConfig
+from ipc.worker_messages import StepPlan, StepResult, WorkerInfo
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.state = WorkerState(cfg)
+        self.step: PlainStep | EagleStep = (EagleStep(self.state) if cfg.spec.enabled
+                                            else PlainStep(self.state))
+        # "auto": launching ahead pays where launching is asynchronous (a GPU); on a CPU
+        # launching *is* computing, so finishing first sends the result sooner.
+        self.launch_ahead = cfg.launch_ahead if cfg.launch_ahead != "auto" else (
+            "on" if self.state.device.type == "cuda" else "off")
+        self._last_forward_end: float | None = None  # host clock (CPU)
+        self._last_span: ForwardSpan | None = None  # device events (GPU)
+
+    def info(self) -> WorkerInfo:
+        return self.state.info()
+
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """Launch and finish one step (no overlap)."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        return self.launch_prepared(self.prepare(plan))
+
+    @torch.inference_mode()
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """The first half of `launch`: the plan's bookkeeping and batch (on the schedule
+        stream, which first waits for the previous forward's reads). Call it after the
+        previous step's `launch_prepared`; the worker process may send that step's result
+        between the two halves (launch_ahead "prepare")."""
+        start = time.perf_counter()
+        step = PreparedStep(plan)
+        with self.state.launch_checks(), self.state.streams.scheduling():
+            self.state.apply_plan(plan)
+            self.step.prepare(step)
+        step.prepare_s = time.perf_counter() - start
+        return step
+
+    @torch.inference_mode()
+    def launch_prepared(self, step: PreparedStep) -> PendingStep:
+        """The second half of `launch`: forward, sampling, the FutureMap's writes, and the
+        result's host copy (no host sync on a GPU)."""
+        start = time.perf_counter()
+        pending = PendingStep(step.plan.step_id)
+        with self.state.launch_checks(), self.state.streams.forwarding() as span:
+            pending.span = span
+            self.step.launch(step, pending)
+        pending.launch_end = time.perf_counter()
+        pending.busy_s = step.prepare_s + pending.launch_end - start
+        return pending
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's result and pack it. Steps finish in launch order."""
+        host = pending.copy.wait() if pending.copy is not None else None
+        forward_ms, idle_ms = self._timings(pending)
+        result = self.step.finish(pending, host)
+        return msgspec.structs.replace(result, forward_ms=forward_ms, idle_ms=idle_ms)
+
+    def _timings(self, pending: PendingStep) -> tuple[float, float]:
+        """The step's forward time and the device's idle time before it, in ms."""
+        if pending.span is not None:  # GPU: the device's own clock
+            pending.span.end.synchronize()
+            idle_ms = 0.0 if self._last_span is None else float(
+                self._last_span.end.elapsed_time(pending.span.start))
+            self._last_span = pending.span
+            return pending.span.elapsed_ms(), idle_ms
+        # CPU: launching is running; idle is the time since the last step's end that this
+        # step did not spend preparing or launching (a result sent between the two)
+        idle_ms = 0.0 if self._last_forward_end is None else max(0.0, (
+            pending.launch_end - self._last_forward_end - pending.busy_s) * 1e3)
+        self._last_forward_end = pending.launch_end
+        return pending.busy_s * 1e3, idle_ms
+
+    def fast_paths(self) -> str:
+        """The fast paths in use, for the worker's ready line in its log."""
+        from gpu.q4_linear import Q4Linear
+
+        model, cfg = self.state.model, self.state.cfg
+        note = (f", {model.q4_projections} projections on the file's 4-bit codes up to "
+                f"{cfg.runtime.q4_max_tokens} tokens" if model.q4_projections else "")
+        if isinstance(model.lm_head, Q4Linear):
+            note += f", the lm_head up to {model.lm_head.max_tokens}"
+        graphs = self.step.decode_graphs if isinstance(self.step, PlainStep) else None
+        if graphs is not None:
+            note += f", CUDA graphs for decode batches up to {graphs.max_batch}"
+        elif cfg.runtime.cuda_graph_max_batch:
+            note += ", no CUDA graphs (they need a CUDA device and no speculative decoding)"
+        return note

@@ -1,0 +1,120 @@
+"""The worker's device state, shared by both step classes (gpu/plain_step.py,
+gpu/eagle/eagle_step.py): weights, the KV pool, `req_to_token`, per-slot sampling state, the
+FutureMap relay buffers and the attention backend, all built once from a WorkerConfig.
+
+A step changes this state only in two places: `apply_plan` (the plan's bookkeeping: released
+slots, new requests, page grants) and `commit` (the FutureMap's write half after sampling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu.attention import make_attention_backend
+from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
+from gpu.future_map import FutureMap
+from gpu.kv_cache import KVPool, ReqToTokenPool
+from gpu.llama import LlamaModel
+from gpu.loader.load import load_model
+from gpu.plan_check import check_plan
+from gpu.q4_linear import q4_applies
+from gpu.sampler import Sampler, SamplingState
+from gpu.step_streams import StepStreams
+from gpu.sync_guard import no_host_sync, sync_check_from_env
+from ipc.worker_config import WorkerConfig
+from ipc.worker_messages import WORKER_PROTOCOL_VERSION, StepPlan, WorkerInfo, unpack_i32
+
+
+class WorkerState:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        cfg = cfg.validate()
+        self.cfg = cfg
+        rt = cfg.runtime
+        self.device = resolve_device(cfg.model.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        if self.device.type == "cpu" and rt.worker_cpu_threads > 0:
+            torch.set_num_threads(rt.worker_cpu_threads)
+        keep_q4 = cfg.weight_quant == "none" and q4_applies(self.device, self.dtype,
+                                                             rt.q4_max_tokens)
+        loaded = load_model(cfg.model.path, dtype=self.dtype, progress=cfg.progress,
+                            keep_q4=keep_q4)
+        self.model_config = mc = loaded.config
+        self.model_name = Path(cfg.model.path).name
+        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
+                                weight_quant=cfg.weight_quant, q4=loaded.q4,
+                                q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4)
+        del loaded
+        self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
+        self.page_size = rt.page_size
+        self.num_slots = rt.max_running_requests + 1  # slot 0 is padding
+        num_pages = -(-rt.max_kv_tokens // rt.page_size) + 1  # page 0 is padding
+        self.kv_pool = KVPool(mc.num_layers, num_pages, rt.page_size, mc.num_kv_heads,
+                              mc.head_dim, self.dtype, self.device)
+        # Under speculation a request near the context limit still drafts and verifies a few
+        # positions past it (the scheduler discards those tokens): its row has room for them.
+        self.req_to_token = ReqToTokenPool(self.num_slots,
+                                           self.max_context_len + cfg.spec.reserve_tokens,
+                                           rt.page_size, self.device)
+        self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
+                                           mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device,
+                                            eos_token_ids=mc.eos_token_ids)
+        self.sampler = Sampler(self.sampling_state)
+        # The env variables turn the debug checks on in workers the tests start.
+        self.future_map = FutureMap(self.num_slots, self.device, rt.wrwr_check or None)
+        self.sync_check = rt.sync_check or sync_check_from_env()
+        self.streams = StepStreams(self.device)
+
+    def info(self) -> WorkerInfo:
+        mc, spec = self.model_config, self.cfg.spec
+        return WorkerInfo(
+            protocol_version=WORKER_PROTOCOL_VERSION, model_name=self.model_name,
+            device=device_kind(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.cfg.runtime.attention_backend, num_layers=mc.num_layers,
+            vocab_size=mc.vocab_size, max_context_len=self.max_context_len,
+            page_size=self.page_size, num_pages=self.kv_pool.num_pages,
+            num_slots=self.num_slots, eos_token_ids=list(mc.eos_token_ids),
+            spec_algorithm=spec.algorithm, spec_num_steps=spec.num_steps if spec.enabled else 0,
+            spec_reserve_tokens=spec.reserve_tokens)
+
+    def launch_checks(self):
+        """no_host_sync around preparing and launching when sync_check is on (debug)."""
+        return no_host_sync(self.device) if self.sync_check else contextlib.nullcontext()
+
+    def apply_plan(self, plan: StepPlan) -> None:
+        """The plan's bookkeeping: released slots forget their sampling state and FutureMap
+        entries, new requests get theirs, granted pages enter `req_to_token`."""
+        check_plan(plan, self.num_slots, self.kv_pool.num_pages,
+                   self.req_to_token.max_context_len, self.model_config.vocab_size)
+        released = unpack_i32(plan.released_slots)
+        for slot in released.tolist():
+            self.sampling_state.release(slot)
+        self.future_map.release(host_to_device(released.astype(np.int64), self.device))
+        for req in plan.new_requests:
+            self.sampling_state.set_request(req.slot, req.params, [], req.output_start)
+            if req.cached_ids:  # a borrowed prefix: no prefill chunk will carry it
+                self.sampling_state.add_prefill_chunk(req.slot, unpack_i32(req.cached_ids), 0)
+        for grant in plan.grants:
+            pages = host_to_device(unpack_i32(grant.pages).copy(), self.device)
+            self.req_to_token.grant_pages(grant.slot, grant.first_page_index, pages)
+
+    def commit(self, slots: torch.Tensor, next_tokens: torch.Tensor,
+               seq_lens: torch.Tensor | None = None, emitted: torch.Tensor | None = None,
+               emitted_slots: torch.Tensor | None = None,
+               weights: torch.Tensor | None = None) -> None:
+        """The FutureMap's write half for one step's rows, after sampling: publish each slot's
+        new length (None: published before the forward, see PlainStep), stash the token the
+        next step resolves as its input, and record the emitted tokens for penalties and
+        min_new_tokens (`emitted` defaults to `next_tokens`; EAGLE's verify rows emit several,
+        weighted by whether each was accepted)."""
+        if seq_lens is not None:
+            self.future_map.publish(slots, seq_lens)
+        self.future_map.stash(slots, next_tokens)
+        if emitted is None:
+            self.sampling_state.record_outputs(slots, next_tokens)
+        else:
+            self.sampling_state.record_outputs(emitted_slots, emitted, weights=weights)

@@ -1,0 +1,118 @@
+"""The worker's settings, declared once: config.toml's [model] and [runtime] sections are these
+structs, [spec] is `SpecSettings`, and `WorkerConfig` gathers them for one worker.
+
+The service builds a WorkerConfig from config.toml (service/config.py), sends it to the worker
+process as msgpack (gpu/worker_main.py decodes it), and the offline `Engine` takes one too.
+Defaults and ranges live on the fields (msgspec `Meta`), so decoding checks them; a rule tying
+two fields together is a method. Adding a setting touches config.toml, a struct here and the
+code that reads it.
+
+    cfg = worker_config(model_path="default", dtype="fp32", q4_max_tokens=0)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+import msgspec
+from msgspec import Meta
+
+from ipc.spec_settings import SpecSettings
+
+ATTENTION_BACKENDS = ("torch", "triton")
+# The worker's order when plan k+1 is already waiting while step k is launched but not sent:
+#   off:     finish and send step k, then prepare and launch k+1
+#   prepare: prepare k+1 (bookkeeping and batch, on the schedule stream), send k, launch k+1:
+#            the device's gap between the forwards holds only the sending of result k
+#   on:      prepare and launch k+1, then send k (the device never waits, but a host-bound
+#            launch holds result k back by a whole step)
+#   auto:    "on" on GPUs (launching is asynchronous there), "off" on a CPU (there launching
+#            *is* computing, so finishing first sends the result sooner)
+LaunchAhead = Literal["off", "prepare", "on", "auto"]
+LAUNCH_AHEAD_MODES = get_args(LaunchAhead)
+WEIGHT_QUANTS = ("none", "int8", "fp16")  # see gpu/quantized_linear.py
+
+DEFAULT_Q4_MAX_TOKENS = 12
+
+
+class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """config.toml [model]."""
+
+    path: Annotated[str, Meta(pattern=r"\S", description='must be a .gguf file, a Hugging '
+                              'Face model directory or "default"')] = "default"
+    device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                                description='must be "auto", "cpu", "cuda" or "cuda:N"')] = "auto"
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+
+
+class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """config.toml [runtime]; config.toml explains each key."""
+
+    attention_backend: Literal["torch", "triton"] = "torch"
+    page_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    max_kv_tokens: Annotated[int, Meta(ge=1, le=1 << 26)] = 65536
+    max_running_requests: Annotated[int, Meta(ge=1, le=4096)] = 64
+    max_tokens_per_step: Annotated[int, Meta(ge=1, le=1 << 20)] = 2048
+    max_context_len: Annotated[int, Meta(ge=0, le=1 << 24)] = 0  # 0: the model's own limit
+    wrwr_check: bool = False  # FutureMap write/read checks; FMSERVE_WRWR_CHECK=1 turns it on too
+    sync_check: bool = False  # no host sync while launching; FMSERVE_SYNC_CHECK=1 too
+    worker_cpu_threads: Annotated[int, Meta(ge=0, le=1024)] = 0  # 0: auto (the service's rule)
+    q4_max_tokens: Annotated[int, Meta(ge=0, le=4096)] = DEFAULT_Q4_MAX_TOKENS  # 0: never
+    cuda_graph_max_batch: Annotated[int, Meta(ge=0, le=4096)] = 0  # 0: never
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything one worker (or the offline engine's in-process worker) is built from."""
+
+    model: ModelSettings = ModelSettings()
+    runtime: RuntimeSettings = RuntimeSettings()
+    spec: SpecSettings = SpecSettings()
+    launch_ahead: LaunchAhead = "auto"
+    weight_quant: Literal["none", "int8", "fp16"] = "none"  # opt-in compressed dense weights
+    progress: bool = True  # a load progress bar (off in a worker process: stderr is a log)
+
+    def validate(self) -> "WorkerConfig":
+        """The rules that tie fields together; returns self. Raises ValueError."""
+        if self.runtime.max_kv_tokens < self.runtime.page_size:
+            raise ValueError(f"runtime.max_kv_tokens = {self.runtime.max_kv_tokens} must be at "
+                             f"least runtime.page_size = {self.runtime.page_size} (one page)")
+        self.spec.validate()
+        return self
+
+
+_SECTIONS = {"model": ModelSettings, "runtime": RuntimeSettings, "spec": SpecSettings}
+_TOP = {f for f in WorkerConfig.__struct_fields__ if f not in _SECTIONS}
+# Flat names for the offline engine's keyword arguments: model_path is [model] path.
+_ALIASES = {"model_path": ("model", "path")}
+
+
+def _section_of(name: str) -> tuple[str, str]:
+    if name in _ALIASES:
+        return _ALIASES[name]
+    for section, struct in _SECTIONS.items():
+        if name in struct.__struct_fields__ and section != "spec":
+            return section, name
+    raise TypeError(f"{name!r} is not a worker setting; the settings are: "
+                    f"{', '.join(sorted(known_settings()))}")
+
+
+def known_settings() -> list[str]:
+    return ([*_ALIASES] + [f for s in ("model", "runtime") for f in
+                           _SECTIONS[s].__struct_fields__ if f != "path"] + sorted(_TOP) + ["spec"])
+
+
+def worker_config(base: WorkerConfig | None = None, **settings: Any) -> WorkerConfig:
+    """`base` (default: all defaults) with settings given by their flat names, e.g.
+    worker_config(model_path="x.gguf", dtype="fp32", page_size=32, spec=SpecSettings(...)).
+    Checked like a decoded config: a value out of range raises msgspec.ValidationError.
+    A setting given as None is left as it is (a flag not given)."""
+    cfg = msgspec.to_builtins(base or WorkerConfig())
+    for name, value in settings.items():
+        if value is None:
+            continue
+        if name in _TOP or name == "spec":
+            cfg[name] = msgspec.to_builtins(value)
+        else:
+            section, key = _section_of(name)
+            cfg[section][key] = value
+    return msgspec.convert(cfg, WorkerConfig).validate()
