@@ -40,7 +40,7 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     path: Annotated[str, Meta(pattern=r"\S", description='must be a .gguf file, a Hugging '
                               'Face model directory or "default"')] = "default"
-    device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+    device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:\d+)?)\Z",
                                 description='must be "auto", "cpu", "cuda" or "cuda:N"')] = "auto"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
 

@@ -26,7 +26,8 @@ from ipc.worker_messages import (ExtendEntry, NewRequest, PageGrant, StepPlan, p
                                  unpack_i32)
 from ipc.zmq_util import ipc_path
 from service.request import FinishReason
-from service.scheduler_core import SchedulerConfig, SchedulerCore
+from service.scheduler import Scheduler
+from service.scheduler_core import SchedulerConfig
 from service.tokenizer import TextTokenizer
 from service.worker_supervisor import WorkerDied, WorkerHandle, WorkerStartError
 
@@ -143,7 +144,7 @@ async def handle(loaded) -> WorkerHandle:
     return h
 
 
-async def run_through(handle: WorkerHandle, sched: SchedulerCore) -> dict[str, list[int]]:
+async def run_through(handle: WorkerHandle, sched: Scheduler) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     while sched.has_work:
         plan = sched.plan_step()
@@ -174,7 +175,7 @@ async def test_worker_process_matches_in_process_engine(loaded, handle, tokenize
     assert handle.info == engine.info  # same capacity and model, whichever side loaded it
 
     expected = engine.generate(PROMPTS, PARAMS)
-    sched = SchedulerCore(handle.info, tokenizer, SchedulerConfig())
+    sched = Scheduler(handle.info, tokenizer, SchedulerConfig())
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
         sched.add_request(f"p{i}", engine.encode(prompt), params)
     got = await run_through(handle, sched)
@@ -188,7 +189,7 @@ async def test_sigkill_during_step_raises_worker_died_then_restart_works(loaded,
     if handle.info.device != "cpu":
         pytest.skip("the kill must land inside a step: a 3000-token prefill takes seconds on a "
                     "CPU but milliseconds on a GPU")
-    sched = SchedulerCore(handle.info, tokenizer, SchedulerConfig(max_tokens_per_step=4096))
+    sched = Scheduler(handle.info, tokenizer, SchedulerConfig(max_tokens_per_step=4096))
     long_prompt = (tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 400)[:3000]
     sched.add_request("long", long_prompt, SamplingParams(temperature=0.0, max_new_tokens=4))
     plan = sched.plan_step()
