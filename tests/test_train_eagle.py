@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmserve.train_eagle.data import CapturedData
+from fmserve.train_eagle.shards import CapturedData
 from fmserve.train_eagle.ttt import collate, ttt_forward
 from gpu.eagle.head_io import load_draft_head, random_draft_head
 from gpu.model_config import ModelConfig
@@ -112,8 +112,9 @@ PROMPTS = ["Name three colours.", "What is 2 + 2?", "Write a short greeting.",
 def tiny_run(model_path, tmp_path_factory):
     """Data for 4 prompts (8 new tokens each) and the target's weights, made once."""
     from fmserve.engine import Engine
-    from fmserve.train_eagle.data import DataConfig, build_dataset, load_dataset
-    from fmserve.train_eagle.trainer import load_target
+    from fmserve.train_eagle.data import DataConfig, build_dataset
+    from fmserve.train_eagle.head import load_target
+    from fmserve.train_eagle.shards import load_dataset
     from gpu.eagle.draft_head import default_aux_layer_ids
 
     work = tmp_path_factory.mktemp("train_eagle")
@@ -149,7 +150,7 @@ def test_data_shards_are_resumable(tiny_run, model_path):
     # The hidden states stay on disk until read: each sequence's rows are its slice of the file.
     from safetensors.torch import load_file
 
-    from fmserve.train_eagle.data import ShardFile
+    from fmserve.train_eagle.shards import ShardFile
     assert all(isinstance(s, ShardFile) for s in data.shards)
     assert not any(k in s._small for s in data.shards for k in ShardFile.ON_DISK)
     whole = [load_file(str(work / "data" / e["file"])) for e in manifest["shards"]]
@@ -184,7 +185,8 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
     (several sequences in one forward) gives what one-at-a-time capture gives."""
     from fmserve.engine import Engine
     from fmserve.train_eagle.cli import main
-    from fmserve.train_eagle.data import capture_sequences, load_dataset
+    from fmserve.train_eagle.capture import capture_sequences
+    from fmserve.train_eagle.shards import load_dataset
     from fmserve.train_eagle.portable import export_tokens, read_tokens, recapture
 
     work, data, _ = tiny_run
@@ -374,7 +376,7 @@ def test_a_wider_head_trains_ships_and_is_kept_by_fine_tuning(tiny_run, model_pa
 def test_the_widest_head_the_help_names_fits_in_25_mb(tmp_path, model_path):
     """The default model's head at 2944 wide with 8,192 draft tokens, in fp16, stays under the
     25 MB the repository allows a shipped head (--head-intermediate-size's help says so)."""
-    from fmserve.train_eagle.trainer import load_target
+    from fmserve.train_eagle.head import load_target
     from gpu.eagle.head_io import random_draft_head, save_draft_head
 
     model_cfg, embed, _, _ = load_target(model_path)
@@ -387,7 +389,7 @@ def test_the_widest_head_the_help_names_fits_in_25_mb(tmp_path, model_path):
 def test_remap_lm_head_keeps_shared_rows_and_maps_new_ones_through_the_embedding():
     from types import SimpleNamespace
 
-    from fmserve.train_eagle.trainer import remap_lm_head
+    from fmserve.train_eagle.head import remap_lm_head
 
     gen = torch.Generator().manual_seed(0)
     embed = torch.randn(256, 8, generator=gen)
@@ -413,7 +415,7 @@ def test_remap_lm_head_keeps_shared_rows_and_maps_new_ones_through_the_embedding
 
 def test_refresh_vocab_counts_this_runs_vocabulary_and_keeps_the_trained_layers(tiny_run,
                                                                                model_path):
-    from fmserve.train_eagle.data import response_token_counts
+    from fmserve.train_eagle.shards import response_token_counts
     from fmserve.train_eagle.trainer import train
     from gpu.eagle.vocab_map import build_vocab_map
 
@@ -450,7 +452,7 @@ def test_extra_data_is_trained_on_and_the_held_out_tail_is_the_work_dirs(tiny_ru
                                                                           tmp_path):
     import shutil
 
-    from fmserve.train_eagle.data import load_datasets
+    from fmserve.train_eagle.shards import load_datasets
     from fmserve.train_eagle.trainer import train
 
     work, data, target = tiny_run
@@ -525,7 +527,8 @@ def keep_torch_threads():
 
 
 def test_shard_groups_and_engine_sizes():
-    from fmserve.train_eagle.cli import add_arguments, gen_engine_sizes
+    from fmserve.train_eagle.cli import add_arguments
+    from fmserve.train_eagle.stages import gen_engine_sizes
     from fmserve.train_eagle.data import shard_groups
 
     assert shard_groups([0, 1, 2, 3], [200] * 4, None) == [[0], [1], [2], [3]]
@@ -574,7 +577,7 @@ def test_cli_device_cpu_is_accepted_and_recorded(model_path, tmp_path, keep_torc
                      "--gen-batch-size", "4")) == 0
     from safetensors import safe_open
 
-    from fmserve.train_eagle.data import load_dataset
+    from fmserve.train_eagle.shards import load_dataset
     assert len(load_dataset(tmp_path / "data")) == 4
     for shard in sorted((tmp_path / "data").glob("shard-*.safetensors")):
         with safe_open(str(shard), "pt") as f:
@@ -594,8 +597,9 @@ def test_cuda_end_to_end(model_path, tmp_path, keep_torch_threads):
     bf16 autocast (the loss drops; its first step agrees with the CPU's), CPU checkpoints that
     resume on the CPU, a head that loads anywhere, and both evaluations on the GPU."""
     from fmserve.train_eagle.cli import main
-    from fmserve.train_eagle.data import load_dataset
-    from fmserve.train_eagle.trainer import load_target, train
+    from fmserve.train_eagle.shards import load_dataset
+    from fmserve.train_eagle.head import load_target
+    from fmserve.train_eagle.trainer import train
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

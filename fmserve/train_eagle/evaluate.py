@@ -20,8 +20,11 @@ from pathlib import Path
 
 import torch
 
-from fmserve.train_eagle.data import DataConfig, build_dataset, load_dataset, log, \
-    read_prompts, select_prompts
+from fmserve.train_eagle.data import DataConfig, build_dataset, log, read_prompts, select_prompts
+from fmserve.train_eagle.head import draft_embed, load_target
+from fmserve.train_eagle.schedule import epoch_batches
+from fmserve.train_eagle.shards import load_dataset
+from fmserve.train_eagle.ttt import collate, ttt_forward
 from ipc.spec_settings import accept_length
 
 
@@ -84,9 +87,6 @@ def estimate_accept_length(head, data, embed: torch.Tensor, num_steps: int,
                            ) -> tuple[float, list[float], int]:
     """(mean accept length, per-step accuracy given the earlier drafts right, roots counted)
     over every chain root whose ``num_steps`` drafts all fall inside the response."""
-    from fmserve.train_eagle.trainer import draft_embed, epoch_batches
-    from fmserve.train_eagle.ttt import collate, ttt_forward
-
     head.eval()
     dembed = draft_embed_ if draft_embed_ is not None else draft_embed(head, embed)
     device = dembed.device
@@ -115,7 +115,6 @@ def evaluate_estimate(model_path: Path, head_dir: Path, prompts_file: str, num_p
                       dtype: str = "auto", progress: bool = True, governor=None,
                       device: str = "auto") -> tuple[float, list[float], int]:
     from fmserve.engine import Engine
-    from fmserve.train_eagle.trainer import load_target
     from gpu.device import resolve_device
     from gpu.eagle.head_io import load_draft_head
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
-from fmserve.train_eagle.data import (FORMAT_VERSION, MANIFEST, _check_manifest, _shard_done,
-                                      _write_json, capture_sequences, log, shard_path)
+from fmserve.train_eagle.capture import capture_sequences
+from fmserve.train_eagle.data import log
+from fmserve.train_eagle.shards import (FORMAT_VERSION, MANIFEST, check_manifest, shard_done,
+                                        shard_path, write_json)
 
 TOKENS_FORMAT = "fmserve-eagle-tokens-1"
 
@@ -91,10 +93,10 @@ def read_tokens(path: str | Path) -> tuple[list[list[int]], list[int], list[int]
     return seqs, t["prompt_lens"].tolist(), t["sampled"].tolist(), meta
 
 
-def recapture(runner, tokens_file: str | Path, work_dir: str | Path,
+def recapture(worker, tokens_file: str | Path, work_dir: str | Path,
               capture_layers: tuple[int, ...], model_name: str, shard_size: int = 256,
               max_batch_tokens: int = 32768, progress: bool = True) -> Path:
-    """Shards of ``tokens_file``'s sequences captured on ``runner`` (resumable: shards on disk
+    """Shards of ``tokens_file``'s sequences captured on ``worker`` (resumable: shards on disk
     are kept). Returns the manifest's path; train on it as on generated data."""
     import json
 
@@ -111,7 +113,7 @@ def recapture(runner, tokens_file: str | Path, work_dir: str | Path,
     digest = hashlib.sha256(Path(tokens_file).expanduser().read_bytes()).hexdigest()[:16]
     header = {"format": FORMAT_VERSION, "model": model_name,
               "capture_layers": list(capture_layers), "selection": {"tokens_sha256": digest}}
-    _check_manifest(work_dir, header)
+    check_manifest(work_dir, header)
     starts = list(range(0, len(seqs), shard_size))
     shards = []
     bar = tqdm(total=len(seqs), desc="recapture", unit="seq", disable=not progress,
@@ -120,19 +122,19 @@ def recapture(runner, tokens_file: str | Path, work_dir: str | Path,
     for i, a in enumerate(starts):
         b = min(a + shard_size, len(seqs))
         shards.append({"file": shard_path(work_dir, i).name, "num_prompts": b - a})
-        if _shard_done(work_dir, i, b - a):
+        if shard_done(work_dir, i, b - a):
             bar.update(b - a)
             continue
-        shard = capture_sequences(runner, seqs[a:b], capture_layers, max_batch_tokens)
+        shard = capture_sequences(worker, seqs[a:b], capture_layers, max_batch_tokens)
         shard["prompt_lens"] = torch.tensor(prompt_lens[a:b], dtype=torch.int64)
         shard["sampled"] = torch.tensor(sampled[a:b], dtype=torch.int8)
         tmp = shard_path(work_dir, i).with_suffix(".tmp")
         save_file(shard, str(tmp), metadata={"num_prompts": str(b - a), "first_index": str(a)})
         tmp.replace(shard_path(work_dir, i))
         bar.update(b - a)
-        _write_json(work_dir / MANIFEST, {**header, "shards": shards, "complete": False})
+        write_json(work_dir / MANIFEST, {**header, "shards": shards, "complete": False})
     bar.close()
-    _write_json(work_dir / MANIFEST, {**header, "shards": shards, "complete": True})
+    write_json(work_dir / MANIFEST, {**header, "shards": shards, "complete": True})
     dt = time.perf_counter() - t0
     log(f"recapture: {len(seqs)} sequences, {sum(map(len, seqs))} tokens in {dt:.0f} s "
         f"-> {work_dir}")

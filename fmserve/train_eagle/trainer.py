@@ -1,4 +1,5 @@
-"""The training loop: batches, AdamW with warmup + cosine, checkpoints, --resume, the shipped head.
+"""The training loop: batches, AdamW with warmup + cosine, checkpoints, --resume, the shipped head
+(built in head.py; batches and schedule in schedule.py; checkpoints in checkpoints.py).
 
 The head starts from ``random_draft_head`` (HF init) with the draft vocabulary of the responses'
 most frequent tokens.
@@ -15,11 +16,8 @@ device resumes on the other. On the CPU the numerics are plain fp32, as they alw
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -28,7 +26,13 @@ from pathlib import Path
 
 import torch
 
-from fmserve.train_eagle.data import CapturedData, load_datasets, log, response_token_counts
+from fmserve.train_eagle.checkpoints import latest_checkpoint, save_checkpoint, to_cpu
+from fmserve.train_eagle.data import device_label, log
+from fmserve.train_eagle.evaluate import estimate_accept_length
+from fmserve.train_eagle.head import (build_head, draft_embed, init_from_head, load_target,
+                                      ship_head, vocab_counts_with_prior)
+from fmserve.train_eagle.schedule import Schedule, default_warmup, epoch_batches
+from fmserve.train_eagle.shards import CapturedData, load_datasets, response_token_counts
 from fmserve.train_eagle.ttt import collate, expected_accept_length, ttt_forward
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -94,218 +98,9 @@ class TrainConfig:
                    precision=getattr(args, "precision", "auto"))
 
 
-# -- batches and schedule -----------------------------------------------------------------------
-
-def epoch_batches(lengths: list[int], max_batch_tokens: int, seed: int, epoch: int
-                  ) -> list[list[int]]:
-    """Sequences of similar length together (B * longest <= max_batch_tokens), in an order fixed
-    by (seed, epoch) so a resumed run sees the same batches."""
-    rng = random.Random(f"{seed}:{epoch}")
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    batches: list[list[int]] = []
-    window = 512
-    for w in range(0, len(order), window):
-        cur: list[int] = []
-        longest = 0
-        for j in sorted(order[w:w + window], key=lambda j: lengths[j]):
-            if cur and max(longest, lengths[j]) * (len(cur) + 1) > max_batch_tokens:
-                batches.append(cur)
-                cur, longest = [], 0
-            cur.append(j)
-            longest = max(longest, lengths[j])
-        if cur:
-            batches.append(cur)
-    rng.shuffle(batches)
-    return batches
-
-
-@dataclass
-class Schedule:
-    """Linear warmup, then cosine decay to min_ratio at total_steps. Mutable: a time budget
-    sets total_steps once the speed is known."""
-
-    total_steps: int
-    warmup: int
-    min_ratio: float
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        t = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-
-def default_warmup(total_steps: int) -> int:
-    return min(50, max(1, total_steps // 20))
-
-
-CALIBRATION_STEPS = 8  # steps timed before a --max-minutes budget fixes the schedule
-
-
-# -- the head -----------------------------------------------------------------------------------
-
-def build_head(model_cfg, embed: torch.Tensor, final_norm: torch.Tensor,
-               token_counts: torch.Tensor, draft_vocab_size: int, seed: int,
-               init_lm_head_from_target: bool = False, intermediate_size: int = 0):
-    """A fresh head (HF-style random init, as SpecForge starts) with the draft vocabulary of the
-    most frequent response tokens. ``init_lm_head_from_target`` starts lm_head and the final
-    norm from the target's instead: measured worse here (the random first steps make the
-    borrowed logits wildly overconfident, loss ~70 against ~27 from random)."""
-    from gpu.eagle.head_io import random_draft_head
-    from gpu.eagle.vocab_map import build_vocab_map
-
-    dv = min(draft_vocab_size, model_cfg.vocab_size)
-    head = random_draft_head(model_cfg, embed, None, algorithm="eagle3", draft_vocab_size=dv,
-                             seed=seed, dtype=torch.float32,
-                             intermediate_size=intermediate_size or None)
-    d2t, t2d = build_vocab_map(token_counts, dv)
-    with torch.no_grad():
-        head.d2t.copy_(d2t)
-        head.t2d.copy_(t2d)
-        if init_lm_head_from_target:
-            head.lm_head.weight.copy_(embed[torch.arange(dv) + d2t])
-            head.norm.weight.copy_(final_norm)
-    return head
-
-
-def vocab_counts_with_prior(response_counts: torch.Tensor, prior_file: str,
-                            model_path: Path) -> torch.Tensor:
-    """Response counts (weighted 10x) plus token counts of the prompts and references of a JSONL
-    file: a steadier frequency estimate than a few hundred responses give (+1.5 points of
-    held-out coverage at 8192 measured). Ties still go to the lower (more common BPE) id."""
-    from service.tokenizer import TextTokenizer
-
-    texts = []
-    with open(Path(prior_file).expanduser(), encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                if isinstance(row, dict):
-                    texts += [str(row.get("prompt") or ""), str(row.get("reference") or "")]
-    tok = TextTokenizer.from_model_path(model_path)
-    vocab = response_counts.shape[0]
-    prior = torch.zeros(vocab, dtype=torch.int64)
-    for i in range(0, len(texts), 1024):
-        for ids in (tok.encode(t) for t in texts[i:i + 1024] if t):
-            if ids:
-                prior += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab)
-    scale = max(1, int(prior.sum()) // max(1, int(response_counts.sum())))
-    return 10 * scale * response_counts + prior
-
-
-def init_from_head(head, directory: str, model_cfg, embed: torch.Tensor,
-                   refresh_vocab: bool = False) -> None:
-    """Start ``head`` from a trained head's weights (fine-tuning it on more data). The two must
-    have the same target, aux layers and width. Without ``refresh_vocab`` the trained head's
-    draft vocabulary is kept (and its size must match); with it, ``head`` keeps the vocabulary
-    it was built with (counted on this run's data) and only the lm_head rows change:
-    ``remap_lm_head``."""
-    from gpu.eagle.head_io import load_draft_head
-    src = load_draft_head(directory, model_cfg, embed, None, "cpu", torch.float32)
-    mine, theirs = head.config, src.config
-    keys = ("hidden_size", "intermediate_size", "aux_layer_ids", "num_heads")
-    if not refresh_vocab:
-        keys += ("draft_vocab_size",)
-    for key in keys:
-        if getattr(mine, key) != getattr(theirs, key):
-            raise SystemExit(f"train-eagle: --init-head {directory} has {key}="
-                             f"{getattr(theirs, key)}, this run {getattr(mine, key)}: give "
-                             f"matching settings (e.g. --draft-vocab-size) or start fresh")
-    if not refresh_vocab:
-        head.load_state_dict(src.state_dict(), strict=True)
-        return
-    state = {k: v for k, v in src.state_dict().items()
-             if k not in ("lm_head.weight", "d2t", "t2d")}
-    state["lm_head.weight"] = remap_lm_head(src, head, embed)
-    state["d2t"], state["t2d"] = head.d2t.clone(), head.t2d.clone()
-    head.load_state_dict(state, strict=True)
-
-
-def remap_lm_head(src, head, embed: torch.Tensor) -> torch.Tensor:
-    """lm_head rows for ``head``'s draft vocabulary from ``src``'s trained rows: a token in both
-    vocabularies keeps its row; a new token gets the linear map from target embedding rows to
-    trained rows (least squares over the shared tokens) applied to its embedding, so it starts
-    on the trained rows' scale and geometry instead of at random."""
-    def ids(h):
-        return torch.arange(h.config.draft_vocab_size) + h.d2t.cpu()
-    src_ids, new_ids = ids(src), ids(head)
-    src_rows = src.lm_head.weight.detach().float().cpu()
-    row_of = {int(t): i for i, t in enumerate(src_ids)}
-    emb = embed.float().cpu()
-    fit = torch.linalg.lstsq(emb[src_ids], src_rows).solution  # [H, H]
-    out = emb[new_ids] @ fit
-    kept = torch.tensor([int(t) in row_of for t in new_ids])
-    out[kept] = src_rows[[row_of[int(t)] for t in new_ids[kept]]]
-    return out
-
-
-def draft_embed(head, embed: torch.Tensor) -> torch.Tensor:
-    """The target's lm_head rows (tied: the embedding) of the draft vocabulary, on the head's
-    device."""
-    dv = head.config.draft_vocab_size
-    rows = torch.arange(dv) + head.d2t.cpu()
-    return embed[rows.to(embed.device)].contiguous().to(head.d2t.device)
-
-
-def ship_head(head, out: Path, dtype: torch.dtype, record: dict) -> None:
-    """Write the head (config.json + model.safetensors) file by file atomically, plus a record."""
-    from gpu.eagle.head_io import save_draft_head
-
-    out = Path(out)
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_draft_head(head, tmp, dtype=dtype)
-    (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("model.safetensors", "config.json", "training.json"):
-        os.chmod(tmp / name, 0o644)
-        os.replace(tmp / name, out / name)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-# -- checkpoints --------------------------------------------------------------------------------
-
-def to_cpu(obj):
-    """``obj`` (nested dicts / lists / tuples) with every tensor on the CPU (CPU ones as is)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    found = sorted(ckpt_dir.glob("step-*.pt"))
-    return found[-1] if found else None
-
-
-def save_checkpoint(ckpt_dir: Path, state: dict, keep: int) -> Path:
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    path = ckpt_dir / f"step-{state['step']:07d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    for old in sorted(ckpt_dir.glob("step-*.pt"))[:-max(1, keep)]:
-        old.unlink(missing_ok=True)
-    return path
-
-
 # -- the loop -----------------------------------------------------------------------------------
 
-def load_target(model_path: Path):
-    """The target's config, embedding (= lm_head, tied) and final norm, fp32."""
-    from gpu.loader.load import load_model
-
-    loaded = load_model(model_path, dtype=torch.float32, progress=False)
-    w = loaded.weights
-    if not loaded.config.tie_word_embeddings and "lm_head" in w:
-        lm_head = w["lm_head"]
-    else:
-        lm_head = w["embed_tokens"]
-    return loaded.config, w["embed_tokens"], lm_head, w["final_norm"]
+CALIBRATION_STEPS = 8  # steps timed before a --max-minutes budget fixes the schedule
 
 
 @dataclass
@@ -338,7 +133,6 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     the caller has it already."""
     from tqdm import tqdm
 
-    from fmserve.train_eagle.data import device_label
     from gpu.device import resolve_device
 
     if cfg.refresh_vocab and not cfg.init_head:
@@ -455,7 +249,6 @@ def train(cfg: TrainConfig, model_path: Path, governor=None, progress: bool = Tr
     def checkpoint(acc: list[float]) -> None:
         ship = True
         if n_val:
-            from fmserve.train_eagle.evaluate import estimate_accept_length
             val_accept, val_acc, _ = estimate_accept_length(head, data, embed, K, seqs=val_ids,
                                                             draft_embed_=dembed)
             head.train()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fmserve.train_eagle.data import CapturedData
+from fmserve.train_eagle.shards import CapturedData
 
 
 @dataclass
