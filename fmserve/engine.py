@@ -1,11 +1,11 @@
-"""The offline engine: the service's scheduler core and the worker's ModelRunner in one process.
+"""The offline engine: the service's scheduler core and the worker (gpu/worker.py) in one process.
 
     engine = Engine(model="default", dtype="auto")
     for out in engine.stream(["Hello"], SamplingParams(max_new_tokens=32)):
         print(out.text, end="")
 
 Prompts are text (encoded as is), token ids, or chats (lists of {"role", "content"} dicts,
-rendered with the model's chat template). No sockets: plans go straight to the runner.
+rendered with the model's chat template). No sockets: plans go straight to the worker.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from fmserve.default_model import resolve_draft_model, resolve_model_path
-from gpu.model_runner import ModelRunner, RunnerConfig
-from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
+from gpu.worker import Worker
 from ipc.sampling import SamplingParams
-from ipc.spec_settings import SpecSettings, accept_length
+from ipc.spec_settings import accept_length
+from ipc.worker_config import WorkerConfig, worker_config
 from service.request import FinishReason, RequestOutput
-from service.scheduler_core import SchedulerConfig, SchedulerCore
+from service.scheduler import Scheduler
+from service.scheduler_core import SchedulerConfig
 from service.tokenizer import TextTokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -49,30 +50,25 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, model: str | None = "default", device: str = "auto", dtype: str = "auto",
-                 attention_backend: str = "torch", page_size: int = 16,
-                 max_kv_tokens: int = 65536, max_running_requests: int = 64,
-                 max_tokens_per_step: int = 2048, max_context_len: int | None = None,
-                 progress: bool = True, overlap: bool = False,
-                 spec: SpecSettings | None = None,
-                 q4_max_tokens: int = DEFAULT_Q4_MAX_TOKENS,
-                 cuda_graph_max_batch: int = 0, prefix_cache: bool = False) -> None:
+    def __init__(self, config: WorkerConfig | None = None, *, model: str | None = None,
+                 overlap: bool = False, prefix_cache: bool = False, **settings) -> None:
+        """`config` (default: every default), with any worker setting given by its flat name
+        (ipc/worker_config.py: dtype="fp32", page_size=32, spec=SpecSettings(...)). `model` is
+        what --model takes ("default", a .gguf, a model directory) and wins over the config's.
+        `overlap` and `prefix_cache` are the scheduler's, as in config.toml [scheduling]."""
+        cfg = worker_config(config, **settings)
+        model = model if model is not None else cfg.model.path
         path = resolve_model_path(model)
-        spec = (spec or SpecSettings()).validate()
+        spec = cfg.spec
         if spec.enabled:
             spec = msgspec.structs.replace(spec, draft_model=str(resolve_draft_model(
                 spec.algorithm, spec.draft_model, model)))
+        cfg = worker_config(cfg, model_path=str(path), spec=spec)
         self.tokenizer = TextTokenizer.from_model_path(path)
-        self.runner = ModelRunner(RunnerConfig(
-            model_path=str(path), device=device, dtype=dtype, attention_backend=attention_backend,
-            page_size=page_size, max_kv_tokens=max_kv_tokens,
-            max_running_requests=max_running_requests, max_context_len=max_context_len,
-            progress=progress, spec=spec, q4_max_tokens=q4_max_tokens,
-            cuda_graph_max_batch=cuda_graph_max_batch))
-        self.info = self.runner.info()
-        self.scheduler = SchedulerCore(self.info, self.tokenizer,
-                                       SchedulerConfig(max_tokens_per_step=max_tokens_per_step,
-                                                       prefix_cache=prefix_cache))
+        self.worker = Worker(cfg)
+        self.info = self.worker.info()
+        self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
+            max_tokens_per_step=cfg.runtime.max_tokens_per_step, prefix_cache=prefix_cache))
         self._ids = itertools.count()
         # With overlap, plan k+1 is made and launched before step k's result is processed,
         # exactly as the service does. On a GPU the device runs step k while plan k+1 is built
@@ -110,12 +106,12 @@ class Engine:
             if len(inflight) < depth and self.scheduler.has_work:
                 plan = self.scheduler.plan_step()
                 if plan is not None:
-                    inflight.append(self.runner.launch(plan))
+                    inflight.append(self.worker.launch(plan))
                     continue
             if not inflight:
                 raise RuntimeError("the scheduler has requests but could plan nothing: "
                                    f"{self.scheduler.accounting()}")
-            yield from self.scheduler.process_result(self.runner.finish(inflight.popleft()))
+            yield from self.scheduler.process_result(self.worker.finish(inflight.popleft()))
 
     def stream(self, prompts: Iterable[Prompt],
                params: SamplingParams | Sequence[SamplingParams] = SamplingParams()

@@ -4,7 +4,8 @@ Three anyio tasks share one event loop (asyncio backend):
 - `_receive_loop`: decodes client frames, admits requests into the SchedulerCore, aborts; a
   large text prompt is tokenized on a thread meanwhile (service/prompt_intake.py), its request
   in flight but not yet in the core (`_tokenizing`);
-- `_step_loop`: plan -> worker.step -> process result -> stream replies, while there is work;
+- `_step_loop`: plan -> worker.step -> process result -> stream replies (service/replies.py),
+  while there is work;
 - `_housekeeping_loop`: publishes telemetry snapshots and aborts requests of silent clients.
 The worker is a separate process (see worker_supervisor); if it dies mid-step, its requests
 get an Error, it is restarted, and serving continues.
@@ -25,19 +26,23 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client_messages import (Abort, AdminAbort, Aborted, Chunk, Error, Finished, Generate,
-                                 Health, Ping, Pong, Stats, Usage)
-from ipc.codec import ProtocolError, decode_client_request, encode
-from ipc.telemetry import StepTelemetry
-from ipc.worker_messages import WorkerInfo, unpack_i32
+from ipc.client_messages import (Abort, AdminAbort, Aborted, Error, Generate, Health, Ping,
+                                 Pong, Stats)
+from ipc.codec import ProtocolError, decode_client_request
+from ipc.worker_config import WorkerConfig
+from ipc.worker_messages import WorkerInfo
 from service.client_registry import ClientRegistry
-from service.config import ConfigError, ServiceConfig, spec_settings
+from service.config import ConfigError, ServiceConfig
 from service.prompt_intake import PromptIntake
+from service.counters import ServiceCounters
+from service.replies import Replies
 from service.request import FinishReason, RequestOutput
-from service.scheduler_core import RequestRejected, SchedulerConfig, SchedulerCore
+from service.scheduler import Scheduler
+from service.scheduler_core import RequestRejected, SchedulerConfig
 from service.telemetry import TelemetryPublisher
 from service.tokenizer import TextTokenizer
-from service.worker_supervisor import WorkerDied, WorkerHandle, WorkerStartError
+from service.worker_recovery import refuse_all, restart_worker
+from service.worker_supervisor import WorkerDied, WorkerHandle
 
 log = logging.getLogger("fmserve.service")
 
@@ -54,14 +59,13 @@ def worker_cpu_threads(cfg: ServiceConfig) -> int:
     return cores - 1 if cfg.scheduling.overlap and 3 <= cores <= 8 else 0
 
 
-def usage_of(out: RequestOutput, arrival: float, first_token: float | None, now: float) -> Usage:
-    """The `Usage` of a terminal output; times are `time.monotonic()` readings."""
-    ttft = None if first_token is None else (first_token - arrival) * 1000.0
-    return Usage(out.prompt_tokens, out.completion_tokens, ttft, (now - arrival) * 1000.0,
-                 spec_verify_steps=out.spec_verify_steps,
-                 spec_accepted_drafts=out.spec_accepted_drafts,
-                 spec_accept_length=out.spec_accept_length,
-                 spec_accepted_per_position=out.spec_accepted_per_position)
+def worker_config_for(cfg: ServiceConfig, model_path: str) -> WorkerConfig:
+    """The worker's settings from the service's: config.toml's [model], [runtime] and [spec]
+    sections are the WorkerConfig's own structs."""
+    return msgspec.structs.replace(
+        cfg.worker_config(), model=msgspec.structs.replace(cfg.model, path=model_path),
+        runtime=msgspec.structs.replace(cfg.runtime, worker_cpu_threads=worker_cpu_threads(cfg)),
+        progress=False)
 
 
 class Service:
@@ -75,33 +79,17 @@ class Service:
         self._tokenizing: dict[str, object] = {}
         self._intake_tasks: anyio.abc.TaskGroup | None = None
         rt = cfg.runtime
-        self.worker = WorkerHandle(
-            runner_config=dict(model_path=model_path, device=cfg.model.device,
-                               dtype=cfg.model.dtype, attention_backend=rt.attention_backend,
-                               page_size=rt.page_size, max_kv_tokens=rt.max_kv_tokens,
-                               max_running_requests=rt.max_running_requests,
-                               max_context_len=rt.max_context_len or None, progress=False,
-                               wrwr_check=rt.wrwr_check or None,
-                               sync_check=rt.sync_check or None,
-                               cpu_threads=worker_cpu_threads(cfg),
-                               q4_max_tokens=rt.q4_max_tokens,
-                               cuda_graph_max_batch=rt.cuda_graph_max_batch,
-                               launch_ahead=cfg.scheduling.launch_ahead,
-                               spec=msgspec.to_builtins(spec_settings(cfg))),
-            ready_timeout_s=cfg.worker.ready_timeout_s, step_timeout_s=cfg.worker.step_timeout_s)
+        self.worker = WorkerHandle(worker_config_for(cfg, model_path),
+                                   ready_timeout_s=cfg.worker.ready_timeout_s,
+                                   step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
-        self.core: SchedulerCore | None = None
+        # Made once the worker says what it holds; kept across worker restarts (fail_all
+        # empties it for the fresh worker).
+        self.scheduler: Scheduler | None = None
         self.info: WorkerInfo | None = None
-        self.worker_restarts = 0
         self.worker_ok = False
-        self.started = time.monotonic()
+        self.counters = ServiceCounters()
         self.instance = uuid.uuid4().hex  # Pong/Stats: clients tell a restarted service by it
-        self.steps = 0
-        self.output_tokens = 0
-        self.finished_requests = 0
-        self.worker_busy_ms = 0.0  # sums over steps: the worker's idle share = idle / (idle + busy)
-        self.worker_idle_ms = 0.0
-        self.recent_steps: deque[StepTelemetry] = deque(maxlen=64)
         self._work = anyio.Event()
         self._ctx = zmq.asyncio.Context()
         self.router = self._ctx.socket(zmq.ROUTER)
@@ -112,7 +100,9 @@ class Service:
         # No send limit per client (as SGLang's sockets): at the default 1000 queued replies a
         # client that reads slowly would silently lose chunks, or its one terminal message.
         self.router.setsockopt(zmq.SNDHWM, 0)
-        self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint, self)
+        self.replies = Replies(self.router, self.clients, self.counters)
+        self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint,
+                                            self.counters, cfg.spec, cfg.scheduling.overlap)
         self.bound_endpoint: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -120,7 +110,7 @@ class Service:
     async def run(self, ready: anyio.Event | None = None) -> None:
         self.info = await self.worker.start()
         self.worker_ok = True
-        self.core = SchedulerCore(self.info, self.tokenizer, SchedulerConfig(
+        self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
             prefix_cache=self.cfg.scheduling.prefix_cache))
         self._bind("client_endpoint", lambda: self.router.bind(self.cfg.service.client_endpoint))
@@ -158,29 +148,20 @@ class Service:
                 return
 
     async def _shutdown(self) -> None:
-        if self.core is not None:
-            for out in self.core.fail_all("the service is shutting down"):
-                await self._reply_terminal(out, code="service_shutdown")
+        if self.scheduler is not None:
+            for out in self.scheduler.fail_all("the service is shutting down"):
+                await self.replies.terminal(out, code="service_shutdown")
         for rid in list(self._tokenizing):  # their tokenizing was cancelled with the loop
             del self._tokenizing[rid]
-            await self._reply_terminal(RequestOutput(rid, [], "", finish_reason=FinishReason.ERROR,
-                                                     error="the service is shutting down"),
-                                       code="service_shutdown")
+            await self.replies.terminal(RequestOutput(
+                rid, [], "", finish_reason=FinishReason.ERROR,
+                error="the service is shutting down"), code="service_shutdown")
         await self.worker.stop(timeout_s=5.0)
         self.telemetry.close()
         self.router.close(linger=0)
         self._ctx.term()
 
     # -- clients ----------------------------------------------------------------------------
-
-    async def _send(self, identity: bytes, msg) -> None:
-        await self._send_multipart([identity], msg)
-
-    async def _send_multipart(self, envelope: list[bytes], msg) -> None:
-        try:
-            await self.router.send_multipart([*envelope, encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the client is gone or its queue is full: drop
-            log.debug("dropping a reply to %s: %s", envelope[0].hex(), exc)
 
     async def _receive_loop(self) -> None:
         async with anyio.create_task_group() as self._intake_tasks:  # prompts on threads
@@ -199,7 +180,7 @@ class Service:
                 log.warning("refusing a message of %d frames (expected identity + payload)",
                             len(frames))
                 envelope = frames[:2] if frames[1:2] == [b""] else frames[:1]
-                await self._send_multipart(envelope, Error(
+                await self.replies.send_envelope(envelope, Error(
                     None, "invalid_message",
                     f"a message must be exactly one frame holding one msgpack map, got "
                     f"{len(frames) - 1} frames; connect a DEALER socket (not REQ, whose empty "
@@ -209,7 +190,7 @@ class Service:
             try:
                 msg = decode_client_request(payload, self.cfg.service.max_message_bytes)
             except ProtocolError as exc:
-                await self._send(identity, Error(exc.request_id, exc.code, str(exc)))
+                await self.replies.send(identity, Error(exc.request_id, exc.code, str(exc)))
                 continue
             try:
                 await self._dispatch(identity, msg)
@@ -217,7 +198,7 @@ class Service:
                 log.exception("failed on a %s message from %s", type(msg).__name__,
                               identity.hex())
                 self._drop_unowned(identity, msg)
-                await self._send(identity, Error(
+                await self.replies.send(identity, Error(
                     getattr(msg, "id", None), "internal_error",
                     f"the service failed on this {type(msg).__name__} message (a bug; the "
                     f"service log has the details): nothing of it is in flight"))
@@ -228,42 +209,42 @@ class Service:
         elif isinstance(msg, Abort):
             await self._on_abort(identity, msg)
         elif isinstance(msg, Health):
-            await self._send(identity, self.stats())
+            await self.replies.send(identity, self.stats())
         elif isinstance(msg, Ping):
-            await self._send(identity, Pong(self.instance))
+            await self.replies.send(identity, Pong(self.instance))
         elif isinstance(msg, AdminAbort):
             await self._on_admin_abort(identity, msg)
 
     def _drop_unowned(self, identity: bytes, msg) -> None:
         """After a failure in a generate: a request the scheduler took but no client owns would
         run with nobody to answer; take it back."""
-        if isinstance(msg, Generate) and self.core is not None:
+        if isinstance(msg, Generate) and self.scheduler is not None:
             rid = self.clients.scheduler_id(identity, msg.id)
-            if rid in self.core.requests and rid not in self.clients.requests:
-                self.core.abort(rid)
+            if rid in self.scheduler.core.requests and rid not in self.clients.requests:
+                self.scheduler.abort(rid)
 
     async def _on_generate(self, identity: bytes, msg: Generate) -> None:
         rid = self.clients.scheduler_id(identity, msg.id)
         if rid in self.clients.requests:
-            await self._send(identity, Error(msg.id, "duplicate_id",
-                                             f"request id '{msg.id}' is already in flight on "
-                                             "this connection: use a new id"))
+            await self.replies.send(identity, Error(
+                msg.id, "duplicate_id",
+                f"request id '{msg.id}' is already in flight on this connection: use a new id"))
             return
         if not self.worker_ok:
-            await self._send(identity, Error(msg.id, "worker_unavailable",
-                                             "the model worker is down and could not be "
-                                             "restarted; see the service log"))
+            await self.replies.send(identity, Error(
+                msg.id, "worker_unavailable",
+                "the model worker is down and could not be restarted; see the service log"))
             return
         try:
-            prompt = self.intake.prepare(msg, self.core.max_seq_len)
+            prompt = self.intake.prepare(msg, self.scheduler.core.max_seq_len)
             if isinstance(prompt, list):
-                self.core.add_request(rid, prompt, msg.params)
+                self.scheduler.add_request(rid, prompt, msg.params)
         except RequestRejected as exc:
-            await self._send(identity, Error(msg.id, exc.code, str(exc)))
+            await self.replies.send(identity, Error(msg.id, exc.code, str(exc)))
             return
         except Exception as exc:  # a template or tokenizer failure: the client's input
-            await self._send(identity, Error(msg.id, "invalid_prompt", f"could not encode the "
-                                             f"prompt: {exc}"))
+            await self.replies.send(identity, Error(msg.id, "invalid_prompt",
+                                                    f"could not encode the prompt: {exc}"))
             return
         self.clients.add(identity, msg.id, msg.stream)
         if isinstance(prompt, str):  # in flight from now on; admitted once tokenized
@@ -286,15 +267,15 @@ class Service:
             if not self.worker_ok:
                 raise RequestRejected("worker_unavailable", "the model worker is down and could "
                                       "not be restarted; see the service log")
-            self.core.add_request(rid, ids, params)
+            self.scheduler.add_request(rid, ids, params)
         except Exception as exc:
             code = exc.code if isinstance(exc, RequestRejected) else "internal_error"
             if code == "internal_error":  # a bug: nothing of the request may stay behind
                 log.exception("failed to admit the tokenized request %s", rid)
-                if rid in self.core.requests:
-                    self.core.abort(rid)
-            await self._reply_terminal(RequestOutput(rid, [], "", finish_reason=FinishReason.ERROR,
-                                                     error=str(exc)), code=code)
+                if rid in self.scheduler.core.requests:
+                    self.scheduler.abort(rid)
+            await self.replies.terminal(RequestOutput(
+                rid, [], "", finish_reason=FinishReason.ERROR, error=str(exc)), code=code)
             return
         self._work.set()
 
@@ -302,25 +283,25 @@ class Service:
         """End a request in flight, admitted or still being tokenized; None if there is none."""
         if self._tokenizing.pop(rid, None) is not None:
             return RequestOutput(rid, [], "", finish_reason=FinishReason.ABORT)
-        return self.core.abort(rid) if rid in self.clients.requests else None
+        return self.scheduler.abort(rid) if rid in self.clients.requests else None
 
     async def _on_abort(self, identity: bytes, msg: Abort) -> None:
         out = self._abort(self.clients.scheduler_id(identity, msg.id))
         if out is None:
-            await self._send(identity, Error(msg.id, "unknown_request",
-                                             f"no request '{msg.id}' is in flight on this "
-                                             "connection (finished already, or never sent)"))
+            await self.replies.send(identity, Error(
+                msg.id, "unknown_request", f"no request '{msg.id}' is in flight on this "
+                "connection (finished already, or never sent)"))
             return
-        await self._reply_terminal(out)
+        await self.replies.terminal(out)
 
     async def _on_admin_abort(self, identity: bytes, msg: AdminAbort) -> None:
         out = self._abort(msg.key)
         if out is None:
-            await self._send(identity, Error(None, "unknown_request",
-                                             f"no request with key '{msg.key}' is in flight"))
+            await self.replies.send(identity, Error(
+                None, "unknown_request", f"no request with key '{msg.key}' is in flight"))
             return
-        await self._reply_terminal(out)
-        await self._send(identity, Aborted(msg.key))
+        await self.replies.terminal(out)
+        await self.replies.send(identity, Aborted(msg.key))
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -332,8 +313,8 @@ class Service:
         inflight: deque[tuple[object, float, bool]] = deque()  # (plan, sent at, idle counts)
         waited = True  # the worker's idle before a step that follows a wait for work is not ours
         while True:
-            if len(inflight) < depth and self.core.has_work:
-                plan = self.core.plan_step()
+            if len(inflight) < depth and self.scheduler.has_work:
+                plan = self.scheduler.plan_step()
                 if plan is not None:
                     try:
                         await self.worker.send_plan(plan)
@@ -347,7 +328,7 @@ class Service:
             if not inflight:
                 waited = True
                 self._work = anyio.Event()
-                if self.core.has_work:  # work that cannot be planned now (no pages): poll
+                if self.scheduler.has_work:  # work that cannot be planned now (no pages): poll
                     with anyio.move_on_after(0.05):
                         await self._work.wait()
                 else:
@@ -360,81 +341,19 @@ class Service:
                 await self._on_worker_death(str(exc))
                 continue
             plan, sent, idle_counts = inflight.popleft()
-            for out in self.core.process_result(result):
-                await self._reply(out)
-            self._record_step(plan, result, sent, idle_counts)
+            for out in self.scheduler.process_result(result):
+                await self.replies.output(out)
+            self.counters.record_step(plan, result, sent, idle_counts)
             await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
 
-    def _record_step(self, plan, result, sent: float, idle_counts: bool) -> None:
-        decodes = len(unpack_i32(plan.decode_slots))
-        num_tokens = sum(len(unpack_i32(e.token_ids)) for e in plan.extends) + decodes
-        self.steps += 1
-        self.worker_busy_ms += result.forward_ms
-        self.worker_idle_ms += result.idle_ms if idle_counts else 0.0
-        self.recent_steps.append(StepTelemetry(
-            plan.step_id, len(plan.extends) + decodes, num_tokens, result.forward_ms,
-            (time.perf_counter() - sent) * 1000.0, result.idle_ms))
-
     async def _on_worker_death(self, message: str) -> None:
-        log.error("worker died: %s", message)
-        # fail_all empties the core's accounting, matching the fresh worker. Requests that
-        # arrive during the restart wait in the queue; only a worker that stays down refuses.
-        for out in self.core.fail_all(f"the model worker died during a step: {message}"):
-            await self._reply_terminal(out, code="worker_died")
-        if not self.cfg.worker.restart_on_failure or \
-                self.worker_restarts >= self.cfg.worker.max_restarts:
-            log.error("not restarting the worker (restarts so far: %d)", self.worker_restarts)
-            await self._worker_down()
+        info = await restart_worker(self.worker, self.scheduler, self.replies, self.counters,
+                                    self.cfg.worker, message)
+        if info is not None:
+            self.info = info
             return
-        try:
-            self.worker_restarts += 1
-            self.info = await self.worker.restart()
-        except WorkerStartError as exc:
-            log.error("worker restart failed: %s", exc)
-            await self._worker_down()
-
-    async def _worker_down(self) -> None:
         self.worker_ok = False
-        for out in self.core.fail_all("the model worker is down and could not be restarted"):
-            await self._reply_terminal(out, code="worker_unavailable")
-
-    # -- replies ----------------------------------------------------------------------------
-
-    async def _reply(self, out: RequestOutput) -> None:
-        info = self.clients.requests.get(out.rid)
-        if info is None:
-            return
-        if out.token_ids:
-            self.output_tokens += len(out.token_ids)
-            if info.first_token is None:
-                info.first_token = time.monotonic()
-            lps = [lp.logprob for lp in out.logprobs] if out.logprobs else None
-            tops = [lp.top for lp in out.logprobs] if out.logprobs else None
-            if info.stream:
-                await self._send(info.identity, Chunk(info.client_id, out.token_ids, out.text,
-                                                      lps, tops))
-            else:
-                info.tokens += out.token_ids
-                info.text.append(out.text)
-                info.logprobs += lps or []
-                info.top_logprobs += tops or []
-        if out.finished:
-            await self._reply_terminal(out)
-
-    async def _reply_terminal(self, out: RequestOutput, code: str = "internal_error") -> None:
-        info = self.clients.pop(out.rid)
-        if info is None:
-            return
-        self.finished_requests += 1
-        if out.finish_reason == FinishReason.ERROR:
-            await self._send(info.identity, Error(info.client_id, code, out.error or "failed"))
-            return
-        if not info.stream and info.tokens:
-            await self._send(info.identity, Chunk(
-                info.client_id, info.tokens, "".join(info.text),
-                info.logprobs or None, info.top_logprobs or None))
-        usage = usage_of(out, info.arrival, info.first_token, time.monotonic())
-        await self._send(info.identity, Finished(info.client_id, out.finish_reason.value, usage))
+        await refuse_all(self.scheduler, self.replies)
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -442,7 +361,7 @@ class Service:
         interval = self.cfg.service.telemetry_interval_s
         while True:
             await anyio.sleep(interval)
-            self.telemetry.publish()
+            self.telemetry.publish(self.scheduler, self.info, self.worker_ok, self.worker.pid)
             for identity in self.clients.silent_clients(self.cfg.service.client_timeout_s):
                 rids = self.clients.requests_of(identity)
                 log.warning("client %s silent for %.0f s: aborting its %d request(s)",
@@ -450,18 +369,18 @@ class Service:
                 for rid in rids:
                     out = self._abort(rid)
                     if out is not None:
-                        await self._reply_terminal(out)
+                        await self.replies.terminal(out)
                     else:
                         self.clients.pop(rid)
 
     def stats(self) -> Stats:
-        acc = self.core.accounting()
+        acc, counters = self.scheduler.accounting(), self.counters
         return Stats(model=self.info.model_name, device=self.info.device,
                      worker_alive=self.worker_ok, running=acc["running"],
                      waiting=acc["waiting"] + len(self._tokenizing), free_pages=acc["free_pages"],
                      total_pages=acc["total_pages"], free_slots=acc["free_slots"],
-                     total_slots=acc["total_slots"], steps=self.steps,
-                     output_tokens=self.output_tokens, worker_busy_ms=self.worker_busy_ms,
-                     worker_idle_ms=self.worker_idle_ms, cached_pages=acc["cached_pages"],
+                     total_slots=acc["total_slots"], steps=counters.steps,
+                     output_tokens=counters.output_tokens, worker_busy_ms=counters.worker_busy_ms,
+                     worker_idle_ms=counters.worker_idle_ms, cached_pages=acc["cached_pages"],
                      prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
                      instance=self.instance)
