@@ -111,7 +111,7 @@ def run_workload(engine: Engine, workload: str, args: argparse.Namespace, cache:
     # answers end where the model ends them, to stay a conversation.
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens,
                             ignore_eos=workload == "system")
-    pc = engine.scheduler.prefix_cache
+    pc = engine.scheduler.core.prefix_cache
     hit0, adm0 = (pc.hit_tokens, pc.admitted_tokens) if pc else (0, 0)
     start = time.perf_counter()
     ttft: list[float] = []
@@ -161,7 +161,7 @@ def run_bench_prefix(args: argparse.Namespace) -> int:
                 c = not c
             progress.update(task, description=f"{w}, prefix cache {'on' if c else 'off'}")
             if c:  # each run starts from an empty cache: what it shares, it shares in the run
-                engines[True].scheduler.prefix_cache.evict(1 << 30)
+                engines[True].scheduler.core.prefix_cache.evict(1 << 30)
             runs.append(run_workload(engines[c], w, args, c))
             progress.advance(task)
     for w in workloads:
