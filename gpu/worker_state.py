@@ -22,7 +22,8 @@ from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
 from gpu.plan_check import check_plan
 from gpu.q4_linear import q4_applies
-from gpu.sampler import Sampler, SamplingState
+from gpu.sampler import Sampler
+from gpu.sampling_state import SamplingState
 from gpu.step_streams import StepStreams
 from gpu.sync_guard import no_host_sync, sync_check_from_env
 from ipc.worker_config import WorkerConfig

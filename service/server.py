@@ -78,7 +78,6 @@ class Service:
         # aborted id may be reused while the thread of the old one still runs).
         self._tokenizing: dict[str, object] = {}
         self._intake_tasks: anyio.abc.TaskGroup | None = None
-        rt = cfg.runtime
         self.worker = WorkerHandle(worker_config_for(cfg, model_path),
                                    ready_timeout_s=cfg.worker.ready_timeout_s,
                                    step_timeout_s=cfg.worker.step_timeout_s)

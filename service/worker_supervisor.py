@@ -37,7 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.worker_config import WorkerConfig, worker_config
+from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, Shutdown, StepPlan, StepResult,
                                  WorkerFailed, WorkerInfo, WorkerReady, WorkerToScheduler)
 from ipc.zmq_util import SchedulerSideCodec, configure_socket, ipc_endpoint, make_ipc_dir

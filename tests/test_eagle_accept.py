@@ -10,7 +10,8 @@ import torch
 import gpu.eagle.accept as accept_mod
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.tree import DraftTree, _ancestor_mask, chain_tree, organize_draft_tree
-from gpu.sampler import Sampler, SamplingState
+from gpu.sampler import Sampler
+from gpu.sampling_state import SamplingState
 from ipc.sampling import SamplingParams
 
 t = torch.tensor

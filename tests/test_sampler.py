@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.sampler import Sampler, SamplingState, seeded_uniform
+from gpu.sampler import Sampler
+from gpu.sampling_state import SamplingState
+from gpu.seeded_random import seeded_uniform
 from ipc.sampling import SamplingParams
 
 P = SamplingParams

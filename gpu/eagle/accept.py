@@ -19,7 +19,7 @@ any other token x with ``(1 - sum_i p(t_i)) * p(x) / (1 - sum_i p(t_i)) = p(x)``
 token therefore follows the target distribution at its prefix, so by induction over the path
 the emitted sequence follows the target model exactly, however poor the draft tree is.
 
-Randomness is counter-based (`gpu.sampler.seeded_uniform`), so a request's outcome depends only
+Randomness is counter-based (`gpu.seeded_random.seeded_uniform`), so a request's outcome depends only
 on its seed, positions, tree and target distributions, never on the batch:
 
 - the accept coin of a child with token t, tried at a node whose follower takes position P, is
@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from gpu.eagle.tree import DraftTree
-from gpu.sampler import _gumbel_, seeded_uniform
+from gpu.seeded_random import gumbel_, seeded_uniform
 
 ACCEPT_STREAM = 1  # seeded_uniform stream of the accept coins
 BONUS_STREAM = 0  # and of the bonus draw's Gumbel noise (the sampler's own stream)
@@ -152,6 +152,6 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, seeds: Tensor,
     empty = ~(residual.sum(-1) > 0)  # only if float rounding ate the whole residual
     residual = torch.where(empty[:, None], probs[rows, cur], residual)
     vocab = torch.arange(v, device=dev)
-    noise = _gumbel_(seeded_uniform(seeds, positions[rows, cur], vocab, stream=BONUS_STREAM))
+    noise = gumbel_(seeded_uniform(seeds, positions[rows, cur], vocab, stream=BONUS_STREAM))
     bonus = (residual.log() + noise).argmax(-1)
     return _finish(tree, path, accept_lens, bonus)

@@ -29,7 +29,7 @@ from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, o
                                     pad_to, rows_of)
 from gpu.eagle.tree import DraftTree
 from gpu.forward_batch import ForwardBatch, ForwardMode
-from gpu.sampler import DraftedBefore
+from gpu.sampling_state import DraftedBefore
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
 from ipc.worker_messages import ExtendEntry, StepResult, pack_i32, unpack_i32
