@@ -122,7 +122,7 @@ def tiny_run(model_path, tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     engine = Engine(str(model_path), max_kv_tokens=2048, max_running_requests=4,
                     progress=False)
-    layers = engine.runner.model_config.num_layers
+    layers = engine.worker.state.model_config.num_layers
     capture = tuple(i + 1 for i in default_aux_layer_ids(layers))
     cfg = DataConfig(prompts=str(prompts), num_prompts=4, max_new_tokens=8,
                      sampled_fraction=0.25, shard_size=2)
@@ -207,14 +207,14 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
                     progress=False)
     layers = tuple(json.loads(meta["capture_layers"]))
     longest = max(map(len, seqs))
-    recapture(engine.runner, tokens, tmp_path / "data", layers, "test", shard_size=3,
+    recapture(engine.worker.state, tokens, tmp_path / "data", layers, "test", shard_size=3,
               max_batch_tokens=2 * longest + 1, progress=False)  # packs of two
     again = load_dataset(tmp_path / "data")
     assert len(again) == 8 and len(again.shards) == 3
     for j in range(8):
         assert again.rows(j, "input_ids").tolist() == seqs[j]
         assert again.prompt_len[j] == prompt_lens[j]
-        alone = capture_sequences(engine.runner, [seqs[j]], layers)  # one sequence a prefill
+        alone = capture_sequences(engine.worker.state, [seqs[j]], layers)  # one sequence a prefill
         aux, final, argmax = alone["aux_hidden"], alone["final_hidden"], alone["target_argmax"]
         torch.testing.assert_close(again.rows(j, "aux_hidden").float(), aux.float(),
                                    rtol=2e-3, atol=2e-3)
@@ -224,7 +224,7 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
     # Packs also stop at what the KV pool holds: a pool of two longest sequences, no token cap.
     small = Engine(str(model_path), dtype="fp32", max_kv_tokens=2 * longest,
                    max_running_requests=4, progress=False)
-    rows = capture_sequences(small.runner, seqs, layers, max_batch_tokens=1 << 20)
+    rows = capture_sequences(small.worker.state, seqs, layers, max_batch_tokens=1 << 20)
     assert rows["offsets"].tolist() == [0] + list(itertools.accumulate(map(len, seqs)))
     for key in ("aux_hidden", "final_hidden"):
         torch.testing.assert_close(rows[key].float(), torch.cat(
@@ -240,7 +240,7 @@ def test_tokens_file_and_packed_recapture_rebuild_the_shards(tiny_run, model_pat
     with pytest.raises(SystemExit, match="not a tokens file"):
         read_tokens(work / "data" / "shard-00000.safetensors")
     with pytest.raises(SystemExit, match="captured at layers"):
-        recapture(engine.runner, tokens, tmp_path / "other", (1, 2, 3), "test", progress=False)
+        recapture(engine.worker.state, tokens, tmp_path / "other", (1, 2, 3), "test", progress=False)
 
 
 def test_training_lowers_the_loss_and_writes_a_loadable_head(tiny_run, model_path):

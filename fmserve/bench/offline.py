@@ -116,8 +116,8 @@ def run_bench_offline(args: argparse.Namespace) -> int:
                             q4_max_tokens=q4_max if any(q4_modes) else 0,
                             cuda_graph_max_batch=max(batches) if any(graph_modes)
                             and args.attention_backend == "triton" else 0)
-            has_q4 = engine.runner.model.q4_projections > 0
-            graphs = engine.runner.decode_graphs  # None on a CPU: only "off" runs there
+            has_q4 = engine.worker.state.model.q4_projections > 0
+            graphs = engine.worker.step.decode_graphs  # None on a CPU: only "off" runs there
             if any(graph_modes) and graphs is None:
                 console.print("[yellow]--cuda-graphs on: no CUDA graphs on this device "
                               "(they need CUDA and --attention-backend triton); measuring "
@@ -126,9 +126,9 @@ def run_bench_offline(args: argparse.Namespace) -> int:
             for b in batches:
                 # Interleaved per batch size, so drift hits every variant alike.
                 for q4 in sorted({q and has_q4 for q in q4_modes}):
-                    engine.runner.model.set_q4_max_tokens(q4_max if q4 else 0)
+                    engine.worker.state.model.set_q4_max_tokens(q4_max if q4 else 0)
                     for graphed in sorted({g and graphs is not None for g in graph_modes}):
-                        engine.runner.decode_graphs = graphs if graphed else None
+                        engine.worker.step.decode_graphs = graphs if graphed else None
                         for overlap in overlaps:
                             progress.update(task, description=f"fmserve {dtype} batch {b}"
                                                               f"{' overlap' if overlap else ''}"

@@ -147,8 +147,8 @@ def run_bench_prefix(args: argparse.Namespace) -> int:
     workloads = check_args(args)
     console = Console()
     opts = dict(device=args.device, dtype=args.dtype, progress=False, overlap=True)
-    engines = {False: Engine(args.model, **opts), True: Engine(args.model, prefix_cache=True,
-                                                                **opts)}
+    engines = {False: Engine(model=args.model, **opts),
+               True: Engine(model=args.model, prefix_cache=True, **opts)}
     # Warm-up: kernels, allocator; and the cache's own first fill is part of what is measured.
     for engine in engines.values():
         engine.generate(["Hello."], SamplingParams(max_new_tokens=4))

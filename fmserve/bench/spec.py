@@ -24,10 +24,10 @@ from fmserve.arg_types import positive_int
 from fmserve.bench.offline import DEV_PROMPTS
 from fmserve.engine import Engine
 from fmserve.jsonl import read_prompts
+from gpu.eagle.eagle_step import EagleStep
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
-
 
 
 @dataclass
@@ -87,7 +87,8 @@ def load_chats(path: str, n: int) -> list[list[dict]]:
 def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) -> SpecRun:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
     engine.generate([chats[0]], SamplingParams(max_new_tokens=4))  # warm-up
-    eagle = engine.runner.eagle
+    step = engine.worker.step
+    eagle = step if isinstance(step, EagleStep) else None
     if eagle is not None:  # acceptance per position of this run only
         eagle.num_verify_rows = 0
         eagle.accepted_per_position[:] = 0

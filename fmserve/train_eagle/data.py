@@ -197,7 +197,8 @@ def build_dataset(engine, cfg: DataConfig, work_dir: str | Path, capture_layers:
     bar = tqdm(total=len(items), initial=sum(len(c) for i, c in enumerate(chunks) if i not in todo),
                desc="data", unit="seq", disable=not progress or not sys.stderr.isatty(),
                dynamic_ncols=True)  # in a log file the per-shard lines say the same
-    worker = getattr(engine, "runner", None)  # the capture borrows its pools between runs
+    # the capture borrows the worker's pools between runs; nothing to make: no engine needed
+    worker = engine.worker.state if todo else None
     device = getattr(worker, "device", None)
     for group in shard_groups(todo, [len(c) for c in chunks], gen_batch_size):
         t0 = time.perf_counter()

@@ -64,7 +64,7 @@ def evaluate_spec(model: str, head_dir: Path, prompts_file: str, num_prompts: in
 
     spec = SpecSettings(algorithm="eagle3", draft_model=str(head_dir), num_steps=num_steps,
                         topk=topk, num_draft_tokens=num_draft_tokens or num_steps + 1).validate()
-    engine = Engine(model, device=device, dtype=dtype, progress=progress, spec=spec,
+    engine = Engine(model=model, device=device, dtype=dtype, progress=progress, spec=spec,
                     max_running_requests=batch)
     prompts = eval_prompt_ids(engine.tokenizer, prompts_file, num_prompts)
     t0 = time.perf_counter()
@@ -123,7 +123,7 @@ def evaluate_estimate(model_path: Path, head_dir: Path, prompts_file: str, num_p
     head = load_draft_head(head_dir, model_cfg, embed, None, device, torch.float32)
     cfg = DataConfig(prompts=prompts_file, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                      sampled_fraction=0.0, shard_size=64)
-    engine = Engine(str(model_path), device=str(device), dtype=dtype, progress=progress)
+    engine = Engine(model=str(model_path), device=str(device), dtype=dtype, progress=progress)
     build_dataset(engine, cfg, data_dir, head.config.capture_layers, model_path.name,
                   progress=progress, governor=governor)
     del engine

@@ -37,7 +37,7 @@ def make_prompts(args, model_path: Path, work_dir: Path) -> Path:
         raise SystemExit(f"train-eagle: --prompts: {e}") from e
     cfg = SynthConfig(seed_file=args.prompts, num_prompts=args.synth_prompts, seed=args.seed,
                       batch_size=args.gen_batch_size or GEN_BATCH[args.device])
-    engine = Engine(str(model_path), device=args.device, dtype=args.dtype,
+    engine = Engine(model=str(model_path), device=args.device, dtype=args.dtype,
                     max_running_requests=cfg.batch_size, progress=not args.no_progress)
     log(f"prompts: the target writes {cfg.num_prompts} instructions from {len(seeds)} seed "
         f"tasks of {args.prompts}")
@@ -69,15 +69,15 @@ def recapture_data(args, model_path: Path, slug: str, data_dir: Path) -> None:
     from gpu.eagle.draft_head import default_aux_layer_ids
 
     batch_tokens = 32768 if args.device == "cuda" else 4096
-    engine = Engine(str(model_path), device=args.device, dtype=args.dtype,
+    engine = Engine(model=str(model_path), device=args.device, dtype=args.dtype,
                     max_running_requests=GEN_BATCH[args.device],
                     max_kv_tokens=max(MIN_GEN_KV_TOKENS, 2 * batch_tokens),
                     progress=not args.no_progress)
-    mc = engine.runner.model_config
+    mc = engine.worker.state.model_config
     capture_layers = tuple(i + 1 for i in default_aux_layer_ids(mc.num_layers))
     log(f"data: capturing the sequences of {args.tokens_file} on {args.device} "
         f"({engine.info.dtype}), up to {batch_tokens} tokens a prefill")
-    recapture(engine.runner, args.tokens_file, data_dir, capture_layers, slug,
+    recapture(engine.worker.state, args.tokens_file, data_dir, capture_layers, slug,
               shard_size=args.shard_size, max_batch_tokens=batch_tokens,
               progress=not args.no_progress)
     del engine
@@ -89,12 +89,12 @@ def make_data(args, model_path: Path, slug: str, data_dir: Path, governor) -> No
     from gpu.eagle.draft_head import default_aux_layer_ids
 
     batch, kv_tokens = gen_engine_sizes(args)
-    engine = Engine(str(model_path), device=args.device, dtype=args.dtype,
+    engine = Engine(model=str(model_path), device=args.device, dtype=args.dtype,
                     max_running_requests=batch, max_kv_tokens=kv_tokens,
                     progress=not args.no_progress)
     log(f"data: the target generates on {args.device} ({engine.info.dtype}), {batch} requests "
         f"at once, KV pool {kv_tokens} tokens")
-    mc = engine.runner.model_config
+    mc = engine.worker.state.model_config
     capture_layers = tuple(i + 1 for i in default_aux_layer_ids(mc.num_layers))
     cfg = DataConfig(prompts=args.prompts, num_prompts=args.num_prompts,
                      max_prompt_tokens=args.max_prompt_tokens,
