@@ -57,6 +57,10 @@ class ProtocolError(ValueError):
                 f"request_id={self.request_id!r})")
 
 
+def _invalid(message: str, request_id: str | None = None) -> ProtocolError:
+    return ProtocolError("invalid_message", message, request_id)
+
+
 def encode(msg: Any) -> bytes:
     """One message (any protocol Struct) -> one frame."""
     return _encoder.encode(msg)
@@ -88,26 +92,17 @@ def check_generate(msg: Generate) -> None:
     given = [name for name in ("text", "token_ids", "messages") if getattr(msg, name)]
     if len(given) != 1:
         what = "none was" if not given else f"{' and '.join(given)} were"
-        raise ProtocolError(
-            "invalid_message",
-            f"request {rid!r}: give exactly one non-empty prompt field of text, token_ids or "
-            f"messages; {what} given",
-            rid,
-        )
+        raise _invalid(f"request {rid!r}: give exactly one non-empty prompt field of text, "
+                       f"token_ids or messages; {what} given", rid)
     if msg.token_ids:
         bad = [t for t in msg.token_ids if t < 0]
         if bad:
-            raise ProtocolError("invalid_message",
-                                f"request {rid!r}: token_ids must be >= 0, got {bad[0]}", rid)
+            raise _invalid(f"request {rid!r}: token_ids must be >= 0, got {bad[0]}", rid)
     if msg.messages:
         for i, m in enumerate(msg.messages):
             if m.role not in CHAT_ROLES:
-                raise ProtocolError(
-                    "invalid_message",
-                    f"request {rid!r}: messages[{i}].role is {m.role!r}; "
-                    f"it must be one of {', '.join(CHAT_ROLES)}",
-                    rid,
-                )
+                raise _invalid(f"request {rid!r}: messages[{i}].role is {m.role!r}; "
+                               f"it must be one of {', '.join(CHAT_ROLES)}", rid)
     try:
         msg.params.validate()
     except ValueError as exc:
@@ -116,23 +111,18 @@ def check_generate(msg: Generate) -> None:
 
 def _check_request_id(rid: str) -> None:
     if not rid:
-        raise ProtocolError("invalid_message", "request id must be a non-empty string")
+        raise _invalid("request id must be a non-empty string")
     if len(rid) > MAX_REQUEST_ID_CHARS:
-        raise ProtocolError(
-            "invalid_message",
-            f"request id {rid[:32]!r}... is {len(rid)} characters long; "
-            f"the limit is {MAX_REQUEST_ID_CHARS}",
-        )
+        raise _invalid(f"request id {rid[:32]!r}... is {len(rid)} characters long; "
+                       f"the limit is {MAX_REQUEST_ID_CHARS}")
 
 
 def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, valid_types: tuple[str, ...],
             what: str, max_bytes: int):
     # Size first: a huge frame is refused before we spend time parsing it.
     if len(frame) > max_bytes:
-        raise ProtocolError(
-            "message_too_large",
-            f"{what} frame is {len(frame)} bytes; the limit is {max_bytes} bytes",
-        )
+        raise ProtocolError("message_too_large",
+                            f"{what} frame is {len(frame)} bytes; the limit is {max_bytes} bytes")
     try:
         return decoder.decode(frame)
     except msgspec.ValidationError as exc:  # first: it is a subclass of DecodeError
@@ -151,11 +141,8 @@ def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, valid_types: tuple[s
 def _not_msgpack(exc: Exception) -> ProtocolError:
     why = f"a str in it is not valid UTF-8: {exc}" if isinstance(exc, UnicodeDecodeError) \
         else str(exc)
-    return ProtocolError(
-        "invalid_message",
-        f"frame is not valid msgpack ({why}); each frame must be one msgpack map "
-        f"with a \"type\" field",
-    )
+    return _invalid(f"frame is not valid msgpack ({why}); each frame must be one msgpack map "
+                    f"with a \"type\" field")
 
 
 def _explain_invalid(raw: Any, exc: msgspec.ValidationError,
@@ -164,14 +151,11 @@ def _explain_invalid(raw: Any, exc: msgspec.ValidationError,
     the request id when the frame has one so the error reaches the right request."""
     valid = ", ".join(valid_types)
     if not isinstance(raw, dict):
-        return ProtocolError(
-            "invalid_message",
-            f"{what} must be a msgpack map with a \"type\" field, got {type(raw).__name__}",
-        )
+        return _invalid(f"{what} must be a msgpack map with a \"type\" field, "
+                        f"got {type(raw).__name__}")
     tag = raw.get("type")
     if "type" not in raw:
-        return ProtocolError("invalid_message",
-                             f"{what} has no \"type\" field; valid types are: {valid}")
+        return _invalid(f"{what} has no \"type\" field; valid types are: {valid}")
     if tag not in valid_types:
         return ProtocolError("unknown_message_type",
                              f"unknown message type {tag!r}; valid types are: {valid}")
@@ -179,4 +163,4 @@ def _explain_invalid(raw: Any, exc: msgspec.ValidationError,
     if tag not in _TYPES_WITH_ID or not isinstance(rid, str) or not rid \
             or len(rid) > MAX_REQUEST_ID_CHARS:
         rid = None
-    return ProtocolError("invalid_message", f"invalid {tag!r} message: {exc}", rid)
+    return _invalid(f"invalid {tag!r} message: {exc}", rid)

@@ -46,29 +46,23 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
 
 
-class SchedulerSideCodec:
+class _PairCodec:
+    """msgpack out; in, only the message union the peer may send."""
+
+    def __init__(self, receives: type) -> None:
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decode = msgspec.msgpack.Decoder(receives).decode
+
+
+class SchedulerSideCodec(_PairCodec):
     """Encodes plans and Shutdown; decodes results, WorkerReady and WorkerFailed."""
 
     def __init__(self) -> None:
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(WorkerToScheduler)
-
-    def encode(self, msg: SchedulerToWorker) -> bytes:
-        return self._enc.encode(msg)
-
-    def decode(self, data: bytes) -> WorkerToScheduler:
-        return self._dec.decode(data)
+        super().__init__(WorkerToScheduler)
 
 
-class WorkerSideCodec:
+class WorkerSideCodec(_PairCodec):
     """Encodes results, WorkerReady and WorkerFailed; decodes plans and Shutdown."""
 
     def __init__(self) -> None:
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(SchedulerToWorker)
-
-    def encode(self, msg: WorkerToScheduler) -> bytes:
-        return self._enc.encode(msg)
-
-    def decode(self, data: bytes) -> SchedulerToWorker:
-        return self._dec.decode(data)
+        super().__init__(SchedulerToWorker)

@@ -13,13 +13,14 @@ class OutOfPages(Exception):
     pass
 
 
-class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        if num_pages < 2:
-            raise ValueError(f"need at least 2 KV pages (page 0 is reserved), got {num_pages}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self._free: deque[int] = deque(range(1, num_pages))
+class _FreeList:
+    """Numbers 1 .. total - 1, handed out oldest-freed first (0 is reserved padding)."""
+
+    def __init__(self, total: int, what: str, one: str) -> None:
+        if total < 2:
+            raise ValueError(f"need at least 2 {what} ({one} 0 is reserved), got {total}")
+        self._free: deque[int] = deque(range(1, total))
+        self._total = total
 
     @property
     def num_free(self) -> int:
@@ -27,7 +28,14 @@ class PageAllocator:
 
     @property
     def capacity(self) -> int:
-        return self.num_pages - 1
+        return self._total - 1
+
+
+class PageAllocator(_FreeList):
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        super().__init__(num_pages, "KV pages", "page")
+        self.num_pages = num_pages
+        self.page_size = page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -41,20 +49,10 @@ class PageAllocator:
         self._free.extend(pages)
 
 
-class SlotAllocator:
+class SlotAllocator(_FreeList):
     def __init__(self, num_slots: int) -> None:
-        if num_slots < 2:
-            raise ValueError(f"need at least 2 request slots (slot 0 is reserved), got {num_slots}")
+        super().__init__(num_slots, "request slots", "slot")
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(1, num_slots))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def capacity(self) -> int:
-        return self.num_slots - 1
 
     def allocate(self) -> int | None:
         return self._free.popleft() if self._free else None

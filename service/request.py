@@ -121,17 +121,3 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def merge(self, later: "RequestOutput") -> "RequestOutput":
-        """One output for several tokens of the same step (speculative decoding)."""
-        self.token_ids += later.token_ids
-        self.text += later.text
-        if later.logprobs:
-            self.logprobs = (self.logprobs or []) + later.logprobs
-        if later.finished:
-            self.finish_reason, self.error = later.finish_reason, later.error
-            self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
-            self.spec_verify_steps = later.spec_verify_steps
-            self.spec_accepted_drafts = later.spec_accepted_drafts
-            self.spec_accepted_per_position = later.spec_accepted_per_position
-        return self

@@ -101,7 +101,7 @@ class WorkerHandle:
         self._sock: zmq.asyncio.Socket | None = None
         self._dir: Path | None = None
         self._log_file = None
-        self._endpoint: str | None = None
+        self.endpoint: str | None = None
         self._inflight: deque[int] = deque()  # step ids sent whose results are still to come
         self._dead: str | None = None  # why the current process can no longer be used
 
@@ -119,10 +119,6 @@ class WorkerHandle:
     def returncode(self) -> int | None:
         """The current process's exit status; None while it runs or when there is none."""
         return None if self._proc is None else self._proc.poll()
-
-    @property
-    def endpoint(self) -> str | None:
-        return self._endpoint
 
     @property
     def log_path(self) -> Path | None:
@@ -145,28 +141,18 @@ class WorkerHandle:
         """A start-up failure for people: the worker's one-line reason and where its whole log
         is, not the log's tail (a traceback of the worker's own code). The log is copied out of
         the temp dir, which start() removes on the way out."""
-        kept = self._keep_log()
-        if kept is None:
-            return WorkerStartError(message)
-        return WorkerStartError(f"{message}\nThe worker's full log, with its traceback, is kept "
-                                f"in {kept}")
-
-    def _keep_log(self) -> Path | None:
         path = self.log_path
-        if path is None or not path.exists() or path.stat().st_size == 0:
-            return None
-        try:
-            fd, kept = tempfile.mkstemp(prefix=f"fmserve-worker-{self.pid}-", suffix=".log",
-                                        dir=self._dir.parent)
-            os.close(fd)
-            shutil.copyfile(path, kept)
-        except OSError:
-            return None
-        return Path(kept)
-
-    def _with_log(self, message: str) -> str:
-        tail = self.log_tail()
-        return f"{message}\n--- last lines of the worker log ---\n{tail}" if tail else message
+        if path is not None and path.exists() and path.stat().st_size > 0:
+            try:
+                fd, kept = tempfile.mkstemp(prefix=f"fmserve-worker-{self.pid}-", suffix=".log",
+                                            dir=self._dir.parent)
+                os.close(fd)
+                shutil.copyfile(path, kept)
+            except OSError:
+                pass
+            else:
+                message += f"\nThe worker's full log, with its traceback, is kept in {kept}"
+        return WorkerStartError(message)
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -189,14 +175,14 @@ class WorkerHandle:
         self._inflight.clear()
         self._dir = make_ipc_dir("fmserve-worker-")
         try:  # from here on, any failure (or cancellation) must leave no process and no files
-            self._endpoint = ipc_endpoint(self._dir, "worker.sock")
+            self.endpoint = ipc_endpoint(self._dir, "worker.sock")
             self._ctx = zmq.asyncio.Context()
             self._sock = configure_socket(self._ctx.socket(zmq.PAIR))
-            self._sock.bind(self._endpoint)
+            self._sock.bind(self.endpoint)
             self._log_file = open(self._dir / "worker.log", "wb")
             env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1"}
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-            cmd = [sys.executable, "-m", WORKER_MODULE, "--endpoint", self._endpoint,
+            cmd = [sys.executable, "-m", WORKER_MODULE, "--endpoint", self.endpoint,
                    "--config", msgspec.json.encode(self.config).decode(),
                    "--parent-pid", str(os.getpid()),
                    "--cleanup-dir", str(self._dir)]
@@ -261,10 +247,6 @@ class WorkerHandle:
         await self.stop(timeout_s=2.0)
         return await self.start()
 
-    def kill(self) -> None:
-        """SIGKILL the worker and clean up, synchronously: for emergency exits."""
-        self._kill_and_cleanup()
-
     def __del__(self) -> None:
         # A handle dropped without stop(): its worker would wait for plans forever.
         try:
@@ -313,7 +295,7 @@ class WorkerHandle:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._proc = self._sock = self._ctx = self._log_file = self._dir = None
-        self._endpoint = self.info = None
+        self.endpoint = self.info = None
         self._inflight.clear()
 
     # -- steps ------------------------------------------------------------------------------
@@ -371,7 +353,9 @@ class WorkerHandle:
     def _died(self, message: str) -> WorkerDied:
         self._dead = message
         self._inflight.clear()
-        return WorkerDied(self._with_log(message))
+        tail = self.log_tail()
+        return WorkerDied(f"{message}\n--- last lines of the worker log ---\n{tail}" if tail
+                          else message)
 
     async def _receive(self, timeout_s: float) -> WorkerToScheduler:
         """The next message. Checks between short polls that the process lives, so a death is
