@@ -50,11 +50,11 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, config: WorkerConfig | None = None, *, model: str | None = None,
+    def __init__(self, model: str | None = None, *, config: WorkerConfig | None = None,
                  overlap: bool = False, prefix_cache: bool = False, **settings) -> None:
-        """`config` (default: every default), with any worker setting given by its flat name
-        (ipc/worker_config.py: dtype="fp32", page_size=32, spec=SpecSettings(...)). `model` is
-        what --model takes ("default", a .gguf, a model directory) and wins over the config's.
+        """`model` is what --model takes ("default", a .gguf, a model directory; None: the
+        config's). `config` (default: every default) is the worker's, with any setting also
+        given by its flat name (ipc/worker_config.py: dtype="fp32", spec=SpecSettings(...)).
         `overlap` and `prefix_cache` are the scheduler's, as in config.toml [scheduling]."""
         cfg = worker_config(config, **settings)
         model = model if model is not None else cfg.model.path

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu.attention import make_attention_backend
+from gpu.attention.factory import make_attention_backend
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.future_map import FutureMap
 from gpu.kv_cache import KVPool, ReqToTokenPool

@@ -58,6 +58,9 @@ def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
                 w = w.rpartition(".")[0]
             if w and w != name:
                 targets.add(w)
+    # Importing a.b.c runs a/__init__.py and a/b/__init__.py first.
+    parts = name.split(".")
+    targets |= {".".join(parts[:i]) for i in range(1, len(parts))} & modules
     return targets
 
 

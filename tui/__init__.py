@@ -1,5 +1,1 @@
-"""`fmserve top`: the Textual monitor. Depends on `ipc` only (never `service` or `gpu`)."""
-
-from tui.app import TopApp
-
-__all__ = ["TopApp"]
+"""`fmserve top`: the Textual monitor (`app.TopApp`). Depends on `ipc` only (never `service` or `gpu`)."""

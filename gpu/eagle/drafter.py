@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu.attention import make_attention_backend
+from gpu.attention.factory import make_attention_backend
 from gpu.eagle.draft_head import DraftHead
 from gpu.eagle.head_io import load_draft_head
 from gpu.eagle.tree import DraftTree, organize_draft_tree

@@ -1,0 +1,25 @@
+"""Picks an attention backend by name (config.toml runtime.attention_backend)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ipc.worker_config import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    from gpu.attention.base import AttentionBackend
+    from gpu.kv_cache import KVPool, ReqToTokenPool
+
+
+def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool",
+                           num_heads: int, num_kv_heads: int, head_dim: int) -> "AttentionBackend":
+    """The backend `name` over `kv_pool`; imported here only when chosen (Triton is slow to
+    import and absent on some machines)."""
+    scale = head_dim ** -0.5
+    if name == "torch":
+        from gpu.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+    if name == "triton":
+        from gpu.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(f"attention backend '{name}' is unknown; choose one of {ATTENTION_BACKENDS}")
