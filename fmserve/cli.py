@@ -77,19 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", default="-", help="where --file results go (JSONL; - = stdout)")
     add_model_args(gen)
     add_sampling_args(gen)
+    from fmserve.generate_cmd import run_generate
+    gen.set_defaults(func=run_generate)
 
     serve = sub.add_parser("serve", help="run the service (scheduler + worker processes)")
-    from fmserve.serve_cmd import add_serve_args
+    from fmserve.serve_cmd import add_serve_args, run_serve
     add_serve_args(serve)
+    serve.set_defaults(func=run_serve)
 
     client = sub.add_parser("client", help="send requests to a running service")
-    from fmserve.client_cmd import add_client_args
+    from fmserve.client_cmd import add_client_args, run_client
     add_client_args(client)
     add_sampling_args(client)
+    client.set_defaults(func=run_client)
 
     top = sub.add_parser("top", help="live monitor of a running service")
-    from fmserve.top_cmd import add_top_args
+    from fmserve.top_cmd import add_top_args, run_top
     add_top_args(top)
+    top.set_defaults(func=run_top)
 
     bench = sub.add_parser("bench", help="measure throughput")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -120,21 +125,32 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--markdown", default=None, help="also write the table to this file")
     from fmserve.bench.spec import add_bench_spec_args
     add_bench_spec_args(off)
+    off.set_defaults(func=run_bench_offline_or_spec)
     srv = bench_sub.add_parser("serve", help="the service under load vs the offline engine")
-    from fmserve.bench.serve import add_bench_serve_args
+    from fmserve.bench.serve import add_bench_serve_args, run_bench_serve
     add_bench_serve_args(srv)
+    srv.set_defaults(func=run_bench_serve)
     peers = bench_sub.add_parser("peers", help="fmserve against transformers and llama.cpp: "
                                                "markdown report and plots")
-    from fmserve.bench.peers import add_bench_peers_args
+    from fmserve.bench.peers import add_bench_peers_args, run_bench_peers
     add_bench_peers_args(peers)
+    peers.set_defaults(func=run_bench_peers)
     prefix = bench_sub.add_parser("prefix", help="the prefix cache off and on: a shared system "
                                                  "prompt, and a multi-turn chat")
-    from fmserve.bench.prefix import add_bench_prefix_args
+    from fmserve.bench.prefix import add_bench_prefix_args, run_bench_prefix
     add_bench_prefix_args(prefix)
+    prefix.set_defaults(func=run_bench_prefix)
 
     from fmserve.train_eagle.cli import add_parser as add_train_eagle_parser
     add_train_eagle_parser(sub)
     return parser
+
+
+def run_bench_offline_or_spec(args: argparse.Namespace) -> int:
+    """`bench offline --spec ...` measures speculative decoding (bench/spec.py)."""
+    from fmserve.bench.offline import run_bench_offline
+    from fmserve.bench.spec import run_bench_spec
+    return run_bench_spec(args) if args.spec else run_bench_offline(args)
 
 
 def check_draft_model_used(args: argparse.Namespace) -> None:
@@ -162,35 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         check_draft_model_used(args)
-        if args.command == "train-eagle":
-            return args.func(args)
-        if args.command == "generate":
-            from fmserve.generate_cmd import run_generate
-            return run_generate(args)
-        if args.command == "serve":
-            from fmserve.serve_cmd import run_serve
-            return run_serve(args)
-        if args.command == "top":
-            from fmserve.top_cmd import run_top
-            return run_top(args)
-        if args.command == "client":
-            from fmserve.client_cmd import run_client
-            return run_client(args)
-        if args.command == "bench" and args.bench_command == "serve":
-            from fmserve.bench.serve import run_bench_serve
-            return run_bench_serve(args)
-        if args.command == "bench" and args.bench_command == "prefix":
-            from fmserve.bench.prefix import run_bench_prefix
-            return run_bench_prefix(args)
-        if args.command == "bench" and args.bench_command == "peers":
-            from fmserve.bench.peers import run_bench_peers
-            return run_bench_peers(args)
-        if args.command == "bench" and args.bench_command == "offline" and args.spec:
-            from fmserve.bench.spec import run_bench_spec
-            return run_bench_spec(args)
-        if args.command == "bench" and args.bench_command == "offline":
-            from fmserve.bench.offline import run_bench_offline
-            return run_bench_offline(args)
+        return args.func(args)
     except KeyboardInterrupt:
         return 130
     # Errors whose message is written for people: printed, no traceback. OSError: a file that
@@ -198,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, ModelLoadError, ClientError) as exc:
         print(f"fmserve: error: {exc}", file=sys.stderr)
         return 2
-    return 1
 
 
 if __name__ == "__main__":

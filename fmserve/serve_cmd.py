@@ -13,18 +13,28 @@ import msgspec
 from fmserve.default_model import resolve_draft_model, resolve_model_path
 from service.config import ConfigError, ServiceConfig, load_config, parse_set_flags
 
-# CLI flag -> dotted config key; flags left unset (None) do not override the file.
-FLAG_KEYS = {
-    "model": "model.path", "device": "model.device", "dtype": "model.dtype",
-    "attention_backend": "runtime.attention_backend", "page_size": "runtime.page_size",
-    "max_kv_tokens": "runtime.max_kv_tokens",
-    "max_running_requests": "runtime.max_running_requests",
-    "max_tokens_per_step": "runtime.max_tokens_per_step",
-    "endpoint": "service.client_endpoint", "telemetry_endpoint": "service.telemetry_endpoint",
-    "overlap": "scheduling.overlap", "spec_algorithm": "spec.algorithm",
-    "draft_model": "spec.draft_model", "spec_num_steps": "spec.num_steps",
-    "spec_topk": "spec.topk", "spec_num_draft_tokens": "spec.num_draft_tokens",
-    "spec_disable_above_batch_size": "spec.disable_above_batch_size",
+# Flag -> (dotted config key, more add_argument keywords); a flag left unset (None) does not
+# override the file.
+OVERRIDE_FLAGS = {
+    "--model": ("model.path", {}),
+    "--device": ("model.device", {}),
+    "--dtype": ("model.dtype", {}),
+    "--attention-backend": ("runtime.attention_backend", {}),
+    "--page-size": ("runtime.page_size", dict(type=int)),
+    "--max-kv-tokens": ("runtime.max_kv_tokens", dict(type=int)),
+    "--max-running-requests": ("runtime.max_running_requests", dict(type=int)),
+    "--max-tokens-per-step": ("runtime.max_tokens_per_step", dict(type=int)),
+    "--endpoint": ("service.client_endpoint",
+                   dict(help="client ROUTER endpoint (tcp:// or ipc://)")),
+    "--telemetry-endpoint": ("service.telemetry_endpoint", {}),
+    "--overlap": ("scheduling.overlap", dict(action=argparse.BooleanOptionalAction)),
+    "--spec-algorithm": ("spec.algorithm", dict(help="none, eagle3 or eagle")),
+    "--draft-model": ("spec.draft_model", dict(help="EAGLE head directory")),
+    "--spec-num-steps": ("spec.num_steps", dict(type=int)),
+    "--spec-topk": ("spec.topk", dict(type=int)),
+    "--spec-num-draft-tokens": ("spec.num_draft_tokens", dict(type=int)),
+    "--spec-disable-above-batch-size": ("spec.disable_above_batch_size", dict(
+        type=int, help="decode batches larger than this run without drafting (0: never)")),
 }
 
 
@@ -33,24 +43,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="TOML config (default: ./config.toml if it exists, else built-in defaults)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, e.g. --set runtime.page_size=32")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--max-kv-tokens", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--max-tokens-per-step", type=int, default=None)
-    p.add_argument("--endpoint", default=None, help="client ROUTER endpoint (tcp:// or ipc://)")
-    p.add_argument("--telemetry-endpoint", default=None)
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--spec-algorithm", default=None, help="none, eagle3 or eagle")
-    p.add_argument("--draft-model", default=None, help="EAGLE head directory")
-    p.add_argument("--spec-num-steps", type=int, default=None)
-    p.add_argument("--spec-topk", type=int, default=None)
-    p.add_argument("--spec-num-draft-tokens", type=int, default=None)
-    p.add_argument("--spec-disable-above-batch-size", type=int, default=None,
-                   help="decode batches larger than this run without drafting (0: never)")
+    for flag, (_, kwargs) in OVERRIDE_FLAGS.items():
+        p.add_argument(flag, default=None, **kwargs)
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
 
@@ -58,7 +52,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     path = Path(args.config) if args.config else (Path("config.toml") if Path(
         "config.toml").exists() else None)
-    overrides = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items()}
+    overrides = {key: getattr(args, flag[2:].replace("-", "_"))
+                 for flag, (key, _) in OVERRIDE_FLAGS.items()}
     overrides.update(parse_set_flags(args.set))
     return load_config(path, overrides)
 

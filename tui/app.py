@@ -26,7 +26,7 @@ from textual.coordinate import Coordinate
 from textual.markup import escape
 from textual.widgets import DataTable, Footer, Label, Sparkline
 
-from ipc.client_messages import Error
+from ipc.client_messages import AdminAbort, Error
 from ipc.codec import ProtocolError, decode_service_reply, encode
 from ipc.telemetry import RequestTelemetry, TelemetrySnapshot
 from tui.events import ERROR, INFO, WARNING, MonitorEvent, SnapshotTracker, request_key
@@ -47,11 +47,6 @@ from tui.widgets import (
     slots_gauge_text,
     step_timing_text,
 )
-
-try:
-    from ipc.client_messages import AdminAbort
-except ImportError:  # an ipc without admin abort: `a` explains instead of acting
-    AdminAbort = None
 
 DEFAULT_CLIENT_ENDPOINT = "tcp://127.0.0.1:5557"
 ABORT_REPLY_TIMEOUT_S = 3.0
@@ -319,12 +314,6 @@ class TopApp(App):
         track = self.tracker.tracks.get(key)
         if track is not None and track.ended_at is not None:
             self._log(MonitorEvent(self.clock(), WARNING, f"abort {key}: it has already ended"))
-            return
-        if AdminAbort is None:
-            self._log(MonitorEvent(
-                self.clock(), ERROR, f"cannot abort {key}: this ipc.client_messages has no "
-                                    f"AdminAbort, and a plain Abort only works on the "
-                                    f"connection that sent the request"))
             return
         self.tracker.mark_abort_requested(key)
         self._log(MonitorEvent(self.clock(), INFO, f"abort {key}: sent to {self.client_endpoint}"))

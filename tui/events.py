@@ -18,20 +18,16 @@ INFO, WARNING, ERROR = "info", "warning", "error"
 
 
 def request_key(r: RequestTelemetry) -> str:
-    """The service-wide id of a request: `key` once telemetry carries it, else the client id.
-
-    Client ids are only unique per connection; the service's own id is
-    `"<client-hex>/<client id>"`, and that is what an admin abort must name.
-    """
-    return getattr(r, "key", None) or r.id
+    """The service-wide id of a request: `key`, else the client id. Client ids are only unique
+    per connection; the service's own id is `"<client-hex>/<client id>"`, and that is what an
+    admin abort must name."""
+    return r.key or r.id
 
 
 def service_restarted(prev: TelemetrySnapshot, snap: TelemetrySnapshot) -> bool:
     """A new run of the service: its uptime went back (a run that had finished nothing yet
-    still has every counter at 0), or, from a service without uptime, a counter did."""
-    up_prev, up = getattr(prev, "uptime_s", None), getattr(snap, "uptime_s", None)
-    return (up is not None and up_prev is not None and up < up_prev) or \
-        snap.finished_requests < prev.finished_requests or \
+    still has every counter at 0), or a counter did."""
+    return snap.uptime_s < prev.uptime_s or snap.finished_requests < prev.finished_requests or \
         snap.total_output_tokens < prev.total_output_tokens
 
 
@@ -117,8 +113,8 @@ class SnapshotTracker:
     def _push_series(self, snap: TelemetrySnapshot) -> None:
         self.throughput.append(snap.output_tokens_per_s)
         if snap.speculation:
-            mean = getattr(snap, "spec_accept_length", None)  # the service's recent window
-            if mean is None:  # a service that does not publish it: this snapshot's batch
+            mean = snap.spec_accept_length  # the service's recent window
+            if mean is None:  # no verify steps in it yet: this snapshot's batch
                 decoding = [r.last_accept_len + 1 for r in snap.running if r.state == "decoding"]
                 mean = sum(decoding) / len(decoding) if decoding else None
             if mean is not None:
@@ -155,8 +151,8 @@ class SnapshotTracker:
             rate = (r.generated - base.generated) / (now - base.time)
         track.samples.append(RequestSample(now, r.state, r.slot, r.seq_len, r.generated,
                                            r.last_accept_len, rate,
-                                           getattr(r, "accept_length", None)))
-        track.text = getattr(r, "text_tail", None)  # only the newest: it holds the older text
+                                           r.accept_length))
+        track.text = r.text_tail  # only the newest: it holds the older text
 
     def _end(self, key: str, when: float, note: str) -> None:
         track = self.tracks[key]

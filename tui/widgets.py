@@ -55,11 +55,6 @@ def cell(text: str, cells: int) -> str:
     return escape(clip(text, cells))
 
 
-def _opt(snap: TelemetrySnapshot, name: str):
-    """A field newer services may publish; None when this snapshot lacks it."""
-    return getattr(snap, name, None)
-
-
 def finite(values) -> list[float]:
     """The finite values, for a Sparkline: one NaN or infinity makes it raise while drawing,
     and msgpack carries them."""
@@ -93,14 +88,12 @@ def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool
         out.append("waiting for the first snapshot\n", style="yellow")
     else:
         w = snap.worker
-        uptime = _opt(snap, "uptime_s")
-        spec_cfg = _opt(snap, "spec_config")  # None from a service that does not publish it
         spec = "off" if not snap.speculation else \
-            spec_settings_text(spec_cfg) if spec_cfg else "on (settings n/a)"
+            spec_settings_text(snap.spec_config) if snap.spec_config else "on (settings n/a)"
         out.append(printable(snap.model), style="bold")
         out.append(printable(f"  {w.device} {w.dtype} attn={w.attention_backend}")
                    + f"  overlap {'on' if snap.overlap else 'off'}  spec {printable(spec)}"
-                   f"  uptime {NA if uptime is None else _fmt_duration(uptime)}\nworker ")
+                   f"  uptime {_fmt_duration(snap.uptime_s)}\nworker ")
         if w.alive:
             out.append(f"alive pid {w.pid}", style="green")
         else:
@@ -168,21 +161,19 @@ def step_timing_text(snap: TelemetrySnapshot, tracker: SnapshotTracker) -> Text:
         n = len(steps)
         fwd = sum(s.forward_ms for s in steps) / n
         wall = sum(s.wall_ms for s in steps) / n
-        idle = [getattr(s, "idle_ms", None) for s in steps]
-        idle_text = NA if None in idle else f"{sum(idle) / n:6.1f} ms"
+        idle = sum(s.idle_ms for s in steps) / n
         out.append(f"forward {fwd:7.1f} ms  step wall {wall:7.1f} ms\n")
         out.append(f"outside forward (schedule+ipc) {max(0.0, wall - fwd):6.1f} ms\n")
-        out.append(f"worker idle before a step {idle_text}\n")
+        out.append(f"worker idle before a step {idle:6.1f} ms\n")
         out.append(f"batch {sum(s.batch_size for s in steps) / n:5.1f} req  "
                    f"{sum(s.num_tokens for s in steps) / n:6.1f} tok/step\n")
     if tracker.steps_per_s is not None and tracker.worker_busy is not None:
         out.append(f"{tracker.steps_per_s:5.1f} steps/s  worker busy ~{tracker.worker_busy:.0%}\n")
     else:
         out.append(f"steps/s {NA}\n")
-    idle_share = _opt(snap, "worker_idle_share")
-    if idle_share is None or not steps:
-        why = "no steps yet" if not steps else "snapshot has no worker idle share"
-        out.append(f"overlap efficiency {NA} ({why})", style="dim")
+    idle_share = snap.worker_idle_share
+    if not steps:
+        out.append(f"overlap efficiency {NA} (no steps yet)", style="dim")
     else:  # the share of worker time spent computing rather than waiting for the scheduler
         out.append(f"overlap efficiency {1 - idle_share:.0%} (idle {idle_share:.0%} since start)")
     return out
@@ -298,7 +289,7 @@ def accept_label_text(snap: TelemetrySnapshot, tracker: SnapshotTracker) -> str:
     if not tracker.accept_len:
         return f"mean accept length {NA} (no verify steps yet)"
     out = f"mean accept length {tracker.accept_len[-1]:.2f}"
-    rates = _opt(snap, "spec_accept_rate_per_position")
+    rates = snap.spec_accept_rate_per_position
     if rates:
         out += "\naccepted by draft position " + " ".join(f"{r:.0%}" for r in rates)
     return out
