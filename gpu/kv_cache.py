@@ -29,18 +29,9 @@ class KVPool:
         self.v_buffer = [torch.zeros(size, num_kv_heads, head_dim, dtype=dtype, device=device)
                          for _ in range(num_layers)]
 
-    @property
-    def num_token_slots(self) -> int:
-        return self.num_pages * self.page_size
-
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class ReqToTokenPool:

@@ -7,13 +7,12 @@ knows: the verify tree and the draft nodes of the step in flight plus those of t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 SpecAlgorithm = Literal["none", "eagle3", "eagle"]  # "eagle": EAGLE-1 heads
-SPEC_ALGORITHMS = get_args(SpecAlgorithm)
 
 
 def accept_length(accepted_drafts: int, verify_steps: int) -> float | None:

@@ -12,7 +12,7 @@ code that reads it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -29,8 +29,6 @@ ATTENTION_BACKENDS = ("torch", "triton")
 #   auto:    "on" on GPUs (launching is asynchronous there), "off" on a CPU (there launching
 #            *is* computing, so finishing first sends the result sooner)
 LaunchAhead = Literal["off", "prepare", "on", "auto"]
-LAUNCH_AHEAD_MODES = get_args(LaunchAhead)
-WEIGHT_QUANTS = ("none", "int8", "fp16")  # see gpu/quantized_linear.py
 
 DEFAULT_Q4_MAX_TOKENS = 12
 

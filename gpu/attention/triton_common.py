@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # Whether triton.jit built the kernel modules' kernels interpreted (they then accept CPU
 # tensors): the kernel modules import this one first, so both read the same environment.
@@ -53,3 +55,39 @@ def check_inputs(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
         if t.stride(-1) != 1:
             raise ValueError(f"Triton attention needs {name} contiguous in head_dim "
                              f"(got strides {tuple(t.stride())})")
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
+                        visible, offs_d, mask_d, sm_scale,
+                        stride_k_loc, stride_k_head, stride_v_loc, stride_v_head,
+                        stride_r2t_slot, FP32_DOT: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """One BLOCK_N step of online softmax: keys ``offs_n`` (valid where ``mask_n``), seen by
+    each row where ``visible`` [rows, BLOCK_N] (rows: query tokens in extend, heads in decode).
+    With ``MAY_BE_EMPTY`` a row may have seen no key yet (m_i and m_new both -inf); it then
+    stays at zero instead of going NaN."""
+    loc = tl.load(ReqToToken + slot * stride_r2t_slot + offs_n, mask=mask_n,
+                  other=0).to(tl.int64)
+    k = tl.load(KBuf + loc[None, :] * stride_k_loc + kv_head * stride_k_head
+                + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    if FP32_DOT:
+        qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        qk = tl.dot(q, k)
+    qk = tl.where(visible, qk * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(VBuf + loc[:, None] * stride_v_loc + kv_head * stride_v_head
+                + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    if FP32_DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i

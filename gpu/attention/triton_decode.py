@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.attention.triton_common import check_inputs, use_fp32_dot
+from gpu.attention.triton_common import check_inputs, online_softmax_step, use_fp32_dot
 
 DECODE_BLOCK_N = 32  # keys per inner step of the decode kernel
 DECODE_BLOCK_H = 16  # query heads per program (padded; tl.dot needs M >= 16)
@@ -71,28 +71,12 @@ def _decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            loc = tl.load(ReqToToken + slot * stride_r2t_slot + offs_n, mask=mask_n,
-                          other=0).to(tl.int64)
-            k = tl.load(KBuf + loc[None, :] * stride_k_loc + kv_head * stride_k_head
-                        + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            if FP32_DOT:
-                qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-            else:
-                qk = tl.dot(q, k)
-            qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
             # The first step of a non-empty chunk has a valid key, so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VBuf + loc[:, None] * stride_v_loc + kv_head * stride_v_head
-                        + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            if FP32_DOT:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc, m_i, l_i = online_softmax_step(
+                acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
+                mask_n[None, :], offs_d, mask_d, sm_scale,
+                stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_r2t_slot,
+                FP32_DOT, False)
         out_offs = (req * stride_mo_req + heads[:, None] * stride_mo_head
                     + split * stride_mo_split + offs_d[None, :])
         tl.store(MidO + out_offs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])

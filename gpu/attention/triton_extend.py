@@ -8,45 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.attention.triton_common import check_inputs, use_fp32_dot
+from gpu.attention.triton_common import check_inputs, online_softmax_step, use_fp32_dot
 
 EXTEND_BLOCK_M = 64  # queries per extend program
 EXTEND_BLOCK_N = 64  # keys per inner step of the extend kernel
-
-
-@triton.jit
-def _extend_step(acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
-                 visible, offs_d, mask_d, sm_scale,
-                 stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_r2t_slot,
-                 FP32_DOT: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
-    """One BLOCK_N step of online softmax: keys ``offs_n`` (valid where ``mask_n``), seen by
-    each query row where ``visible`` [BLOCK_M, BLOCK_N]. With ``MAY_BE_EMPTY`` a row may have
-    seen no key yet (m_i and m_new both -inf); it then stays at zero instead of going NaN."""
-    loc = tl.load(ReqToToken + slot * stride_r2t_slot + offs_n, mask=mask_n,
-                  other=0).to(tl.int64)
-    k = tl.load(KBuf + loc[None, :] * stride_k_loc + kv_head * stride_k_head
-                + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-    if FP32_DOT:
-        qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-    else:
-        qk = tl.dot(q, k)
-    qk = tl.where(visible, qk * sm_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if MAY_BE_EMPTY:
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_ref = m_new
-    alpha = tl.exp(m_i - m_ref)
-    p = tl.exp(qk - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(VBuf + loc[:, None] * stride_v_loc + kv_head * stride_v_head
-                + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-    if FP32_DOT:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -105,7 +70,7 @@ def _extend_kernel(
             for n0 in range(0, tree_start, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < tree_start
-                acc, m_i, l_i = _extend_step(
+                acc, m_i, l_i = online_softmax_step(
                     acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
                     mask_n[None, :], offs_d, mask_d, sm_scale,
                     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_r2t_slot,
@@ -119,7 +84,7 @@ def _extend_kernel(
                 tree_bits = tl.load(tm_row + (offs_n - tree_start)[None, :] * stride_tm_k,
                                     mask=mask_m[:, None] & mask_n[None, :], other=0)
                 visible = mask_n[None, :] & (tree_bits != 0)
-                acc, m_i, l_i = _extend_step(
+                acc, m_i, l_i = online_softmax_step(
                     acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
                     visible, offs_d, mask_d, sm_scale,
                     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_r2t_slot,
@@ -137,7 +102,7 @@ def _extend_kernel(
                 visible = mask_n[None, :] & (offs_n[None, :] <= query_pos[:, None])
                 # Key 0 is visible to every row (padding rows included), so after the first
                 # step m_i is finite and fully masked later steps contribute exp(-inf) = 0.
-                acc, m_i, l_i = _extend_step(
+                acc, m_i, l_i = online_softmax_step(
                     acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
                     visible, offs_d, mask_d, sm_scale,
                     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_r2t_slot,
