@@ -1,0 +1,81 @@
+"""A real `fmserve serve` process on free ports, for the tests that run the service across
+processes (tests/service/test_server.py, tests/e2e/, the TUI's live test)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ipc.client import Client
+from ipc.client_errors import ServiceUnavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+class ServiceProcess:
+    def __init__(self, model_path: Path, *extra: str) -> None:
+        self.port, self.tport = free_port(), free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"fmserve-svc-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model_path),
+             "--dtype", "fp32", "--endpoint", self.endpoint,
+             "--telemetry-endpoint", f"tcp://127.0.0.1:{self.tport}", "--max-kv-tokens", "4096",
+             "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        with Client(self.endpoint) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"fmserve serve exited early:\n{self.log_text()}")
+                try:
+                    c.health(timeout_s=1.0)
+                    return
+                except ServiceUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def worker_pid(self) -> int:
+        kids = child_pids(self.proc.pid)
+        assert kids, "the service has no worker child process"
+        return kids[0]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        return self.proc.returncode
+
+
+def assert_idle(client: Client) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        s = client.health()
+        if (s.free_pages, s.free_slots, s.running, s.waiting) == (s.total_pages, s.total_slots, 0, 0):
+            return
+        assert time.monotonic() < deadline, f"accounting did not return to idle: {s}"
+        time.sleep(0.1)

@@ -1,0 +1,127 @@
+"""spec.disable_above_batch_size: decode batches above it run without drafting.
+
+Such a step must produce exactly what the plain engine produces (greedy and seeded sampling
+alike), and the draft head must keep following along, so that once the batch shrinks the
+remaining requests speculate as well as they would have from the start.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
+from tests.engine_runs import assert_accounting_empty, run_requests
+from tests.gpu.spec_runs import QUESTIONS, make_engine, scenario
+
+CHAIN = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
+TREE = SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6)
+LONG_QUESTION = "List the planets of the solar system in order, with one fact about each."
+
+
+def _with_limit(spec: SpecSettings, limit: int) -> SpecSettings:
+    return SpecSettings(spec.algorithm, spec.draft_model, spec.num_steps, spec.topk,
+                        spec.num_draft_tokens, disable_above_batch_size=limit)
+
+
+@pytest.fixture(scope="module")
+def plain(model_path):
+    return make_engine(model_path)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return [r.visible for r in run_requests(plain, chats, scenario(), overlap=False)]
+
+
+@pytest.fixture(scope="module")
+def limited_chain(model_path):
+    """A chain that speculates only for a lone request. Whole prompts prefill in one step, so
+    requests submitted together decode together from their first token."""
+    return make_engine(model_path, _with_limit(CHAIN, 1), max_tokens_per_step=512)
+
+
+@pytest.mark.parametrize("spec,overlap", [(CHAIN, True), (TREE, False)], ids=["chain", "tree"])
+def test_greedy_identical_as_the_batch_crosses_the_limit(model_path, reference, spec, overlap):
+    # 6 requests, 4 running at a time, of 3..23 new tokens: the batch starts above the limit
+    # (plain steps) and shrinks below it (verify steps), under both step kinds' bookkeeping.
+    engine = make_engine(model_path, _with_limit(spec, 2))
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    runs = run_requests(engine, chats, scenario(), overlap)
+    assert [r.visible for r in runs] == reference
+    verify_steps = sum(r.verify_steps for r in runs)
+    assert verify_steps > 0  # the small batches speculated...
+    # ...and the big ones did not: beyond each request's first token (from its prefill) and
+    # what verify steps emitted (their accepted drafts + a bonus each), tokens came one per
+    # plain step. (Tokens past a stop string are dropped, which only lowers the left side.)
+    emitted_by_verify = verify_steps + sum(r.accepted_drafts for r in runs)
+    assert sum(len(r.token_ids) for r in runs) - len(runs) - emitted_by_verify > 4
+
+
+def test_seeded_sampling_above_the_limit_is_the_plain_engines(plain, limited_chain):
+    engine = limited_chain
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_new_tokens=12,
+                             ignore_eos=True) for i in range(3)]
+    spec_runs = run_requests(engine, chats, params, overlap=True)
+    plain_runs = run_requests(plain, chats, params, overlap=True)
+    assert [r.token_ids for r in spec_runs] == [r.token_ids for r in plain_runs]
+    assert all(r.verify_steps == 0 for r in spec_runs)  # batch 3 > 1 throughout
+
+
+def _draft_keys_when(engine, chats, params, rid_index: int, at_tokens: int):
+    """Run the chats; once request ``rid_index`` has streamed ``at_tokens`` tokens (still
+    running), copy its draft-head K cache over the positions it holds. Returns (keys, its
+    tokens, its (verify steps, accepted drafts))."""
+    engine.overlap = True
+    submitted = engine.submit(chats, params)
+    rid = submitted[rid_index][0]
+    tokens: list[int] = []
+    keys = spec = None
+    for out in engine.run():
+        if out.rid != rid:
+            continue
+        tokens += out.token_ids
+        if out.finished:
+            spec = (out.spec_verify_steps, out.spec_accepted_drafts)
+        req = engine.scheduler.core.requests.get(rid)
+        if keys is None and len(tokens) >= at_tokens and req is not None and not out.finished:
+            state = engine.worker.state
+            length = int(state.future_map.resolve_seq_lens_host(np.array([req.slot]))[0])
+            locs = state.req_to_token.req_to_token[req.slot, :length].long()
+            keys = engine.worker.step.drafter.draft_kv.k_buffer[0][locs].float().clone()
+    assert_accounting_empty(engine)
+    return keys, tokens, spec
+
+
+def test_the_draft_follows_plain_steps_and_speculates_after(model_path, limited_chain):
+    """One long request shares its first steps with three short ones (batch 4 > 1: plain
+    steps), then runs alone and speculates. The draft head's KV over its tokens must be what a
+    run that speculated all along wrote (each position pairs the target's state there with the
+    next token), and its acceptance afterwards as good."""
+    long_chat = [{"role": "user", "content": LONG_QUESTION}]
+    long_params = SamplingParams(temperature=0.0, max_new_tokens=72)
+    alone_keys, alone_tokens, alone_spec = _draft_keys_when(
+        make_engine(model_path, CHAIN), [long_chat], [long_params], 0, 48)
+    shorts = [[{"role": "user", "content": q}] for q in QUESTIONS[1:4]]
+    short_params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)] * 3
+    mixed_keys, mixed_tokens, mixed_spec = _draft_keys_when(
+        limited_chain, [long_chat, *shorts], [long_params, *short_params], 0, 48)
+    assert mixed_tokens == alone_tokens
+    n = min(len(alone_keys), len(mixed_keys))
+    torch.testing.assert_close(mixed_keys[:n], alone_keys[:n], atol=2e-3, rtol=2e-3)
+
+    # At least 24 tokens came one per plain step; the rest through verify steps, accepting
+    # drafts at much the rate of the run that speculated all along.
+    assert 0 < mixed_spec[0] <= len(mixed_tokens) - 24
+    alone_rate, mixed_rate = (a / v for v, a in (alone_spec, mixed_spec))
+    assert alone_rate > 0.3, alone_spec  # the shipped head drafts this answer well
+    assert mixed_rate > 0.75 * alone_rate, (mixed_spec, alone_spec)
+
+
+def test_a_negative_limit_is_refused():
+    with pytest.raises(ValueError, match="disable_above_batch_size must be >= 0"):
+        _with_limit(CHAIN, -1).validate()

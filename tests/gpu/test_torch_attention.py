@@ -1,0 +1,49 @@
+"""The torch paged-attention backend against the float64 reference of tests/gpu/attention_cases,
+on the batches continuous batching makes: decodes alone, prefill chunks alone, and both mixed
+in one EXTEND batch (run as two groups, so a decode is not padded to the longest chunk)."""
+
+import pytest
+import torch
+
+from gpu.attention.torch_backend import TorchAttentionBackend
+from tests.gpu.attention_cases import BF16, FP32, MIXED_LENS, SMOL, build_case, run_and_compare
+
+# Two decodes on long prefixes, a chunk on a cached prefix, a fresh prompt, one more decode.
+MIXED_STEP = dict(seq_lens=[301, 65, 140, 2, 33], prefix_lens=[300, 40, 0, 1, 32])
+
+
+@pytest.mark.parametrize("dtypes,atol", [(FP32, 1e-4), (BF16, 2e-2)])
+def test_decode(dtypes, atol):
+    run_and_compare(TorchAttentionBackend, atol, seq_lens=MIXED_LENS,
+                    prefix_lens=[n - 1 for n in MIXED_LENS], page_size=16, decode=True,
+                    **SMOL, **dtypes)
+
+
+@pytest.mark.parametrize("dtypes,atol", [(FP32, 1e-4), (BF16, 2e-2)])
+def test_prefill_chunks(dtypes, atol):
+    run_and_compare(TorchAttentionBackend, atol, seq_lens=[65, 7, 170, 4],
+                    prefix_lens=[40, 0, 100, 2], page_size=16, decode=False, **SMOL, **dtypes)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtypes,atol", [(FP32, 1e-4), (BF16, 2e-2)])
+def test_decodes_and_chunks_in_one_extend(page_size, dtypes, atol):
+    run_and_compare(TorchAttentionBackend, atol, page_size=page_size, decode=False,
+                    **MIXED_STEP, **SMOL, **dtypes)
+
+
+def test_a_mixed_extend_runs_decodes_apart_from_chunks():
+    backend, batch, *_ = build_case(TorchAttentionBackend, page_size=16, decode=False,
+                                    **MIXED_STEP, **SMOL, **FP32)
+    backend.init_forward_metadata(batch)
+    decode, chunks = backend._groups
+    assert decode.decode and decode.size == 3 and decode.max_len == 301
+    assert decode.tokens.tolist() == [0, 166, 167]  # the decodes' token rows
+    assert not chunks.decode and chunks.size == 2 and chunks.max_len == 140
+    assert chunks.query_index.shape == (2, 140)  # padded to the longest chunk only
+    assert chunks.tokens.tolist() == list(range(1, 166))
+    # a batch of one kind is one group over every token
+    backend2, batch2, *_ = build_case(TorchAttentionBackend, seq_lens=[5, 9], prefix_lens=[4, 8],
+                                      page_size=16, decode=False, **SMOL, **FP32)
+    backend2.init_forward_metadata(batch2)
+    assert len(backend2._groups) == 1 and backend2._groups[0].tokens is None

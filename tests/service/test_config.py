@@ -1,0 +1,252 @@
+"""service/config.py: the shipped config.toml, strict refusal of bad keys and values, overrides."""
+
+import argparse
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from service.config import (
+    ConfigError,
+    ServiceConfig,
+    all_keys,
+    load_config,
+    parse_set_flags,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "config.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "my.toml"
+    path.write_text(text)
+    return path
+
+
+def refused(path, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides or {})
+    return str(info.value)
+
+
+def test_shipped_config_lists_every_key_with_its_default():
+    cfg = load_config(SHIPPED, {})
+    assert cfg == ServiceConfig()
+    raw = tomllib.loads(SHIPPED.read_text())
+    listed = [f"{s}.{k}" for s, table in raw.items() for k in table]
+    assert listed == all_keys()
+    # the defaults the design and the brief fix
+    assert cfg.service.client_endpoint == "tcp://127.0.0.1:5557"
+    assert cfg.service.heartbeat_interval_s == 2.0 and cfg.service.client_timeout_s == 10.0
+    assert cfg.runtime.page_size == 16 and cfg.scheduling.overlap is True
+
+
+def test_no_file_gives_defaults():
+    assert load_config(None, {}) == ServiceConfig()
+
+
+def test_partial_file_keeps_other_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "[runtime]\npage_size = 32\n"), {})
+    assert cfg.runtime.page_size == 32
+    assert cfg.runtime.max_kv_tokens == ServiceConfig().runtime.max_kv_tokens
+    assert cfg.model == ServiceConfig().model
+
+
+def test_unknown_section(tmp_path):
+    msg = refused(write(tmp_path, "[runtim]\npage_size = 32\n"))
+    assert "my.toml" in msg and "[runtim]" in msg and "[runtime]" in msg
+
+
+def test_unknown_key(tmp_path):
+    msg = refused(write(tmp_path, "[runtime]\npagesize = 32\n"))
+    assert "my.toml" in msg and "runtime.pagesize" in msg
+    assert "did you mean runtime.page_size" in msg
+
+
+@pytest.mark.parametrize("line, key, allowed", [
+    ('[runtime]\npage_size = "16"', "runtime.page_size", "[1, 1024]"),
+    ("[runtime]\npage_size = 16.0", "runtime.page_size", "integer"),
+    ("[scheduling]\noverlap = 1", "scheduling.overlap", "true or false"),
+    ("[service]\nclient_timeout_s = \"10\"", "service.client_timeout_s", "number"),
+    ("[model]\ndtype = 16", "model.dtype", '"bf16"'),
+])
+def test_wrong_type(tmp_path, line, key, allowed):
+    msg = refused(write(tmp_path, line + "\n"))
+    assert "my.toml" in msg and key in msg and "wrong type" in msg and allowed in msg
+
+
+def test_out_of_range(tmp_path):
+    msg = refused(write(tmp_path, "[runtime]\npage_size = 0\n"))
+    assert msg == ("%s: runtime.page_size = 0 is out of range: must be an integer in [1, 1024]"
+                   % (tmp_path / "my.toml"))
+    msg = refused(write(tmp_path, "[worker]\nmax_restarts = -1\n"))
+    assert "worker.max_restarts = -1" in msg and "[0, 1000]" in msg
+    msg = refused(write(tmp_path, "[service]\ntelemetry_interval_s = 0.0\n"))
+    assert "service.telemetry_interval_s" in msg and "(0, 60]" in msg
+    msg = refused(write(tmp_path, "[service]\nclient_timeout_s = inf\n"))
+    assert "service.client_timeout_s" in msg and "out of range" in msg
+
+
+@pytest.mark.parametrize("line, key, shown", [
+    ('[runtime]\nattention_backend = "flash"', "runtime.attention_backend", '"triton"'),
+    ('[model]\ndtype = "int8"', "model.dtype", '"fp32"'),
+    ('[model]\ndevice = "gpu"', "model.device", "cuda:N"),
+    ('[service]\nclient_endpoint = "localhost:5557"', "service.client_endpoint", "tcp://"),
+])
+def test_bad_choice(tmp_path, line, key, shown):
+    msg = refused(write(tmp_path, line + "\n"))
+    assert "my.toml" in msg and key in msg and shown in msg
+
+
+def test_keys_that_depend_on_each_other(tmp_path):
+    msg = refused(None, {"service.heartbeat_interval_s": 10.0})
+    assert "service.heartbeat_interval_s" in msg and "service.client_timeout_s" in msg
+    msg = refused(None, {"runtime.page_size": 64, "runtime.max_kv_tokens": 32})
+    assert "runtime.max_kv_tokens" in msg
+    msg = refused(None, {"service.telemetry_endpoint": "tcp://127.0.0.1:5557"})
+    assert "must differ" in msg
+
+
+def test_overrides_win(tmp_path):
+    path = write(tmp_path, "[runtime]\npage_size = 32\nattention_backend = \"triton\"\n")
+    cfg = load_config(path, {"runtime.page_size": 8, "spec.algorithm": "eagle3",
+                             "model.device": None})  # None = flag not given
+    assert cfg.runtime.page_size == 8
+    assert cfg.runtime.attention_backend == "triton"  # from the file
+    assert cfg.spec.algorithm == "eagle3"
+    assert cfg.model.device == "auto"
+
+
+def test_bad_overrides_name_the_key():
+    msg = refused(None, {"runtime.page_size": 0})
+    assert msg.startswith("command line: runtime.page_size = 0 is out of range")
+    assert "runtime.nope" in refused(None, {"runtime.nope": 1})
+    assert "section.key" in refused(None, {"page_size": 1})
+
+
+def test_set_flags_parse_toml_values():
+    overrides = parse_set_flags(["runtime.page_size=32", "model.device=cuda:0",
+                                 "scheduling.overlap=false", "service.client_timeout_s=30"])
+    assert overrides == {"runtime.page_size": 32, "model.device": "cuda:0",
+                         "scheduling.overlap": False, "service.client_timeout_s": 30}
+    cfg = load_config(None, overrides)
+    assert cfg.service.client_timeout_s == 30.0 and cfg.model.device == "cuda:0"
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_set_flags(["runtime.page_size"])
+
+
+def test_file_errors(tmp_path):
+    assert "not found" in refused(tmp_path / "missing.toml")
+    msg = refused(write(tmp_path, "[runtime\npage_size = 1\n"))
+    assert "my.toml" in msg and "not valid TOML" in msg
+    msg = refused(write(tmp_path, "runtime = 3\n"))
+    assert "runtime must be a table" in msg
+
+
+def test_spec_settings_are_checked_together(tmp_path):
+    path = write(tmp_path, "[spec]\nalgorithm = \"eagle3\"\nnum_steps = 4\ntopk = 1\n"
+                           "num_draft_tokens = 8\n")
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="spec.algorithm"):
+        load_config(None, {"spec.algorithm": "medusa"})
+
+
+def test_spec_disable_above_batch_size_reaches_the_worker_settings(tmp_path):
+    from fmserve.serve_cmd import add_serve_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--config", str(write(tmp_path, "[spec]\nalgorithm = \"eagle3\"\n")),
+                              "--spec-disable-above-batch-size", "6"])
+    assert config_from_args(args).spec.disable_above_batch_size == 6
+    assert "spec.disable_above_batch_size = -1 is out of range" in refused(
+        None, {"spec.disable_above_batch_size": -1})
+
+
+def test_unreadable_config_files_name_the_file(tmp_path):
+    # A directory (or an unreadable file) and a file that is not UTF-8 used to escape as a raw
+    # IsADirectoryError traceback, or a UnicodeDecodeError naming no file.
+    (tmp_path / "adir.toml").mkdir()
+    msg = refused(tmp_path / "adir.toml")
+    assert "adir.toml" in msg and "cannot read the config file" in msg
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[model]\npath = \"caf\xe9\"\n".encode("latin-1"))
+    msg = refused(path)
+    assert "latin1.toml" in msg and "not UTF-8" in msg
+
+
+def test_tcp_port_out_of_range_is_refused():
+    # ZMQ takes the port modulo 2^16: ":99999" bound port 34463 without a word.
+    msg = refused(None, {"service.client_endpoint": "tcp://127.0.0.1:99999"})
+    assert "service.client_endpoint" in msg and "[0, 65535]" in msg
+    cfg = load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:65535",
+                             "service.telemetry_endpoint": "tcp://127.0.0.1:0"})
+    assert cfg.service.telemetry_endpoint == "tcp://127.0.0.1:0"  # 0: any free port
+
+
+def test_serve_refuses_an_endpoint_it_cannot_bind_before_loading_the_model(tmp_path):
+    # The service binds only after its worker has loaded the model, and a bind error there was
+    # a zmq traceback naming neither the key nor what to do.
+    import socket
+
+    from fmserve.serve_cmd import check_endpoints
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(None, {"service.client_endpoint": f"tcp://127.0.0.1:{port}",
+                                 "service.telemetry_endpoint": "tcp://127.0.0.1:0"})
+        with pytest.raises(ConfigError, match=f"service.client_endpoint = 'tcp://127.0.0.1:"
+                                              f"{port}' cannot be bound: Address already in use"):
+            check_endpoints(cfg)
+        check_endpoints(load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
+                                           "service.telemetry_endpoint": "tcp://*:0"}))
+    cfg = load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
+                             "service.telemetry_endpoint": "tcp://192.0.2.1:5558"})  # TEST-NET-1
+    with pytest.raises(ConfigError, match="service.telemetry_endpoint = 'tcp://192.0.2.1:5558' "
+                                          "cannot be bound"):
+        check_endpoints(cfg)
+
+
+def test_serve_refuses_a_draft_model_that_is_no_head_directory(tmp_path):
+    # It used to surface only after the worker had loaded the model, with the worker's log.
+    from fmserve.default_model import ModelPathError
+    from fmserve.serve_cmd import with_draft_model
+
+    cfg = load_config(None, {"spec.algorithm": "eagle3",
+                             "spec.draft_model": str(tmp_path / "nowhere")})
+    with pytest.raises(ModelPathError, match="nowhere' is not a draft head directory"):
+        with_draft_model(cfg)
+
+
+def test_serve_log_level_is_checked_by_the_parser(capsys):
+    # It reached logging.basicConfig, whose "Unknown level: 'BOGUS'" named no flag.
+    from fmserve.serve_cmd import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["--log-level", "warning"]).log_level == "WARNING"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-level", "bogus"])
+    assert "argument --log-level: invalid choice: 'BOGUS'" in capsys.readouterr().err
+
+
+def test_strict_types_and_finite_numbers():
+    # A bool is no integer and an integer no bool; NaN and inf are no durations.
+    assert "wrong type" in refused(None, {"runtime.page_size": True})
+    assert "wrong type" in refused(None, {"runtime.wrwr_check": 1})
+    for bad in (float("nan"), float("inf")):
+        msg = refused(None, {"service.heartbeat_interval_s": bad})
+        assert "service.heartbeat_interval_s" in msg and "out of range" in msg
+    msg = refused(None, {"spec.topk": 9})
+    assert msg == "command line: spec.topk = 9 is out of range: must be an integer in [1, 8]"
+
+
+def test_worker_config_comes_from_the_sections():
+    cfg = load_config(SHIPPED, {"runtime.page_size": 32, "spec.algorithm": "eagle3"})
+    worker = cfg.worker_config()
+    assert worker.runtime is cfg.runtime and worker.model is cfg.model and worker.spec is cfg.spec
+    assert worker.launch_ahead == "off"  # config.toml's, not WorkerConfig's own "auto"

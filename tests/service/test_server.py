@@ -1,0 +1,561 @@
+"""The service end to end: a real `fmserve serve` process, its worker process, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from ipc.client import Client
+from ipc.client_errors import RequestFailed
+from ipc.client_messages import Chunk, Error, Finished, Generate
+from ipc.codec import decode_service_reply, encode
+from ipc.sampling import SamplingParams
+from service.tokenizer import TextTokenizer
+from tests.e2e.service_process import ServiceProcess, assert_idle
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+QUESTIONS = ["What is 2+2?", "Name a color.", "Write one word about the sea.",
+             "Say hello in French."]
+
+
+@pytest.fixture(scope="module")
+def service(model_path):
+    svc = ServiceProcess(model_path)
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """Greedy outputs of the offline engine: the independent side of the comparison."""
+    import torch
+
+    from fmserve.engine import Engine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(model=str(model_path), dtype="fp32", max_kv_tokens=4096,
+                        max_running_requests=8, progress=False)
+        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        return {q: c for q, c in zip(QUESTIONS, engine.generate(chats, GREEDY))}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def messages(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+def assert_concurrent_streams_match(endpoint: str, reference) -> None:
+    """Every question on its own connection at once: each stream equals the offline engine's."""
+    results: dict[str, tuple[str, list[int], str]] = {}
+
+    def run(q: str) -> None:
+        with Client(endpoint) as client:
+            text, ids, reason = "", [], None
+            for msg in client.generate(messages=messages(q), params=GREEDY):
+                if isinstance(msg, Chunk):
+                    text += msg.text
+                    ids += msg.token_ids
+                elif isinstance(msg, Finished):
+                    reason = msg.reason
+            results[q] = (text, ids, reason)
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in QUESTIONS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for q in QUESTIONS:
+        text, ids, reason = results[q]
+        assert ids == reference[q].token_ids
+        assert text == reference[q].text
+        assert reason == reference[q].finish_reason.value
+
+
+def test_concurrent_clients_stream_the_offline_greedy_output(service, reference):
+    assert_concurrent_streams_match(service.endpoint, reference)
+
+
+def test_many_requests_on_one_connection_and_non_streaming(service, reference):
+    import asyncio
+
+    from ipc.async_client import AsyncClient
+
+    async def main():
+        async with AsyncClient(service.endpoint) as client:
+            return await asyncio.gather(*(client.complete(messages=messages(q), params=GREEDY)
+                                          for q in QUESTIONS))
+    for q, c in zip(QUESTIONS, asyncio.run(main())):
+        assert c.token_ids == reference[q].token_ids
+    with Client(service.endpoint) as client:
+        chunks = list(client.generate(messages=messages(QUESTIONS[0]), params=GREEDY, stream=False))
+        assert [type(m) for m in chunks] == [Chunk, Finished]
+        assert chunks[0].token_ids == reference[QUESTIONS[0]].token_ids
+
+
+def test_stop_string_cuts_exactly(service, reference):
+    full = reference[QUESTIONS[2]].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), f"pick a better stop from {full!r}"
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, stop=[stop])
+    with Client(service.endpoint) as client:
+        c = client.complete(messages=messages(QUESTIONS[2]), params=params)
+    assert c.text == full[: full.index(stop)]
+    assert c.finish_reason == "stop"
+
+
+def assert_abort_mid_stream_ends_once(endpoint: str, request_id: str) -> None:
+    """Abort a long request after three chunks: exactly one terminal message (the abort), and
+    its pages and slot come back."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    with Client(endpoint) as client:
+        got = []
+        for msg in client.generate(messages=messages("Count to one thousand."), params=params,
+                                   request_id=request_id):
+            got.append(msg)
+            if sum(isinstance(m, Chunk) for m in got) == 3:
+                client.abort(request_id)
+        assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
+        assert sum(isinstance(m, (Finished, Error)) for m in got) == 1
+        assert_idle(client)
+
+
+def test_abort_mid_stream_frees_pages_and_slot(service):
+    assert_abort_mid_stream_ends_once(service.endpoint, "long-1")
+
+
+def test_worker_preparing_ahead_streams_the_same_and_aborts_cleanly(model_path, reference):
+    # launch_ahead "prepare" (meant for GPUs, forced here): with overlap the worker applies
+    # plan k+1 before it sends result k. Same streams, an abort mid-stream ends with exactly one
+    # terminal message, and the accounting returns to idle.
+    svc = ServiceProcess(model_path, "--overlap", "--set", "scheduling.launch_ahead=prepare")
+    try:
+        assert_concurrent_streams_match(svc.endpoint, reference)
+        assert_abort_mid_stream_ends_once(svc.endpoint, "long-2")
+    finally:
+        assert svc.stop() == 0, svc.log_text()
+
+
+def test_vanished_client_is_detected_and_its_requests_aborted(service):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    sock.send(encode(Generate(id="ghost", messages=None, text="Tell me a long story.",
+                              params=SamplingParams(max_new_tokens=2000, ignore_eos=True))))
+    assert sock.poll(30000), "no reply to the ghost request"
+    sock.close()  # no heartbeats from now on
+    ctx.term()
+    with Client(service.endpoint) as client:
+        time.sleep(3.5)  # client_timeout_s is 3 in this service
+        assert_idle(client)
+    assert "silent" in service.log_text()
+
+
+@pytest.mark.parametrize("frame, code", [
+    (b"\xc1\xff not msgpack", "invalid_message"),
+    (msgspec.msgpack.encode({"type": "teleport", "id": "x"}), "unknown_message_type"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": 5}), "invalid_message"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi", "colour": 1}),
+     "invalid_message"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi",
+                             "params": {"temperature": -1.0}}), "invalid_params"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi",
+                             "params": {"top_p": 0.0}}), "invalid_params"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "word " * 9000}),
+     "prompt_too_long"),
+    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "x" * (9 << 20)}),
+     "message_too_large"),
+    (msgspec.msgpack.encode({"type": "abort", "id": "never-sent"}), "unknown_request"),
+    # a str that is not UTF-8 (a lone surrogate), and nesting too deep: these ended the service
+    pytest.param(b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text\xa3\xed\xa0\x80",
+                 "invalid_message", id="text-not-utf8"),
+    pytest.param(b"\x91" * 100_000 + b"\xc0", "invalid_message", id="deep-nesting"),
+    # min_new_tokens lives in an int64 in the worker: this one used to kill it (worker_died)
+    pytest.param(msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi", "params": {
+        "max_new_tokens": 2**64 - 1, "min_new_tokens": 2**63}}), "invalid_params",
+        id="min-new-tokens-over-int64"),
+])
+def test_bad_input_gets_a_clear_error(service, frame, code):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        sock.send(frame)
+        assert sock.poll(30000), f"no reply for {code}"
+        reply = decode_service_reply(sock.recv())
+        assert isinstance(reply, Error), reply
+        assert reply.code == code, reply
+        assert len(reply.message) > 15
+    finally:
+        sock.close()
+        ctx.term()
+    with Client(service.endpoint) as client:  # and the service still serves everyone
+        assert client.complete("Hi", params=SamplingParams(max_new_tokens=2)).token_ids
+
+
+def test_multipart_message_gets_an_error_not_silence(service):
+    """A REQ socket (empty delimiter + payload) or a DEALER sending several frames used to be
+    dropped without a word, leaving the client waiting forever."""
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.REQ)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        for sock in (req, dealer):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(service.endpoint)
+        req.send(encode(Generate(id="r", text="hi")))
+        dealer.send_multipart([encode(Generate(id="d", text="hi")), b"extra"])
+        for sock in (req, dealer):
+            assert sock.poll(10000), "no reply to a multipart message"
+            reply = decode_service_reply(sock.recv())
+            assert isinstance(reply, Error) and reply.code == "invalid_message", reply
+            assert "frames" in reply.message and "DEALER" in reply.message
+    finally:
+        req.close()
+        dealer.close()
+        ctx.term()
+
+
+def test_registry_forgets_quiet_clients_with_nothing_in_flight():
+    from service.client_registry import ClientRegistry
+
+    reg = ClientRegistry()
+    for identity in (b"gone", b"busy"):
+        reg.touch(identity)
+    reg.add(b"busy", "1", stream=True)
+    time.sleep(0.01)
+    assert reg.silent_clients(timeout_s=0.001) == [b"busy"]
+    assert list(reg._last_seen) == [b"busy"]  # one entry per connection ever seen would leak
+
+
+def test_worker_killed_mid_batch_errors_in_flight_then_recovers(model_path):
+    svc = ServiceProcess(model_path)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True)
+        outcomes: list[object] = []
+
+        def run(i: int) -> None:
+            with Client(svc.endpoint) as client:
+                try:
+                    outcomes.append(client.complete(f"Story {i}:", params=params))
+                except RequestFailed as exc:
+                    outcomes.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        with Client(svc.endpoint) as client:
+            deadline = time.monotonic() + 60
+            while client.health().running < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.kill(svc.worker_pid(), signal.SIGKILL)
+            for t in threads:
+                t.join(timeout=60)
+            assert len(outcomes) == 3
+            assert all(isinstance(o, RequestFailed) and o.code == "worker_died" for o in outcomes)
+            c = client.complete("Hello", params=SamplingParams(max_new_tokens=3),
+                                timeout_s=180)
+            assert len(c.token_ids) == 3
+            assert_idle(client)
+    finally:
+        svc.stop()
+
+
+def test_sigterm_shuts_down_cleanly(model_path):
+    svc = ServiceProcess(model_path)
+    worker = svc.worker_pid()
+    replies: list[object] = []
+
+    def run() -> None:
+        with Client(svc.endpoint) as client:
+            try:
+                replies.append(client.complete(
+                    "Go on and on", params=SamplingParams(max_new_tokens=2000, ignore_eos=True),
+                    timeout_s=60))
+            except RequestFailed as exc:
+                replies.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    with Client(svc.endpoint) as client:
+        deadline = time.monotonic() + 60
+        while client.health().running < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert svc.stop() == 0
+    t.join(timeout=30)
+    assert len(replies) == 1 and isinstance(replies[0], RequestFailed)
+    assert replies[0].code == "service_shutdown"
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(worker, 0)
+            time.sleep(0.1)
+    for port in (svc.port, svc.tport):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # raises if the service still holds it
+
+
+def test_telemetry_snapshot_and_admin_abort(service):
+    from ipc.client_messages import AdminAbort, Aborted
+    from ipc.telemetry import TelemetrySnapshot
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{service.tport}")
+    admin = ctx.socket(zmq.DEALER)
+    admin.setsockopt(zmq.LINGER, 0)
+    admin.connect(service.endpoint)
+    decoder = msgspec.msgpack.Decoder(TelemetrySnapshot)
+    got: list[object] = []
+    params = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
+
+    def owner() -> None:
+        with Client(service.endpoint) as client:
+            got.extend(client.generate("Tell me everything.", params=params, request_id="owned"))
+
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        key = None
+        deadline = time.monotonic() + 60
+        while key is None and time.monotonic() < deadline:
+            if sub.poll(1000):
+                snap = decoder.decode(sub.recv())
+                assert snap.total_pages > 0 and snap.worker.alive
+                key = next((r.key for r in snap.running if r.id == "owned"), None)
+        assert key is not None, "the running request never showed up in telemetry"
+        admin.send(encode(AdminAbort(key)))
+        assert admin.poll(10000)
+        assert isinstance(decode_service_reply(admin.recv()), Aborted)
+        t.join(timeout=30)
+        assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
+    finally:
+        sub.close()
+        admin.close()
+        ctx.term()
+
+
+def test_speculative_service_streams_the_greedy_output(model_path, reference):
+    """EAGLE-3 tree speculation under overlap behind real sockets: concurrent streams equal the
+    plain offline engine, usage reports acceptance, telemetry carries it, accounting empties."""
+    svc = ServiceProcess(model_path, "--overlap", "--spec-algorithm", "eagle3",
+                         "--spec-num-steps", "3", "--spec-topk", "2",
+                         "--spec-num-draft-tokens", "6")
+    try:
+        results: dict[str, tuple[list[int], Finished | None]] = {}
+
+        def run(q: str) -> None:
+            ids, fin = [], None
+            with Client(svc.endpoint) as client:
+                for msg in client.generate(messages=messages(q), params=GREEDY):
+                    if isinstance(msg, Chunk):
+                        ids += msg.token_ids
+                    elif isinstance(msg, (Finished, Error)):
+                        fin = msg
+            results[q] = (ids, fin)
+
+        threads = [threading.Thread(target=run, args=(q,)) for q in QUESTIONS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        verify_steps = 0
+        for q in QUESTIONS:
+            ids, fin = results[q]
+            assert isinstance(fin, Finished), fin
+            assert ids == reference[q].token_ids
+            assert fin.usage.completion_tokens == len(ids)
+            verify_steps += fin.usage.spec_verify_steps
+            if fin.usage.spec_verify_steps:
+                assert fin.usage.spec_accept_length >= 1.0
+        assert verify_steps > 0
+        with Client(svc.endpoint) as client:
+            assert_idle(client)
+    finally:
+        assert svc.stop() == 0, svc.log_text()[-3000:]
+
+
+def in_process_receive_loop(model_path, client_fn, endpoint: str = "tcp://127.0.0.1:0",
+                            patch=None) -> None:
+    """The service's receive loop in this process on a real ROUTER socket (no worker):
+    client_fn(ctx, endpoint) runs in a thread against it. patch(svc) may inject a fault."""
+    import anyio
+
+    from service.config import load_config
+    from service.server import Service
+
+    svc = Service(load_config(), str(model_path))
+    if patch is not None:
+        patch(svc)
+    svc.router.bind(endpoint)
+    bound = svc.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(svc._receive_loop)
+            # The same context: inproc endpoints are per context.
+            await anyio.to_thread.run_sync(client_fn, zmq.Context.shadow(svc._ctx), bound)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main, backend="asyncio")
+    finally:
+        svc.router.close(linger=0)
+        svc.telemetry.close()
+        svc._ctx.term()
+
+
+def test_a_failure_handling_one_message_answers_internal_error_and_serves_on(model_path,
+                                                                           monkeypatch):
+    """A fault injected into what one message calls (health's stats): that client gets
+    `internal_error`, the loop lives on and answers the next message. Before, any such
+    exception ended the service."""
+    def broken_stats():
+        raise RuntimeError("injected fault")
+
+    replies: list = []
+
+    def client(ctx, endpoint) -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(endpoint)
+        try:
+            for kind in ("health", "ping"):
+                dealer.send(msgspec.msgpack.encode({"type": kind}))
+                replies.append(decode_service_reply(dealer.recv()))
+        finally:
+            dealer.close()
+
+    in_process_receive_loop(model_path, client,
+                            patch=lambda svc: monkeypatch.setattr(svc, "stats", broken_stats))
+    assert len(replies) == 2
+    assert isinstance(replies[0], Error) and replies[0].code == "internal_error", replies[0]
+    assert "Health" in replies[0].message
+    assert type(replies[1]).__name__ == "Pong"
+
+
+def test_a_client_that_reads_late_loses_no_reply(model_path):
+    """3,000 pings sent before reading one reply, over inproc (no kernel buffers: only the two
+    sockets' queues hold what is unread): every pong arrives. At ZeroMQ's default send limit
+    (1,000 per client) the rest were dropped without a word, terminal messages included."""
+    n = 3000
+    got: list[int] = []
+
+    def client(ctx, endpoint) -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 10)
+        dealer.setsockopt(zmq.RCVTIMEO, 2_000)
+        dealer.connect(endpoint)
+        try:
+            ping = msgspec.msgpack.encode({"type": "ping"})
+            for _ in range(n):
+                dealer.send(ping)
+            time.sleep(1.0)  # let the service answer them all before anything is read
+            try:
+                while True:
+                    dealer.recv()
+                    got.append(1)
+            except zmq.Again:
+                pass
+        finally:
+            dealer.close()
+
+    in_process_receive_loop(model_path, client, endpoint="inproc://late-reader")
+    assert len(got) == n
+
+
+# ----- a flood of pings and health requests -----
+# A client that floods the service with pings or health requests must not stall everyone
+# else's generation: a real service, a real flooding socket, a real stream beside it.
+
+def test_a_ping_and_health_flood_does_not_stall_generation(model_path):
+    svc = ServiceProcess(model_path)
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(svc.endpoint)
+        frames = [msgspec.msgpack.encode({"type": kind}) for kind in ("ping", "health")]
+        try:
+            while not stop.is_set():
+                for i in range(200):
+                    try:
+                        sock.send(frames[i % 2], zmq.NOBLOCK)
+                        sent[0] += 1
+                    except zmq.Again:
+                        pass
+                while sock.poll(0):  # read the answers, or they pile up in the service
+                    sock.recv()
+        finally:
+            sock.close()
+            ctx.term()
+
+    flooder = threading.Thread(target=flood)
+    try:
+        with Client(svc.endpoint) as client:
+            flooder.start()
+            time.sleep(0.5)
+            # Alone this takes about a second. Before, the receive loop never yielded while
+            # frames kept arriving (a ready zmq.asyncio recv completes without suspending), so
+            # no step ran and not one token came while the flood lasted.
+            c = client.complete("Tell me a story", timeout_s=10.0, params=SamplingParams(
+                temperature=0.0, max_new_tokens=12, ignore_eos=True))
+            assert len(c.token_ids) == 12 and c.finish_reason == "length"
+            assert sent[0] > 1000, "the flood did not flood"
+            stop.set()
+            flooder.join(timeout=10)
+            assert_idle(client)
+    finally:
+        stop.set()
+        if flooder.is_alive():
+            flooder.join(timeout=10)
+        assert svc.stop() == 0, svc.log_text()[-3000:]
+
+
+# ----- streamed text that splits UTF-8 characters -----
+# Streamed text of a real service when tokens split UTF-8 characters: nothing lost at the end.
+
+EMOJI_CHAT = [{"role": "user", "content": "Write three emoji in a row."}]
+
+
+def stream(endpoint: str, max_new_tokens: int) -> tuple[list[Chunk], Finished]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    with Client(endpoint) as client:
+        replies = list(client.generate(messages=EMOJI_CHAT, params=params, timeout_s=30.0))
+    return replies[:-1], replies[-1]
+
+
+def test_a_request_cut_mid_character_keeps_its_last_bytes(service, model_path):
+    tokenizer = TextTokenizer.from_model_path(model_path)
+    chunks, _ = stream(service.endpoint, 40)
+    ids = [t for c in chunks for t in c.token_ids]
+    # Mid-stream no chunk holds part of a character (the last may: it may end inside one).
+    assert not any("\ufffd" in c.text for c in chunks[:-1]), "a partial character was streamed"
+    # The first length at which the output ends inside a multi-byte character (an emoji is
+    # three tokens of this model).
+    cut = next((n for n in range(1, len(ids) + 1)
+                if tokenizer.decode(ids[:n], skip_special_tokens=True).endswith("\ufffd")), None)
+    assert cut is not None, f"the model wrote no multi-token character: {ids}"
+    chunks, fin = stream(service.endpoint, cut)
+    assert fin.reason == "length"
+    assert [t for c in chunks for t in c.token_ids] == ids[:cut]
+    # The concatenated text is the text of the tokens: the held-back bytes of the unfinished
+    # character come with the last chunk (as U+FFFD) rather than vanishing. Before, the text
+    # simply stopped short of them.
+    assert "".join(c.text for c in chunks) == tokenizer.decode(ids[:cut], skip_special_tokens=True)

@@ -1,0 +1,76 @@
+"""What `fmserve top` makes of its telemetry feed when the service behind it changes.
+
+Frames it cannot read (a service of another version, another program on the port, a truncated
+frame): it must say that frames arrive and why they cannot be read, not that the service is
+down, and recover at the next good one. A service restarted underneath it: the restart is
+noticed even before anything finished, and no rate goes negative."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from ipc.telemetry import StepTelemetry
+from tests.tui.helpers import SIZE, events_text, make_app, req, show, snapshot, until
+
+pytestmark = pytest.mark.anyio
+
+
+def header(app) -> str:
+    return app.query_one("#header").render().plain
+
+
+async def test_unreadable_frames_are_reported_and_good_ones_recover(pub):
+    app = make_app(pub.endpoint, stale_after_s=0.5, reconnect_every_s=0.5)
+    newer = msgspec.msgpack.encode({"type": "snapshot", "time": "2026-01-01"})  # wrong type
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.feed.status().decode_errors >= 3,
+                    every=lambda: pub.sock.send(newer), what="frames to arrive")
+        await pilot.pause(0.2)
+        assert "service down?" not in header(app)
+        assert "cannot read" in header(app) and "$.time" in header(app)
+        assert "Expected `float`, got `str` - at `$.time`" in events_text(app)
+        # A good snapshot: connected again, and the header forgets the error.
+        await show(pilot, app, pub, snapshot(1000.0, [req("g1", 1, 10, 2)]))
+        await pilot.pause(0.2)
+        assert "connected to" in header(app) and "cannot read" not in header(app)
+        # A truncated frame after good ones, then silence from the good source.
+        good = msgspec.msgpack.encode(snapshot(1001.0, [req("g1", 1, 11, 3)]))
+        await until(pilot, lambda: "cannot read" in header(app),
+                    every=lambda: pub.sock.send(good[:len(good) // 2]), timeout_s=5,
+                    what="the truncated frames to be reported")
+        assert "truncated" in events_text(app)
+        assert app.is_running
+
+
+# ----- a service restarted before it had finished anything -----
+# A service restarted under a running `fmserve top` before it had finished anything: the
+# monitor took the restart for nothing (it looked only for counters going back, and they were
+# 0), reported the lost requests as ended normally, and drew a negative steps/s and worker busy
+# share from step ids that started again at 1.
+
+
+def steps(first: int) -> list[StepTelemetry]:
+    return [StepTelemetry(step_id=first + i, batch_size=1, num_tokens=1, forward_ms=20.0,
+                          wall_ms=25.0, idle_ms=1.0) for i in range(4)]
+
+
+async def test_a_restart_before_anything_finished_is_noticed(pub):
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        # The first request of a fresh service: counters still 0.
+        for i, t in enumerate((1000.0, 1001.0)):
+            old = msgspec.structs.replace(snapshot(t, [req("first", 1, 40 + i, 10 + i)]),
+                                          uptime_s=60.0 + i, recent_steps=steps(500 + 4 * i))
+            await show(pilot, app, pub, old)
+        assert "steps/s" in str(app.query_one("#steps").render())
+        # Killed and started again: a new run, 2 s old, on its first steps.
+        new = msgspec.structs.replace(snapshot(1010.0, []), uptime_s=2.0, recent_steps=steps(1))
+        await show(pilot, app, pub, new)
+        await pilot.pause(0.2)
+        log = events_text(app)
+        assert "the service restarted" in log
+        assert "request first lost: the service restarted" in log and "ended (" not in log
+        timing = str(app.query_one("#steps").render())
+        assert "steps/s n/a" in timing and "-" not in timing.split("steps/s")[0][-12:], timing
+        assert app.tracker.steps_per_s is None and app.tracker.worker_busy is None
