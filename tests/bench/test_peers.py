@@ -11,6 +11,8 @@ import math
 import os
 import re
 
+import pytest
+
 from fmserve.cli import main
 
 PEERS = "hf-*,llama-cpp,llama-server,offline-chain,offline-overlap-chain,served"
@@ -108,3 +110,17 @@ def test_unknown_peer_names_are_refused_before_any_work(tmp_path, capsys):
         err = capsys.readouterr().err
         assert what in err and "served-overlap-tree" in err  # the peers are listed
     assert not out.exists()
+
+
+# ----- impossible counts refused before running -----
+# `bench peers` refuses impossible counts before it runs anything.
+
+@pytest.mark.parametrize("flag, value", [("--threads", "-1"), ("--prompt-lookup-tokens", "0")])
+def test_bench_peers_refuses_impossible_counts_before_running(flag, value):
+    # Both ran a whole benchmark with them before (torch given -1 threads, a lookup of 0).
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "fmserve.cli", "bench", "peers", flag, value,
+                          "--quick"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and flag in run.stderr, run.stderr[-2000:]
