@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
+from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from fmserve.engine import Engine
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
@@ -42,12 +42,16 @@ class Measure:
     graphs: bool = False  # decode batches replay CUDA graphs (gpu/decode_graphs.py)
 
 
+def dev_texts() -> list[str]:
+    """The dev set's prompts; none where shared/ is not beside the checkout."""
+    if not DEV_PROMPTS.exists():
+        return []
+    lines = DEV_PROMPTS.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+
+
 def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    texts = []
-    if DEV_PROMPTS.exists():
-        with open(DEV_PROMPTS, encoding="utf-8") as f:
-            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    texts = texts or [FALLBACK_TEXT]
+    texts = dev_texts() or [FALLBACK_TEXT]
     prompts = []
     for i in range(n):
         ids = tokenizer.encode(texts[i % len(texts)])
@@ -161,17 +165,13 @@ def run_bench_offline(args: argparse.Namespace) -> int:
 
 def render(results: list[Measure], args: argparse.Namespace, console: Console) -> list[str]:
     base = {(m.dtype, m.batch): m for m in results if m.engine == "transformers"}
-    table = Table(title=f"offline: prompt {args.prompt_len} tokens, decode {args.decode_len} "
-                        f"tokens, threads {torch.get_num_threads()}")
     fm = {(m.dtype, m.batch, m.overlap, m.q4, m.graphs): m for m in results
           if m.engine == "fmserve"}
     header = ["dtype", "batch", "overlap", "q4", "graphs", "fmserve prefill tok/s",
               "fmserve decode tok/s", "transformers prefill tok/s", "transformers decode tok/s",
               "decode ratio", "prefill ratio", "decode overlap on/off", "decode q4 on/off",
               "decode graphs on/off"]
-    for h in header:
-        table.add_column(h, justify="right")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for m in results:
         if m.engine != "fmserve":
             continue
@@ -179,17 +179,16 @@ def render(results: list[Measure], args: argparse.Namespace, console: Console) -
         o = fm.get((m.dtype, m.batch, False, m.q4, m.graphs)) if m.overlap else None
         q = fm.get((m.dtype, m.batch, m.overlap, False, m.graphs)) if m.q4 else None
         g = fm.get((m.dtype, m.batch, m.overlap, m.q4, False)) if m.graphs else None
-        row = [m.dtype, str(m.batch), "on" if m.overlap else "off", "on" if m.q4 else "off",
-               "on" if m.graphs else "off",
-               f"{m.prefill_tps:.0f}",
-               f"{m.decode_tps:.1f}",
-               f"{b.prefill_tps:.0f}" if b else "-", f"{b.decode_tps:.1f}" if b else "-",
-               f"{m.decode_tps / b.decode_tps:.2f}x" if b else "-",
-               f"{m.prefill_tps / b.prefill_tps:.2f}x" if b else "-",
-               f"{m.decode_tps / o.decode_tps:.2f}x" if o else "-",
-               f"{m.decode_tps / q.decode_tps:.2f}x" if q else "-",
-               f"{m.decode_tps / g.decode_tps:.2f}x" if g else "-"]
-        table.add_row(*row)
-        lines.append("| " + " | ".join(row) + " |")
-    console.print(table)
-    return lines
+        rows.append([m.dtype, str(m.batch), "on" if m.overlap else "off", "on" if m.q4 else "off",
+                     "on" if m.graphs else "off",
+                     f"{m.prefill_tps:.0f}",
+                     f"{m.decode_tps:.1f}",
+                     f"{b.prefill_tps:.0f}" if b else "-", f"{b.decode_tps:.1f}" if b else "-",
+                     f"{m.decode_tps / b.decode_tps:.2f}x" if b else "-",
+                     f"{m.prefill_tps / b.prefill_tps:.2f}x" if b else "-",
+                     f"{m.decode_tps / o.decode_tps:.2f}x" if o else "-",
+                     f"{m.decode_tps / q.decode_tps:.2f}x" if q else "-",
+                     f"{m.decode_tps / g.decode_tps:.2f}x" if g else "-"])
+    return print_table(console, f"offline: prompt {args.prompt_len} tokens, decode "
+                                f"{args.decode_len} tokens, threads {torch.get_num_threads()}",
+                       header, rows)

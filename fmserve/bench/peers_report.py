@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fmserve.bench.tables import markdown_table
 from fmserve.bench.peer_types import BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL, PeerResult
 
 REPORT = "peers.md"
@@ -107,8 +108,7 @@ def machine_description() -> dict:
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(r) + " |" for r in rows), ""]
+    return [*markdown_table(header, rows), ""]
 
 
 def device_section(device: str, cfg: dict, results: dict[str, PeerResult], plots: dict,

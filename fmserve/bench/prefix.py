@@ -16,16 +16,15 @@ so both settings produce the same tokens and the same work besides the prefill t
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
-from fmserve.bench.offline import DEV_PROMPTS
+from fmserve.bench.offline import dev_texts
+from fmserve.bench.tables import print_table
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
 
@@ -87,9 +86,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
 
 
 def dev_questions(n: int) -> list[str]:
-    rows = [json.loads(line)["prompt"] for line in DEV_PROMPTS.read_text().splitlines()
-            if line.strip()] if DEV_PROMPTS.exists() else []
-    rows = [r for r in rows if len(r) < 600] or ["How do I install it?"]
+    rows = [r for r in dev_texts() if len(r) < 600] or ["How do I install it?"]
     return [rows[i % len(rows)] for i in range(n)]
 
 
@@ -185,10 +182,7 @@ def run_bench_prefix(args: argparse.Namespace) -> int:
 def render(runs: list[Run], workloads: list[str], console: Console) -> list[str]:
     header = ["workload", "prefix cache", "requests", "TTFT mean ms", "wall s",
               "prompt tokens", "from the cache", "TTFT on/off", "wall on/off"]
-    table = Table(title="prefix cache off and on")
-    for h in header:
-        table.add_column(h, justify="right")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
 
     def pooled(rs: list[Run]) -> tuple[float, float, int, int, int]:
         ttft = [t for r in rs for t in r.ttft_ms]
@@ -200,11 +194,8 @@ def render(runs: list[Run], workloads: list[str], console: Console) -> list[str]
         for cache in (False, True):
             ttft, wall, n, prompt, cached = pooled([r for r in runs if r.workload == w
                                                     and r.cache == cache])
-            row = [w, "on" if cache else "off", str(n), f"{ttft:.0f}", f"{wall:.2f}",
-                   str(prompt), f"{cached} ({cached / max(1, prompt):.0%})",
-                   f"{off[0] / ttft:.2f}x faster" if cache else "-",
-                   f"{off[1] / wall:.2f}x faster" if cache else "-"]
-            table.add_row(*row)
-            lines.append("| " + " | ".join(row) + " |")
-    console.print(table)
-    return lines
+            rows.append([w, "on" if cache else "off", str(n), f"{ttft:.0f}", f"{wall:.2f}",
+                         str(prompt), f"{cached} ({cached / max(1, prompt):.0%})",
+                         f"{off[0] / ttft:.2f}x faster" if cache else "-",
+                         f"{off[1] / wall:.2f}x faster" if cache else "-"])
+    return print_table(console, "prefix cache off and on", header, rows)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import socket
 import subprocess
@@ -27,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from fmserve.arg_types import non_negative_int, positive_float, positive_int, positive_int_list
-from fmserve.bench.offline import DEV_PROMPTS, FALLBACK_TEXT
+from fmserve.bench.offline import FALLBACK_TEXT, dev_texts
+from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from ipc.async_client import AsyncClient
 from ipc.client import Client
@@ -63,11 +62,7 @@ class RunResult:
 
 
 def dev_prompts(n: int) -> list[str]:
-    texts = []
-    if DEV_PROMPTS.exists():
-        with open(DEV_PROMPTS, encoding="utf-8") as f:
-            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    texts = texts or [FALLBACK_TEXT]
+    texts = dev_texts() or [FALLBACK_TEXT]
     return [texts[i % len(texts)][:1500] for i in range(n)]
 
 
@@ -241,23 +236,19 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     header = ["run", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
               "E2E p50 ms", "E2E p99 ms", "output tok/s", "vs offline b32",
               "worker idle %"]
-    rounds_note = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
-    table = Table(title=f"serve: {args.dtype}, {args.max_new_tokens} new tokens/request, "
-                        f"offline batch-32 baseline {baseline:.1f} tok/s{rounds_note}")
-    for h in header:
-        table.add_column(h, justify="right")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for r in results:
         ttft = [t.ttft for t in r.timings]
         itl = [x for t in r.timings for x in t.itl]
         e2e = [t.e2e for t in r.timings]
-        row = [r.name, str(len(r.timings)), pct(ttft, 50), pct(ttft, 99), pct(itl, 50),
-               pct(itl, 99), pct(e2e, 50), pct(e2e, 99), f"{r.output_tps:.1f}",
-               f"{r.output_tps / baseline:.2f}",
-               "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}"]
-        table.add_row(*row)
-        lines.append("| " + " | ".join(row) + " |")
-    console.print(table)
+        rows.append([r.name, str(len(r.timings)), pct(ttft, 50), pct(ttft, 99), pct(itl, 50),
+                     pct(itl, 99), pct(e2e, 50), pct(e2e, 99), f"{r.output_tps:.1f}",
+                     f"{r.output_tps / baseline:.2f}",
+                     "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}"])
+    rounds_note = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
+    lines = print_table(console, f"serve: {args.dtype}, {args.max_new_tokens} new tokens/request, "
+                                 f"offline batch-32 baseline {baseline:.1f} tok/s{rounds_note}",
+                        header, rows)
     summary = overlap_summary(results)
     if args.rounds > 1:
         summary += round_ratios(per_round)

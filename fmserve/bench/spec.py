@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from fmserve.arg_types import positive_int
 from fmserve.bench.offline import DEV_PROMPTS
+from fmserve.bench.tables import print_table
 from fmserve.engine import Engine
 from fmserve.jsonl import read_prompts
 from gpu.eagle.eagle_step import EagleStep
@@ -153,18 +153,13 @@ def render(runs: list[SpecRun], args, settings: dict, console: Console) -> list[
                          for n, s in settings.items()))
     header = ["setting", "batch", "decode tok/s", "vs plain", "mean accept length",
               "acceptance per position", "same output as plain"]
-    table = Table(title=title)
-    for h in header:
-        table.add_column(h, justify="right")
-    lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for r in runs:
         base = plain[r.batch]
         same = sum(a == b for a, b in zip(r.outputs, base.outputs))
-        row = [r.name, str(r.batch), f"{r.decode_tps:.1f}", f"{r.decode_tps / base.decode_tps:.2f}x",
-               "-" if r.accept_length is None else f"{r.accept_length:.2f}",
-               " ".join(f"{p:.2f}" for p in r.per_position) or "-",
-               f"{same}/{len(base.outputs)}"]
-        table.add_row(*row)
-        lines.append("| " + " | ".join(row) + " |")
-    console.print(table)
-    return lines
+        rows.append([r.name, str(r.batch), f"{r.decode_tps:.1f}",
+                     f"{r.decode_tps / base.decode_tps:.2f}x",
+                     "-" if r.accept_length is None else f"{r.accept_length:.2f}",
+                     " ".join(f"{p:.2f}" for p in r.per_position) or "-",
+                     f"{same}/{len(base.outputs)}"])
+    return [title, "", *print_table(console, title, header, rows)]
