@@ -9,7 +9,7 @@ import sys
 import time
 
 from fmserve.arg_types import endpoint, positive_int
-from fmserve.generate_cmd import _messages, _read_jsonl, sampling_from_args
+from fmserve.generate_cmd import _messages, _read_jsonl, echo, sampling_from_args
 from fmserve.jsonl import check_output_path
 from ipc.async_client import AsyncClient
 from ipc.client import Client
@@ -37,14 +37,7 @@ def _chat(msgs: list[dict]) -> list[ChatMessage]:
 
 def _stream(client: Client, prompt, params) -> str:
     kwargs = {"messages": _chat(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
-    parts = []
-    for msg in client.generate(params=params, **kwargs):
-        if isinstance(msg, Chunk):
-            sys.stdout.write(msg.text)
-            sys.stdout.flush()
-            parts.append(msg.text)
-    sys.stdout.write("\n")
-    return "".join(parts)
+    return echo(m.text for m in client.generate(params=params, **kwargs) if isinstance(m, Chunk))
 
 
 async def _run_file(args: argparse.Namespace, params) -> int:

@@ -32,14 +32,19 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                                     args.spec_disable_above_batch_size))
 
 
-def _stream_one(engine: Engine, prompt, params: SamplingParams) -> str:
+def echo(pieces) -> str:
+    """Write each piece of text to stdout as it comes, then a newline; return the whole text."""
     text = []
-    for out in engine.stream([prompt], params):
-        sys.stdout.write(out.text)
+    for piece in pieces:
+        sys.stdout.write(piece)
         sys.stdout.flush()
-        text.append(out.text)
+        text.append(piece)
     sys.stdout.write("\n")
     return "".join(text)
+
+
+def _stream_one(engine: Engine, prompt, params: SamplingParams) -> str:
+    return echo(out.text for out in engine.stream([prompt], params))
 
 
 def _messages(system: str | None, user: str) -> list[dict]:

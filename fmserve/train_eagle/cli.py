@@ -171,11 +171,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def model_slug(model_path: Path) -> str:
-    name = model_path.name
-    for suffix in (".gguf",):
-        if name.lower().endswith(suffix):
-            name = name[: -len(suffix)]
-    return name.lower()
+    name = model_path.name.lower()
+    return name.removesuffix(".gguf")
 
 
 def resolve_device_arg(spec: str) -> str:

@@ -75,10 +75,6 @@ class CapturedData:
     def num_tokens(self) -> int:
         return sum(e - s for s, e in zip(self.start, self.end))
 
-    @property
-    def num_response_tokens(self) -> int:
-        return sum(e - s - p for s, e, p in zip(self.start, self.end, self.prompt_len))
-
 
 def shard_path(work_dir: Path, i: int) -> Path:
     return work_dir / f"shard-{i:05d}.safetensors"

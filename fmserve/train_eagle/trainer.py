@@ -21,7 +21,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -75,27 +75,15 @@ class TrainConfig:
 
     @classmethod
     def from_args(cls, args, work_dir: Path, out: Path) -> "TrainConfig":
-        return cls(data_dir=str(work_dir / "data"), ckpt_dir=str(work_dir / CHECKPOINT_DIR),
-                   out=str(out), ttt_steps=args.ttt_steps,
-                   draft_vocab_size=args.draft_vocab_size,
-                   head_intermediate_size=getattr(args, "head_intermediate_size", 0),
-                   lr=args.lr,
-                   warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-                   weight_decay=args.weight_decay, grad_clip=args.grad_clip, epochs=args.epochs,
-                   max_steps=args.max_steps, max_minutes=args.max_minutes,
-                   max_batch_tokens=args.max_batch_tokens,
-                   max_train_sequences=args.max_train_sequences,
-                   val_sequences=args.val_sequences, save_every=args.save_every,
-                   log_every=args.log_every, keep_checkpoints=args.keep_checkpoints,
-                   resume=args.resume, ship_dtype=args.ship_dtype, seed=args.seed,
-                   prompt_loss_weight=args.prompt_loss_weight,
-                   decay=getattr(args, "step_loss_decay", 0.8),
-                   vocab_prior=None if args.no_vocab_prior else args.prompts,
-                   init_head=getattr(args, "init_head", None) or None,
-                   refresh_vocab=bool(getattr(args, "refresh_vocab", False)),
-                   extra_data=tuple(getattr(args, "extra_data", None) or ()),
-                   device=getattr(args, "device", "cpu"),
-                   precision=getattr(args, "precision", "auto"))
+        """The fields named as their flags come from `args` where it has them."""
+        same = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**same, "data_dir": str(work_dir / "data"),
+                      "ckpt_dir": str(work_dir / CHECKPOINT_DIR), "out": str(out),
+                      "decay": getattr(args, "step_loss_decay", 0.8),
+                      "vocab_prior": None if args.no_vocab_prior else args.prompts,
+                      "init_head": getattr(args, "init_head", None) or None,
+                      "refresh_vocab": bool(getattr(args, "refresh_vocab", False)),
+                      "extra_data": tuple(getattr(args, "extra_data", None) or ())})
 
 
 # -- the loop -----------------------------------------------------------------------------------
