@@ -1,4 +1,4 @@
-# The two commands in the README. Extra arguments: make test ARGS="tests/test_x.py -x"
+# The two commands in the README. Extra arguments: make test ARGS="tests/gpu/test_x.py -x"
 ARGS ?=
 
 .PHONY: run test setup clean

@@ -21,7 +21,7 @@ Only attention backends that read nothing from the host can be captured (``needs
 False: the Triton backend); the torch backend slices by host lengths. On the CPU there is no
 graph: ``EagerReplay`` runs the same function again over the same static buffers, so the
 bucketing, padding and copying above are tested on the CPU exactly as a GPU runs them; the
-capture itself is exercised by tests/test_cuda.py on a GPU.
+capture itself is exercised by tests/gpu/test_cuda.py on a GPU.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the forward in flight is done, and plan k+1 is no longer built while step k runs
   audited: the caller that counts is the first frame outside torch.
 
 So the CPU test suite keeps the GPU launch path free of hidden syncs without a GPU
-(tests/test_host_sync.py), and `runtime.sync_check` (or FMSERVE_SYNC_CHECK=1) runs every
+(tests/gpu/test_host_sync.py), and `runtime.sync_check` (or FMSERVE_SYNC_CHECK=1) runs every
 launch of a service's worker under it (the soak test does).
 """
 

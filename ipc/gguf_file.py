@@ -4,7 +4,7 @@
 vocabulary with its merges that is ~300k views and ~5 s per open, paid by the scheduler (for the
 tokenizer) and again by every worker (for the weights). This walks the same header with
 `struct` in a fraction of a second and takes the type tables from the gguf package, so its
-tensors are what GGUFReader's are (same dtype, shape and bytes; tests/test_gguf_file.py checks
+tensors are what GGUFReader's are (same dtype, shape and bytes; tests/ipc/test_gguf_file.py checks
 both on the default model). It lives in ipc/ because the service and the workers both read the
 model file, and ipc/ is the package both may import.
 """

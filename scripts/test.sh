@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), then run the test suite. Extra arguments go to pytest:
-#   scripts/test.sh tests/test_default_model.py -x
+#   scripts/test.sh tests/cli/test_default_model.py -x
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

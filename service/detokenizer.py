@@ -10,7 +10,7 @@ That is what `tokenizers.decoders.DecodeStream` does, in Rust, and it is what th
 the same text as our own Python window (kept below for `flush`) on the
 default model's byte-level BPE, on a byte-fallback Metaspace tokenizer (Llama 2 style: split
 UTF-8 across `<0x..>` tokens, leading spaces), with special tokens skipped or not, and on random
-token ids (tests/test_tokenizer.py), at about a fifth of the cost per token (1.4 us against
+token ids (tests/service/test_tokenizer.py), at about a fifth of the cost per token (1.4 us against
 6.4 us, measured on the default model). DecodeStream raises on a decoder that rewrites text it
 already emitted (InvalidPrefix); none of the tokenizers we load does (WordPiece's cleanup,
 tried, does not), and the text streamed before would have been wrong there too.

@@ -69,7 +69,7 @@ class EagleStep:
     def launch(self, step: PreparedStep, pending: PendingStep) -> None:
         """Enqueue every kernel of the step, the FutureMap's writes included, and nothing that
         waits for the device, so the host can plan the next step while this one runs
-        (tests/test_host_sync.py checks it)."""
+        (tests/gpu/test_host_sync.py checks it)."""
         plan, parts = step.plan, []
         if plan.extends:
             parts.append(self._prefill(plan.extends))

@@ -1,7 +1,7 @@
 """Decode graphs (gpu/decode_graphs.py): the static buffers, buckets and padding rows around
 the graph must give exactly the tokens of the plain decode path. On the CPU the graphs are
 EagerReplay (the CPU has none), so everything around them is tested; on a GPU the same tests
-capture real CUDA graphs (and tests/test_cuda.py runs the real model with them).
+capture real CUDA graphs (and tests/gpu/test_cuda.py runs the real model with them).
 
 Graphs need the Triton backend, which runs in Triton's interpreter here (slow per launch), so
 the model is conftest's tiny_llama (2 random layers of the default model's attention geometry,

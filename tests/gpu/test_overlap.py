@@ -69,7 +69,7 @@ def test_decode_before_any_write_trips_the_invariant(engine):
     state = engine.worker.state
     if state.device.type != "cpu":
         pytest.skip("on a GPU the check is a device-side assert, which ends the process: "
-                    "tests/test_cuda.py checks it there in a subprocess")
+                    "tests/gpu/test_cuda.py checks it there in a subprocess")
     assert state.future_map.wrwr_check, "the suite runs with FMSERVE_WRWR_CHECK=1"
     # Slot 5 is released (its last token forgotten) and then decoded without a prefill.
     plan = StepPlan(step_id=10_000, new_requests=[], grants=[], extends=[],

@@ -4,7 +4,7 @@ reference written here: per request and query, a softmax over exactly the visibl
 Layouts covered: verification (Q == K, the queries are the whole tree) and drafting (Q < K,
 the queries are one middle block of the K tree keys), prefixes of length 0 and not, page
 sizes 1 and 16, K and Q above the extend kernel's 64-wide blocks. Without a GPU the Triton
-kernels run under the interpreter (see tests/test_triton_attention.py for the reload dance).
+kernels run under the interpreter (see tests/gpu/test_triton_attention.py for the reload dance).
 """
 
 from __future__ import annotations
