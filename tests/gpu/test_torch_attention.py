@@ -3,7 +3,6 @@ on the batches continuous batching makes: decodes alone, prefill chunks alone, a
 in one EXTEND batch (run as two groups, so a decode is not padded to the longest chunk)."""
 
 import pytest
-import torch
 
 from gpu.attention.torch_backend import TorchAttentionBackend
 from tests.gpu.attention_cases import BF16, FP32, MIXED_LENS, SMOL, build_case, run_and_compare

@@ -25,7 +25,7 @@ from tests.service.fake_scheduler import word_tokenizer
 NUM_STEPS = 3  # draft depth
 
 
-def make_core() -> SchedulerCore:
+def make_core() -> Scheduler:
     info = WorkerInfo(protocol_version=1, model_name="fake", device="cpu", dtype="fp32",
                       attention_backend="torch", num_layers=2, vocab_size=1000,
                       max_context_len=512, page_size=4, num_pages=128, num_slots=5,
@@ -34,7 +34,7 @@ def make_core() -> SchedulerCore:
     return Scheduler(info, word_tokenizer(), SchedulerConfig())
 
 
-def step(core: SchedulerCore, accepts: dict[str, int]) -> list:
+def step(core: Scheduler, accepts: dict[str, int]) -> list:
     """Plan a step and answer it: a request with accept n emits n drafts + a bonus token; -1 is a
     prefill row (one token). Tokens are 100, 101, ... so none is eos."""
     plan = core.plan_step()
