@@ -53,8 +53,9 @@ class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except msgspec.ValidationError as exc:
             problem, _, field = str(exc).partition(" - at `$.")
             field = field.rstrip("`")
-            raise msgspec.ValidationError(f"spec.{field} = {getattr(self, field, '?')!r}: "
-                                          f"{problem}") from None
+            problem = problem.replace("Expected `int` ", "must be ")
+            raise msgspec.ValidationError(f"spec.{field} {problem} (got "
+                                          f"{getattr(self, field, '?')!r})") from None
         if not self.enabled:
             if self.draft_model:  # else it would be silently ignored
                 raise ValueError(f"spec.draft_model {self.draft_model!r} is given but "
