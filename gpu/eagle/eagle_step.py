@@ -29,13 +29,14 @@ from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, o
                                     pad_to, rows_of)
 from gpu.eagle.tree import DraftTree
 from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.plain_step import PlainStep
 from gpu.sampling_state import DraftedBefore
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
 from ipc.worker_messages import ExtendEntry, StepResult, pack_i32, unpack_i32
 
 
-def hidden_size_for(step: "EagleStep | object") -> int:
+def hidden_size_for(step: "EagleStep | PlainStep") -> int:
     """Width of the target hidden states a step hands its draft head: the concatenation of
     the captured layers for EAGLE-3, the final hidden state otherwise. The one place this width
     is computed; idle batches build their empty tensors from it."""
