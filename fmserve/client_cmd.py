@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 
 from fmserve.arg_types import endpoint, positive_int
-from fmserve.generate_cmd import _messages, _read_jsonl, echo, sampling_from_args
-from fmserve.jsonl import check_output_path
+from fmserve.generate_cmd import _messages, _read_jsonl, chat_loop, echo, sampling_from_args
+from fmserve.jsonl import check_output_path, write_jsonl
 from ipc.async_client import AsyncClient
 from ipc.client import Client
 from ipc.client_errors import RequestFailed
@@ -60,11 +59,7 @@ async def _run_file(args: argparse.Namespace, params) -> int:
                 except RequestFailed as exc:
                     results[i] = {"index": i, "error": exc.code, "message": str(exc)}
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
-    for row in results:
-        out.write(json.dumps(row) + "\n")
-    if out is not sys.stdout:
-        out.close()
+    write_jsonl(args.output, results)
     return 0
 
 
@@ -82,22 +77,6 @@ def run_client(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             _stream(client, args.prompt if args.raw else _messages(args.system, args.prompt), params)
             return 0
-        history = [{"role": "system", "content": args.system}] if args.system else []
-        print("fmserve client: type a message, Ctrl-D to quit.", file=sys.stderr)
-        while True:
-            try:
-                user = input("> ")
-            except EOFError:
-                return 0
-            if not user.strip():
-                continue
-            history.append({"role": "user", "content": user})
-            try:
-                reply = _stream(client, history, params)
-            except RequestFailed as exc:  # this turn only: the conversation goes on without it
-                history.pop()
-                print(f"\nerror: {exc}\nThis message was left out of the conversation: send "
-                      f"another (a shorter one if it was too long), or Ctrl-D to quit.",
-                      file=sys.stderr)
-                continue
-            history.append({"role": "assistant", "content": reply})
+        return chat_loop(lambda history: _stream(client, history, params), args.system,
+                         "fmserve client: type a message, Ctrl-D to quit.",
+                         turn_errors=(RequestFailed,))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from fmserve.engine import Engine
-from fmserve.jsonl import check_output_path, jsonl_rows
+from fmserve.jsonl import check_output_path, jsonl_rows, write_jsonl
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
 
@@ -91,31 +90,43 @@ def run_generate(args: argparse.Namespace) -> int:
         _stream_one(engine, args.prompt if args.raw else _messages(args.system, args.prompt), params)
         return 0
     if args.file is not None:
-        out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
-        try:
-            for i, c in enumerate(engine.generate(prompts, params)):
-                out.write(json.dumps({"index": i, "text": c.text, "finish_reason":
-                                      c.finish_reason.value if c.finish_reason else None,
-                                      "prompt_tokens": len(c.prompt_ids),
-                                      "completion_tokens": len(c.token_ids)}) + "\n")
-        finally:
-            if out is not sys.stdout:
-                out.close()
+        write_jsonl(args.output, ({"index": i, "text": c.text, "finish_reason":
+                                   c.finish_reason.value if c.finish_reason else None,
+                                   "prompt_tokens": len(c.prompt_ids),
+                                   "completion_tokens": len(c.token_ids)}
+                                  for i, c in enumerate(engine.generate(prompts, params))))
         return 0
     # Interactive chat: the whole conversation is re-sent each turn (no prefix cache yet).
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("fmserve chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
+    return chat_loop(lambda history: _stream_one(engine, history, params), args.system,
+                     "fmserve chat: type a message, /reset to start over, Ctrl-D to quit.",
+                     reset=True)
+
+
+def chat_loop(stream, system: str | None, banner: str, reset: bool = False,
+              turn_errors: tuple[type[Exception], ...] = ()) -> int:
+    """Read user lines until EOF; `stream(history)` echoes the reply and returns its text. With
+    `reset`, /reset starts over (keeping the system message). A turn that raises one of
+    `turn_errors` is left out of the conversation, which goes on without it."""
+    history = [{"role": "system", "content": system}] if system else []
+    print(banner, file=sys.stderr)
     while True:
         try:
             user = input("> ")
         except EOFError:
             print(file=sys.stderr)
             return 0
-        if user.strip() == "/reset":
-            history = history[:1] if args.system else []
+        if reset and user.strip() == "/reset":
+            history = history[:1] if system else []
             continue
         if not user.strip():
             continue
         history.append({"role": "user", "content": user})
-        reply = _stream_one(engine, history, params)
+        try:
+            reply = stream(history)
+        except turn_errors as exc:
+            history.pop()
+            print(f"\nerror: {exc}\nThis message was left out of the conversation: send "
+                  f"another (a shorter one if it was too long), or Ctrl-D to quit.",
+                  file=sys.stderr)
+            continue
         history.append({"role": "assistant", "content": reply})

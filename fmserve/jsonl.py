@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -55,3 +56,14 @@ def check_output_path(path: str, flag: str = "--output") -> None:
         return
     raise ValueError(f"{flag} {path} {problem}: give a file path in an existing directory, "
                      f"or - for stdout")
+
+
+def write_jsonl(path: str, rows: Iterable[object]) -> None:
+    """One JSON line per row to `path` ("-" is stdout)."""
+    out = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+    try:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
