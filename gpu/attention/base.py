@@ -1,8 +1,6 @@
-"""The interface every attention backend implements."""
+"""The interface every attention backend implements, and what the backends share."""
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
@@ -10,7 +8,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.kv_cache import KVPool, ReqToTokenPool
 
 
-class AttentionBackend(Protocol):
+class AttentionBackend:
     """Paged attention over the KV pool.
 
     ``init_forward_metadata`` runs once per forward (index building shared by all layers);
@@ -25,12 +23,38 @@ class AttentionBackend(Protocol):
     needs_cpu_seq_lens: bool
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float) -> None: ...
+                 num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads}) for grouped-query attention")
+        if (kv_pool.num_kv_heads, kv_pool.head_dim) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"KV pool holds {kv_pool.num_kv_heads} kv heads of dim {kv_pool.head_dim} but "
+                f"the backend was built for {num_kv_heads} of dim {head_dim}")
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
         Returns [num_tokens, num_heads, head_dim] in q's dtype."""
-        ...
+        raise NotImplementedError
+
+
+def check_tree_mask(batch: ForwardBatch) -> None:
+    """Shape checks only (no host sync): [bs, Q, K] with Q <= K and bs * Q new tokens."""
+    tree_mask = batch.tree_mask
+    if tree_mask.dim() != 3 or tree_mask.shape[0] != batch.batch_size:
+        raise ValueError(f"tree_mask must be [bs={batch.batch_size}, Q, K] "
+                         f"(got {tuple(tree_mask.shape)})")
+    bs, num_q, num_k = tree_mask.shape
+    if num_q > num_k or bs * num_q != batch.num_tokens:
+        raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs Q <= K and Q new tokens "
+                         f"per request (the batch has {batch.num_tokens} for {bs} requests)")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu.attention.base import AttentionBackend, check_tree_mask
 from gpu.device import host_to_device
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
@@ -45,17 +46,12 @@ class _Group:
         return self.decode_bias is not None
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     needs_cpu_seq_lens = True
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+        super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
         self._groups: list[_Group] = []
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -137,12 +133,9 @@ class TorchAttentionBackend:
                    in_seq: torch.Tensor) -> torch.Tensor:
         """[bs, Q, L]: keys before seq_len - K visible to all queries, the last K keys looked
         up in ``batch.tree_mask`` [bs, Q, K], keys past seq_len masked."""
+        check_tree_mask(batch)
         tree_mask = batch.tree_mask.to(torch.bool)
         bs, num_q, num_k = tree_mask.shape
-        if bs != batch.batch_size or num_q != batch.max_extend_len or num_q > num_k:
-            raise ValueError(f"tree_mask {tuple(tree_mask.shape)} does not fit a batch of "
-                             f"{batch.batch_size} requests with {batch.max_extend_len} new "
-                             f"tokens each (needs [bs, Q, K] with Q <= K)")
         rel = key_pos[None, :] - (batch.seq_lens[:, None] - num_k)  # [bs, L], tree key index
         in_tree = (rel >= 0) & in_seq
         tree_bits = torch.gather(tree_mask, 2,

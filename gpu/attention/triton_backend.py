@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention import triton_decode, triton_extend
+from gpu.attention.base import AttentionBackend, check_tree_mask
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
 
@@ -33,27 +34,15 @@ class _ForwardMetadata:
     block_m: torch.Tensor | None = None  # [grid] index of the block within its request
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     needs_cpu_seq_lens = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
                  num_kv_splits: int = triton_decode.DEFAULT_NUM_KV_SPLITS) -> None:
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads}) for grouped-query attention")
+        super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
         if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
             raise ValueError(f"num_kv_splits must be a power of two (got {num_kv_splits})")
-        if (kv_pool.num_kv_heads, kv_pool.head_dim) != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"KV pool holds {kv_pool.num_kv_heads} kv heads of dim {kv_pool.head_dim} but "
-                f"the backend was built for {num_kv_heads} of dim {head_dim}")
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
         self.num_kv_splits = num_kv_splits
         self._meta: _ForwardMetadata | None = None
 
@@ -70,7 +59,7 @@ class TritonAttentionBackend:
                                        dtype=torch.float32, device=device)
         else:
             if batch.tree_mask is not None:
-                _check_tree_mask(batch)
+                check_tree_mask(batch)
             meta.query_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             meta.block_req, meta.block_m = triton_extend.extend_block_schedule(
                 batch.extend_lens, batch.num_tokens)
@@ -78,8 +67,6 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
-        Returns [num_tokens, num_heads, head_dim] in q's dtype."""
         if batch.batch_size == 0 or batch.mode == ForwardMode.IDLE:
             return q.new_empty(0, self.num_heads, self.head_dim)
         if self._meta is None or self._meta.batch is not batch:
@@ -104,15 +91,3 @@ class TritonAttentionBackend:
                                             self.scale, seq_lens=batch.seq_lens,
                                             tree_mask=batch.tree_mask)
         return out
-
-
-def _check_tree_mask(batch: ForwardBatch) -> None:
-    """Shape checks only (no host sync): [bs, Q, K] with Q <= K and bs * Q new tokens."""
-    tree_mask = batch.tree_mask
-    if tree_mask.dim() != 3 or tree_mask.shape[0] != batch.batch_size:
-        raise ValueError(f"tree_mask must be [bs={batch.batch_size}, Q, K] "
-                         f"(got {tuple(tree_mask.shape)})")
-    bs, num_q, num_k = tree_mask.shape
-    if num_q > num_k or bs * num_q != batch.num_tokens:
-        raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs Q <= K and Q new tokens "
-                         f"per request (the batch has {batch.num_tokens} for {bs} requests)")
