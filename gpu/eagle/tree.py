@@ -131,16 +131,3 @@ def organize_draft_tree(scores: list[Tensor], tokens: list[Tensor], parents: lis
     depth = mask.sum(-1) - 1
     tree_tokens = torch.cat([root_tokens.long()[:, None], draft], dim=1)
     return DraftTree(tree_tokens, parent, depth, mask, max_depth=max_depth, selected=sel)
-
-
-def chain_tree(root_tokens: Tensor, draft_tokens: Tensor) -> DraftTree:
-    """A chain (topk == 1): root, then ``draft_tokens`` [bs, n] in order."""
-    bs, n = draft_tokens.shape
-    dev = root_tokens.device
-    t = n + 1
-    cols = torch.arange(t, device=dev)
-    tokens = torch.cat([root_tokens.long()[:, None], draft_tokens.long()], dim=1)
-    parent = (cols - 1).expand(bs, t).clone()
-    depth = cols.expand(bs, t).clone()
-    mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(bs, t, t).clone()
-    return DraftTree(tokens, parent, depth, mask, max_depth=n)

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu.eagle.draft_head import DraftHead, DraftHeadError, dense_causal_attention
+from gpu.eagle.draft_head import DraftHead, DraftHeadError
 from gpu.eagle.head_io import load_draft_head, random_draft_head, save_draft_head
 from gpu.eagle.vocab_map import build_vocab_map
 from gpu.model_config import ModelConfig
+from tests.gpu.eagle_reference import dense_causal_attention
 
 H, NH, NKV, HD, L, VOCAB, INTER = 64, 4, 2, 16, 8, 300, 128
 EPS, THETA = 1e-5, 10000.0

@@ -9,10 +9,11 @@ import torch
 
 import gpu.eagle.accept as accept_mod
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
-from gpu.eagle.tree import DraftTree, _ancestor_mask, chain_tree, organize_draft_tree
+from gpu.eagle.tree import DraftTree, _ancestor_mask, organize_draft_tree
 from gpu.sampler import Sampler
 from gpu.sampling_state import SamplingState
 from ipc.sampling import SamplingParams
+from tests.gpu.eagle_reference import chain_tree
 
 t = torch.tensor
 P_CRIT = 1e-3  # chi-square tests reject below this p-value
