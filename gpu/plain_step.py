@@ -114,42 +114,23 @@ class PlainStep:
         """Returns the batch, the row index (into requests) of each request that samples, and
         those requests' slots on the host."""
         st, dev = self.state, self.state.device
-        ext_ids, ext_slots, ext_prefix, ext_lens, ext_sample = [], [], [], [], []
-        for e in plan.extends:
-            ids = unpack_i32(e.token_ids)
-            ext_ids.append(ids)
-            ext_slots.append(e.slot)
-            ext_prefix.append(e.prefix_len)
-            ext_lens.append(len(ids))
-            ext_sample.append(e.sample)
-            st.sampling_state.add_prefill_chunk(e.slot, ids, e.prefix_len)
+        c = st.prefill_chunks(plan.extends) if plan.extends else None
+        ext_slots = [e.slot for e in plan.extends]
+        ext_sample = [e.sample for e in plan.extends]
         decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
         decode_slots = host_to_device(decode_host, dev)
         num_decode = int(decode_slots.shape[0])
         num_extend = len(plan.extends)
 
-        if num_extend:
-            e_ids = host_to_device(np.concatenate(ext_ids).astype(np.int64), dev)
-            e_slots = host_to_device(np.asarray(ext_slots, dtype=np.int64), dev)
-            e_prefix = host_to_device(np.asarray(ext_prefix, dtype=np.int64), dev)
-            e_lens = host_to_device(np.asarray(ext_lens, dtype=np.int64), dev)
-            cu = torch.cumsum(e_lens, 0) - e_lens
-            # output_size: without it repeat_interleave syncs the host with the device.
-            e_pos = (torch.arange(int(e_ids.shape[0]), device=dev)
-                     - torch.repeat_interleave(cu - e_prefix, e_lens,
-                                               output_size=int(e_ids.shape[0])))
         d_prefix = st.future_map.resolve_seq_lens(decode_slots)
         d_ids = st.future_map.resolve_future(decode_slots)
-        if num_extend and num_decode:
+        if num_extend:  # the decodes (if any) follow the chunks, one new token each
             mode = ForwardMode.EXTEND
-            input_ids = torch.cat([e_ids, d_ids])
-            positions = torch.cat([e_pos, d_prefix])
-            slots = torch.cat([e_slots, decode_slots])
-            prefix_lens = torch.cat([e_prefix, d_prefix])
-            extend_lens = torch.cat([e_lens, torch.ones_like(decode_slots)])
-        elif num_extend:
-            mode = ForwardMode.EXTEND
-            input_ids, positions, slots, prefix_lens, extend_lens = e_ids, e_pos, e_slots, e_prefix, e_lens
+            input_ids = torch.cat([c.input_ids, d_ids])
+            positions = torch.cat([c.positions, d_prefix])
+            slots = torch.cat([c.slots, decode_slots])
+            prefix_lens = torch.cat([c.prefix_lens, d_prefix])
+            extend_lens = torch.cat([c.extend_lens, torch.ones_like(decode_slots)])
         else:
             mode = ForwardMode.DECODE if num_decode else ForwardMode.IDLE
             input_ids, positions, slots, prefix_lens = d_ids, d_prefix, decode_slots, d_prefix
@@ -166,8 +147,9 @@ class PlainStep:
             # Host lengths without a device sync: extends' from the plan, decodes' from the
             # FutureMap's host copy of the last publish.
             d_prefix_host = st.future_map.resolve_seq_lens_host(decode_host)
-            prefix_host = np.concatenate([np.asarray(ext_prefix, dtype=np.int64), d_prefix_host])
-            extend_host = np.concatenate([np.asarray(ext_lens, dtype=np.int64),
+            prefix_host = np.concatenate([np.asarray([e.prefix_len for e in plan.extends],
+                                                     dtype=np.int64), d_prefix_host])
+            extend_host = np.concatenate([c.extend_lens_host if c else np.zeros(0, np.int64),
                                           np.ones(num_decode, dtype=np.int64)])
             batch.prefix_lens_cpu = torch.from_numpy(prefix_host)
             batch.extend_lens_cpu = torch.from_numpy(extend_host)

@@ -9,6 +9,7 @@ slots, new requests, page grants) and `commit` (the FutureMap's write half after
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,20 @@ from gpu.sampling_state import SamplingState
 from gpu.step_streams import StepStreams
 from gpu.sync_guard import no_host_sync, sync_check_from_env
 from ipc.worker_config import WorkerConfig
-from ipc.worker_messages import WORKER_PROTOCOL_VERSION, StepPlan, WorkerInfo, unpack_i32
+from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, ExtendEntry, StepPlan, WorkerInfo,
+                                 unpack_i32)
+
+
+@dataclass
+class PrefillChunks:
+    """A plan's prefill chunks on the device, their new tokens concatenated in plan order."""
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slots: torch.Tensor  # [n] int64
+    prefix_lens: torch.Tensor  # [n] int64
+    extend_lens: torch.Tensor  # [n] int64
+    starts: torch.Tensor  # [n] int64: each chunk's first row in input_ids
+    extend_lens_host: np.ndarray  # [n] int64
 
 
 class WorkerState:
@@ -119,3 +133,23 @@ class WorkerState:
             self.sampling_state.record_outputs(slots, next_tokens)
         else:
             self.sampling_state.record_outputs(emitted_slots, emitted, weights=weights)
+
+    def prefill_chunks(self, extends: list[ExtendEntry]) -> PrefillChunks:
+        """The plan's prefill chunks (at least one) on the device; their tokens also enter
+        their slots' sampling state."""
+        dev = self.device
+        ids = [unpack_i32(e.token_ids) for e in extends]
+        for e, chunk in zip(extends, ids):
+            self.sampling_state.add_prefill_chunk(e.slot, chunk, e.prefix_len)
+        lens_host = np.array([len(c) for c in ids], dtype=np.int64)
+        total = int(lens_host.sum())
+        lens = host_to_device(lens_host, dev)
+        prefix = host_to_device(np.array([e.prefix_len for e in extends], dtype=np.int64), dev)
+        starts = torch.cumsum(lens, 0) - lens
+        # output_size: without it repeat_interleave syncs the host with the device.
+        positions = (torch.arange(total, device=dev)
+                     - torch.repeat_interleave(starts - prefix, lens, output_size=total))
+        return PrefillChunks(
+            host_to_device(np.concatenate(ids).astype(np.int64), dev), positions,
+            host_to_device(np.array([e.slot for e in extends], dtype=np.int64), dev), prefix,
+            lens, starts, lens_host)

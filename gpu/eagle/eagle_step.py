@@ -110,30 +110,20 @@ class EagleStep:
 
     def _prefill(self, extends: list[ExtendEntry]) -> StepPart:
         st, dev = self.state, self.state.device
-        ids = [unpack_i32(e.token_ids) for e in extends]
-        for e, chunk in zip(extends, ids):
-            st.sampling_state.add_prefill_chunk(e.slot, chunk, e.prefix_len)
+        c = st.prefill_chunks(extends)
         # Checked on the host: the draft extend pairs each position with the next token.
         if any(not e.sample and e.next_token < 0 for e in extends):
             raise ValueError("a non-final prefill chunk came without next_token: the scheduler "
                              "must send one token of lookahead when speculating")
-        lens_host = np.array([len(c) for c in ids], dtype=np.int64)
-        total = int(lens_host.sum())
-        lens = host_to_device(lens_host, dev)
-        slots = host_to_device(np.array([e.slot for e in extends], dtype=np.int64), dev)
-        prefix = host_to_device(np.array([e.prefix_len for e in extends], dtype=np.int64), dev)
-        input_ids = host_to_device(np.concatenate(ids).astype(np.int64), dev)
-        starts = torch.cumsum(lens, 0) - lens
-        positions = (torch.arange(total, device=dev)
-                     - torch.repeat_interleave(starts - prefix, lens, output_size=total))
-        token_slots = torch.repeat_interleave(slots, lens, output_size=total)
-        batch = self.batches.make(ForwardMode.EXTEND, input_ids, positions, slots, prefix, lens,
-                                  prefix + lens,
-                                  st.req_to_token.req_to_token[token_slots, positions].long())
+        input_ids, slots, prefix, lens = c.input_ids, c.slots, c.prefix_lens, c.extend_lens
+        token_slots = torch.repeat_interleave(slots, lens, output_size=int(input_ids.shape[0]))
+        batch = self.batches.make(ForwardMode.EXTEND, input_ids, c.positions, slots, prefix,
+                                  lens, prefix + lens,
+                                  st.req_to_token.req_to_token[token_slots, c.positions].long())
         hidden, feats = self._target(batch)
         st.future_map.publish(slots, batch.seq_lens)  # every chunk's length, sampled or not
 
-        last = starts + lens - 1
+        last = c.starts + lens - 1
         sample_host = np.array([i for i, e in enumerate(extends) if e.sample], dtype=np.int64)
         sample_rows = host_to_device(sample_host, dev)
         sample_slots = slots[sample_rows]
