@@ -54,6 +54,28 @@ def positive_int_list(text: str) -> str:
     return text
 
 
+DTYPES = ["auto", "bf16", "fp32", "fp16"]
+
+
+def add_runtime_args(p, dtype: str | None = "auto", attention: bool = True, checked: bool = True,
+                     model_help: str = "a .gguf file, a Hugging Face model directory, or "
+                                       "'default' (SmolLM2-135M-Instruct, fetched on first use)",
+                     device_help: str = "auto, cpu, cuda or cuda:N",
+                     dtype_help: str = "auto: bf16 on a GPU or a CPU with native bf16 (AMX, "
+                                       "AVX512-BF16), else fp32") -> None:
+    """--model, --device, --dtype (none where `dtype` is None) and --attention-backend: the
+    flags of every command that loads a model, with its own defaults and help where they differ.
+    checked=False: no choices, the values are checked later by the config they go into."""
+    p.add_argument("--model", default="default", help=model_help)
+    p.add_argument("--device", default="auto", help=device_help)
+    if dtype is not None:
+        p.add_argument("--dtype", default=dtype, choices=DTYPES if checked else None,
+                       help=dtype_help)
+    if attention:
+        p.add_argument("--attention-backend", default="torch",
+                       choices=["torch", "triton"] if checked else None)
+
+
 def endpoint(text: str) -> str:
     """A ZMQ endpoint, by the config's rule (ZMQ's own error for a bad one is a traceback)."""
     from service.config import ConfigError, check_endpoint

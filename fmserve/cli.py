@@ -19,18 +19,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fmserve.arg_types import positive_int, positive_int_list
+from fmserve.arg_types import add_runtime_args, positive_int, positive_int_list
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and runtime")
-    g.add_argument("--model", default="default",
-                   help="a .gguf file, a Hugging Face model directory, or 'default' "
-                        "(SmolLM2-135M-Instruct, fetched on first use)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
-                   help="auto: bf16 on a GPU or a CPU with native bf16 (AMX, AVX512-BF16), else fp32")
-    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    add_runtime_args(g)
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (>= 1)")
     g.add_argument("--max-kv-tokens", type=positive_int, default=65536,
                    help="KV cache size in tokens")
@@ -99,13 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure throughput")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="prefill and decode tokens/s vs transformers")
-    off.add_argument("--model", default="default")
+    add_runtime_args(off, dtype=None)
     off.add_argument("--batch-sizes", type=positive_int_list, default="1,8,32")
     off.add_argument("--dtypes", default="bf16,fp32")
     off.add_argument("--prompt-len", type=positive_int, default=128)
     off.add_argument("--decode-len", type=positive_int, default=64)
-    off.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
-    off.add_argument("--device", default="auto")
     off.add_argument("--no-baseline", action="store_true", help="skip transformers")
     off.add_argument("--overlap", default="off", choices=["off", "on", "off,on"],
                      help="the engine's overlap (plan k+1 launched before step k finishes); "

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from fmserve.arg_types import non_negative_int, positive_int, positive_int_list
+from fmserve.arg_types import add_runtime_args, non_negative_int, positive_int, positive_int_list
 from fmserve.bench.peer_types import (BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL,
                                      NOT_APPLICABLE, PEERS, QUICK_LEAVES_OUT, Peer, PeerConfig,
                                      PeerResult)
@@ -54,13 +54,10 @@ FULL = dict(num_prompts=16, max_prompt_tokens=256, max_new_tokens=64, concurrenc
 def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"a short run (< 5 min on 2 cores): {QUICK}; without it: {FULL}")
-    p.add_argument("--model", default="default", help="the GGUF every peer loads")
-    p.add_argument("--device", default="auto",
-                   help="auto: the CPU, and also a CUDA GPU when one is available (its own "
-                        "section); cpu; cuda")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="one dtype for every peer; auto follows fmserve's rule per device")
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    add_runtime_args(p, model_help="the GGUF every peer loads",
+                     device_help="auto: the CPU, and also a CUDA GPU when one is available (its "
+                                 "own section); cpu; cuda",
+                     dtype_help="one dtype for every peer; auto follows fmserve's rule per device")
     p.add_argument("--threads", type=non_negative_int, default=0,
                    help="torch threads of every peer (0: torch's default in-process, the "
                         "service's own rule for a served worker)")

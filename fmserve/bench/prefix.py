@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
+from fmserve.arg_types import add_runtime_args
 from fmserve.bench.offline import dev_texts
 from fmserve.bench.tables import print_table
 from fmserve.engine import Engine
@@ -54,12 +55,10 @@ class Run:
 
 
 def add_bench_prefix_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="fp32",
-                   help="fp32 (default): greedy tokens do not depend on how a batch is made up, "
-                        "so both settings must give the same tokens (checked); in bf16 they "
-                        "may differ (they do without the cache too), and only a warning says so")
+    add_runtime_args(p, dtype="fp32", attention=False, dtype_help=(
+        "fp32 (default): greedy tokens do not depend on how a batch is made up, so both "
+        "settings must give the same tokens (checked); in bf16 they may differ (they do "
+        "without the cache too), and only a warning says so"))
     p.add_argument("--workloads", default="system,chat", help="system, chat or both")
     p.add_argument("--num-prompts", type=int, default=16, help="system workload: requests")
     p.add_argument("--concurrency", type=int, default=4, help="system workload: at a time")

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from fmserve.arg_types import non_negative_int, positive_float, positive_int, positive_int_list
+from fmserve.arg_types import (add_runtime_args, non_negative_int, positive_float, positive_int,
+                               positive_int_list)
 from fmserve.bench.offline import FALLBACK_TEXT, dev_texts
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
@@ -67,10 +68,7 @@ def dev_prompts(n: int) -> list[str]:
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="fp32")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--attention-backend", default="torch")
+    add_runtime_args(p, dtype="fp32", checked=False, dtype_help=None)
     p.add_argument("--concurrency", type=positive_int_list, default="1,8,32")
     p.add_argument("--requests-per-level", type=positive_int, default=32,
                    help="requests per concurrency level (at least the concurrency)")
