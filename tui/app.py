@@ -24,7 +24,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.coordinate import Coordinate
 from textual.markup import escape
-from textual.widgets import DataTable, Footer, Label, Sparkline
+from textual.widgets import DataTable, Footer, Label, Sparkline, Static
 
 from ipc.client_messages import AdminAbort, Error
 from ipc.codec import ProtocolError, decode_service_reply, encode
@@ -37,7 +37,6 @@ from tui.widgets import (
     EventLog,
     RequestDetailScreen,
     SeqLenChart,
-    TextPanel,
     accept_label_text,
     cell,
     finite,
@@ -146,18 +145,18 @@ class TopApp(App):
 
     def compose(self) -> ComposeResult:
         # Kept as attributes: the timer updates them whichever screen is on top.
-        self.header = TextPanel(id="header")
+        self.header = Static(id="header")
         self.table = DataTable(id="batch", cursor_type="row", zebra_stripes=True)
-        self.kv = TextPanel(id="kv")
-        self.slots = TextPanel(id="slots")
+        self.kv = Static(id="kv")
+        self.slots = Static(id="slots")
         self.throughput_label = Label("throughput", id="throughput-label")
         self.throughput = Sparkline([], id="throughput")
         self.accept_label = Label("mean accept length", id="accept-label")
         self.accept = Sparkline([], id="accept")
-        self.steps = TextPanel(id="steps")
+        self.steps = Static(id="steps")
         self.side = Vertical(id="side")
         self.seq_lens = SeqLenChart(id="seqlens")
-        self.queue = TextPanel(id="queue")
+        self.queue = Static(id="queue")
         self.events = EventLog(id="events", max_lines=500, wrap=True)
         yield self.header
         with Horizontal(id="main"):
@@ -212,7 +211,7 @@ class TopApp(App):
             snap = self.feed.take()
             if snap is not None:
                 self.apply(snap)
-        self.header.show(
+        self.header.update(
             header_text(self.snapshot, status, self.paused, SORTS[self.sort_index].label))
         if self.snapshot is not None:
             stale = "" if status.connected else f", stale: {status.describe()}"
@@ -226,19 +225,19 @@ class TopApp(App):
         self.applied += 1
         self._update_table(snap)
         side_w = max(10, self.kv.size.width)
-        self.kv.show(kv_gauge_text(snap, side_w))
-        self.slots.show(slots_gauge_text(snap, side_w))
+        self.kv.update(kv_gauge_text(snap, side_w))
+        self.slots.update(slots_gauge_text(snap, side_w))
         peak = max(finite(self.tracker.throughput), default=0.0)
         self.throughput_label.update(
             f"throughput {snap.output_tokens_per_s:7.1f} tok/s (peak {peak:.1f})")
         self.throughput.data = finite(self.tracker.throughput)
         self.accept_label.update(accept_label_text(snap, self.tracker))
         self.accept.data = finite(self.tracker.accept_len)
-        self.steps.show(step_timing_text(snap, self.tracker))
-        self.seq_lens.show(list(snap.running))
+        self.steps.update(step_timing_text(snap, self.tracker))
+        self.seq_lens.running = list(snap.running)
         self.seq_lens.border_title = f"sequence lengths ({len(snap.running)} running; " \
                                      f"▒ prompt, █ generated)"
-        self.queue.show(queue_text(snap, limit=max(1, self.queue.size.height - 1)))
+        self.queue.update(queue_text(snap, limit=max(1, self.queue.size.height - 1)))
         if isinstance(self.screen, RequestDetailScreen):
             self.screen.show(self.tracker)
 

@@ -15,6 +15,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Footer, RichLog, Sparkline, Static
@@ -216,21 +217,8 @@ def seq_len_chart_text(running: Sequence[RequestTelemetry], width: int, height: 
     return out
 
 
-class TextPanel(Static):
-    """A Static whose text is rebuilt from the panel width on every `show()`."""
-
-    def show(self, text: Text) -> None:
-        self.update(text)
-
-
 class SeqLenChart(Widget):
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.running: list[RequestTelemetry] = []
-
-    def show(self, running: list[RequestTelemetry]) -> None:
-        self.running = running
-        self.refresh()
+    running: reactive[list[RequestTelemetry]] = reactive(list)  # set: redrawn
 
     def render(self) -> Text:
         return seq_len_chart_text(self.running, self.size.width, self.size.height)
@@ -316,13 +304,7 @@ def detail_summary_text(track: RequestTrack) -> Text:
 class OutputText(Widget):
     """A request's text tail, wrapped to the panel and cut to its newest lines."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.text: str | None = None
-
-    def show(self, text: str | None) -> None:
-        self.text = text
-        self.refresh()
+    text: reactive[str | None] = reactive(None)  # set: redrawn
 
     def render(self) -> Text:
         return output_text(self.text, self.content_size.width, self.content_size.height,
@@ -343,7 +325,7 @@ class RequestDetailScreen(Screen):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield TextPanel(id="detail-summary")
+            yield Static(id="detail-summary")
             yield OutputText(id="detail-text")
             yield Static("seq_len over time", classes="caption")
             yield Sparkline([], id="detail-seq")
@@ -360,14 +342,14 @@ class RequestDetailScreen(Screen):
 
     def show(self, tracker: SnapshotTracker) -> None:
         track = tracker.tracks.get(self.key)
-        summary = self.query_one("#detail-summary", TextPanel)
+        summary = self.query_one("#detail-summary", Static)
         if track is None:
-            summary.show(Text(f"request {printable(self.key)}: no longer tracked", style="yellow"))
+            summary.update(Text(f"request {printable(self.key)}: no longer tracked", style="yellow"))
             return
-        summary.show(detail_summary_text(track))
+        summary.update(detail_summary_text(track))
         text = self.query_one("#detail-text", OutputText)
         text.border_title = output_text_title(track)
-        text.show(track.text)
+        text.text = track.text
         samples = list(track.samples)
         self.query_one("#detail-seq", Sparkline).data = [s.seq_len for s in samples]
         self.query_one("#detail-rate", Sparkline).data = finite(s.tokens_per_s or 0.0
