@@ -1,9 +1,13 @@
 """The worker's device state, shared by both step classes (gpu/plain_step.py,
 gpu/eagle/eagle_step.py): weights, the KV pool, `req_to_token`, per-slot sampling state, the
-FutureMap relay buffers and the attention backend, all built once from a WorkerConfig.
+FutureMap relay buffers (`output_tokens_buf`: each slot's next input token;
+`new_seq_lens_buf`: its length in the cache) and the attention backend, all built once from a
+WorkerConfig.
 
-A step changes this state only in two places: `apply_plan` (the plan's bookkeeping: released
-slots, new requests, page grants) and `commit` (the FutureMap's write half after sampling).
+The bookkeeping every step shares lives here: `apply_plan` (released slots, new requests,
+page grants), `prefill_chunks` (a plan's prefill inputs on the device) and `commit` (the
+FutureMap's write half after sampling: publish, stash, record). The forwards, the KV writes
+and EAGLE's relay of its draft state are the step classes' own.
 """
 
 from __future__ import annotations
