@@ -48,7 +48,7 @@ def hidden_size_for(step: "EagleStep | PlainStep") -> int:
 class EagleStep:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
-        self.settings = settings = state.cfg.spec.validate()
+        self.settings = settings = state.cfg.spec  # validated with the WorkerConfig
         self.drafter = drafter = Drafter(state, settings)
         self.head = drafter.head
         self.capture_layers = tuple(self.head.config.capture_layers)
