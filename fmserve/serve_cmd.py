@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -27,6 +28,10 @@ OVERRIDE_FLAGS = {
     "--endpoint": ("service.client_endpoint",
                    dict(help="client ROUTER endpoint (tcp:// or ipc://)")),
     "--telemetry-endpoint": ("service.telemetry_endpoint", {}),
+    "--http-host": ("http.host", dict(help="OpenAI-API address (non-loopback needs a key)")),
+    "--http-port": ("http.port", dict(type=int, help="OpenAI-API port (0: any free one)")),
+    "--api-key": ("http.api_key", dict(help="key the OpenAI API requires (default: "
+                                       "$FMSERVE_API_KEY, else http.api_key)")),
     "--overlap": ("scheduling.overlap", dict(action=argparse.BooleanOptionalAction)),
     "--spec-algorithm": ("spec.algorithm", dict(help="none, eagle3 or eagle")),
     "--draft-model": ("spec.draft_model", dict(help="EAGLE head directory")),
@@ -54,6 +59,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         "config.toml").exists() else None)
     overrides = {key: getattr(args, flag[2:].replace("-", "_"))
                  for flag, (key, _) in OVERRIDE_FLAGS.items()}
+    if overrides["http.api_key"] is None:
+        overrides["http.api_key"] = os.environ.get("FMSERVE_API_KEY") or None
     overrides.update(parse_set_flags(args.set))
     return load_config(path, overrides)
 
@@ -69,19 +76,23 @@ def with_draft_model(cfg: ServiceConfig) -> ServiceConfig:
 
 
 def check_endpoints(cfg: ServiceConfig) -> None:
-    """Refuse a tcp endpoint that cannot be bound (taken, or not an address of this machine)
-    before the model loads: the service binds only after that. A plain socket, bound but never
-    listening, so no client can connect to it meanwhile. Hosts that do not resolve (ZMQ also
-    takes interface names) and ipc:// paths are left to the bind itself (`run_serve`)."""
+    """Refuse a tcp endpoint (or the HTTP port) that cannot be bound (taken, or not an address
+    of this machine) before the model loads: the service binds only after that. A plain
+    socket, bound but never listening, so no client can connect to it meanwhile. Hosts that do
+    not resolve (ZMQ also takes interface names) and ipc:// paths are left to the bind itself."""
+    binds = []
     for key in ("client_endpoint", "telemetry_endpoint"):
         endpoint = getattr(cfg.service, key)
-        if not endpoint.startswith("tcp://"):
-            continue
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if endpoint.startswith("tcp://"):
+            host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+            binds.append((f"service.{key}", repr(endpoint), host, int(port), socket.AF_INET))
+    if cfg.http.enabled and cfg.http.port:
+        binds.append(("http.port", f"{cfg.http.port} (on {cfg.http.host})", cfg.http.host,
+                      cfg.http.port, socket.AF_UNSPEC))
+    for key, shown, host, port, family in binds:
         try:
             family, kind, proto, _, address = socket.getaddrinfo(
-                "0.0.0.0" if host == "*" else host, int(port), socket.AF_INET,  # ZMQ: IPv4
-                socket.SOCK_STREAM)[0]
+                "0.0.0.0" if host == "*" else host, port, family, socket.SOCK_STREAM)[0]
         except socket.gaierror:
             continue
         with socket.socket(family, kind, proto) as probe:
@@ -89,9 +100,9 @@ def check_endpoints(cfg: ServiceConfig) -> None:
             try:
                 probe.bind(address)
             except OSError as exc:
-                raise ConfigError(f"service.{key} = {endpoint!r} cannot be bound: "
-                                  f"{exc.strerror or exc}; give a free local address (--set "
-                                  f"service.{key}=...), or stop what holds it") from None
+                raise ConfigError(f"{key} = {shown} cannot be bound: {exc.strerror or exc}; "
+                                  f"give a free local address (--set {key}=...), or stop "
+                                  f"what holds it") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

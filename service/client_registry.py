@@ -7,6 +7,7 @@ clients may both call their request "1" without colliding.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -17,6 +18,7 @@ class ClientRequestInfo:
     stream: bool
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    last_token: float | None = None
     # Non-streaming requests collect everything here and send one Chunk at the end.
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -29,6 +31,9 @@ class ClientRegistry:
         self.requests: dict[str, ClientRequestInfo] = {}
         self._by_client: dict[bytes, set[str]] = {}
         self._last_seen: dict[bytes, float] = {}
+        # In-process clients (the HTTP API): their replies go to these callables, not the
+        # socket, and they are never timed out for silence (their connection is watched).
+        self.local_sinks: dict[bytes, Callable[[object], None]] = {}
 
     @staticmethod
     def scheduler_id(identity: bytes, client_id: str) -> str:
@@ -61,8 +66,8 @@ class ClientRegistry:
         for ident in [i for i, seen in self._last_seen.items()
                       if now - seen > timeout_s and i not in self._by_client]:
             del self._last_seen[ident]
-        return [ident for ident in self._by_client
-                if now - self._last_seen.get(ident, now) > timeout_s]
+        return [ident for ident in self._by_client if ident not in self.local_sinks
+                and now - self._last_seen.get(ident, now) > timeout_s]
 
     def requests_of(self, identity: bytes) -> list[str]:
         return sorted(self._by_client.get(identity, ()))

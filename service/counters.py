@@ -19,6 +19,8 @@ class ServiceCounters:
     steps: int = 0
     output_tokens: int = 0  # tokens sent to clients
     finished_requests: int = 0  # answered with their terminal message, errors included
+    finished_by_reason: dict[str, int] = field(default_factory=dict)  # stop/length/abort/error
+    prompt_tokens: int = 0  # prompts of requests that ended (Prometheus' prompt_tokens_total)
     # Sums over steps: the worker's idle share = idle / (idle + busy). Idle counts only for
     # steps that followed queued work (waiting for clients is not the worker's idle).
     worker_busy_ms: float = 0.0

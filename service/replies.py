@@ -13,6 +13,7 @@ from ipc.client_messages import Chunk, Error, Finished, Usage
 from ipc.codec import encode
 from service.client_registry import ClientRegistry
 from service.counters import ServiceCounters
+from service.metrics import ServiceMetrics
 from service.request import FinishReason, RequestOutput
 
 log = logging.getLogger("fmserve.service")
@@ -30,15 +31,20 @@ def usage_of(out: RequestOutput, arrival: float, first_token: float | None, now:
 
 class Replies:
     def __init__(self, router: zmq.asyncio.Socket, clients: ClientRegistry,
-                 counters: ServiceCounters) -> None:
+                 counters: ServiceCounters, metrics: ServiceMetrics) -> None:
         self.router = router
         self.clients = clients
         self.counters = counters
+        self.metrics = metrics
 
     async def send(self, identity: bytes, msg) -> None:
         await self.send_envelope([identity], msg)
 
     async def send_envelope(self, envelope: list[bytes], msg) -> None:
+        local = self.clients.local_sinks.get(envelope[0])
+        if local is not None:
+            local(msg)
+            return
         try:
             await self.router.send_multipart([*envelope, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client is gone or its queue is full: drop
@@ -51,8 +57,14 @@ class Replies:
             return
         if out.token_ids:
             self.counters.output_tokens += len(out.token_ids)
+            now = time.monotonic()
             if info.first_token is None:
-                info.first_token = time.monotonic()
+                info.first_token = now
+                self.metrics.ttft.observe(now - info.arrival)
+            else:  # the tokens of one step (EAGLE emits several) share its interval
+                for _ in out.token_ids:
+                    self.metrics.itl.observe((now - info.last_token) / len(out.token_ids))
+            info.last_token = now
             lps = [lp.logprob for lp in out.logprobs] if out.logprobs else None
             tops = [lp.top for lp in out.logprobs] if out.logprobs else None
             if info.stream:
@@ -73,6 +85,11 @@ class Replies:
         if info is None:
             return
         self.counters.finished_requests += 1
+        reason = out.finish_reason.value if out.finish_reason else "error"
+        self.counters.finished_by_reason[reason] = self.counters.finished_by_reason.get(
+            reason, 0) + 1
+        self.counters.prompt_tokens += out.prompt_tokens
+        self.metrics.e2e.observe(time.monotonic() - info.arrival)
         if out.finish_reason == FinishReason.ERROR:
             await self.send(info.identity, Error(info.client_id, code, out.error or "failed"))
             return

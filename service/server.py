@@ -14,7 +14,6 @@ get an Error, it is restarted, and serving continues.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 import uuid
@@ -29,10 +28,12 @@ import zmq.asyncio
 from ipc.client_messages import (Abort, AdminAbort, Aborted, Error, Generate, Health, Ping,
                                  Pong, Stats)
 from ipc.codec import ProtocolError, decode_client_request
-from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import WorkerInfo
 from service.client_registry import ClientRegistry
-from service.config import ConfigError, ServiceConfig
+from service.config import ConfigError, ServiceConfig, worker_config_for
+from service.http.app import OpenAIApp
+from service.http.http_server import HttpServer
+from service.metrics import ServiceMetrics
 from service.prompt_intake import PromptIntake
 from service.counters import ServiceCounters
 from service.replies import Replies
@@ -45,27 +46,6 @@ from service.worker_recovery import refuse_all, restart_worker
 from service.worker_supervisor import WorkerDied, WorkerHandle
 
 log = logging.getLogger("fmserve.service")
-
-
-def worker_cpu_threads(cfg: ServiceConfig) -> int:
-    """Torch threads for a CPU worker. With overlap this process works while the worker runs,
-    and a worker using every core has an OpenMP thread descheduled at some barriers; on 3-8
-    cores one core is left to the scheduler. On 2 cores halving the worker costs far more than
-    the stalls (measured at 32 streams, bf16: 226 tok/s with 1 thread, 338 with 2), so it
-    keeps both."""
-    if cfg.runtime.worker_cpu_threads:
-        return cfg.runtime.worker_cpu_threads
-    cores = len(os.sched_getaffinity(0))
-    return cores - 1 if cfg.scheduling.overlap and 3 <= cores <= 8 else 0
-
-
-def worker_config_for(cfg: ServiceConfig, model_path: str) -> WorkerConfig:
-    """The worker's settings from the service's: config.toml's [model], [runtime] and [spec]
-    sections are the WorkerConfig's own structs."""
-    return msgspec.structs.replace(
-        cfg.worker_config(), model=msgspec.structs.replace(cfg.model, path=model_path),
-        runtime=msgspec.structs.replace(cfg.runtime, worker_cpu_threads=worker_cpu_threads(cfg)),
-        progress=False)
 
 
 class Service:
@@ -99,7 +79,12 @@ class Service:
         # No send limit per client (as SGLang's sockets): at the default 1000 queued replies a
         # client that reads slowly would silently lose chunks, or its one terminal message.
         self.router.setsockopt(zmq.SNDHWM, 0)
-        self.replies = Replies(self.router, self.clients, self.counters)
+        self.metrics = ServiceMetrics(self.counters, lambda: self.scheduler,
+                                      lambda: "ready" if self.worker_ok else "down")
+        self.replies = Replies(self.router, self.clients, self.counters, self.metrics)
+        self.accepting = True  # false from the start of the shutdown: new requests refused
+        self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,
+                               cfg.http.host, cfg.http.port) if cfg.http.enabled else None
         self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint,
                                             self.counters, cfg.spec, cfg.scheduling.overlap)
         self.bound_endpoint: str | None = None
@@ -117,6 +102,8 @@ class Service:
         self._bind("telemetry_endpoint", self.telemetry.bind)
         log.info("serving %s on %s (telemetry %s)", self.info.model_name, self.bound_endpoint,
                  self.telemetry.endpoint)
+        if self.http is not None:
+            log.info("OpenAI-compatible API on %s/v1", await self.http.start())
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signal_watch, tg.cancel_scope)
@@ -147,6 +134,7 @@ class Service:
                 return
 
     async def _shutdown(self) -> None:
+        self.accepting = False
         if self.scheduler is not None:
             for out in self.scheduler.fail_all("the service is shutting down"):
                 await self.replies.terminal(out, code="service_shutdown")
@@ -155,6 +143,8 @@ class Service:
             await self.replies.terminal(RequestOutput(
                 rid, [], "", finish_reason=FinishReason.ERROR,
                 error="the service is shutting down"), code="service_shutdown")
+        if self.http is not None:  # its open responses have had their terminal messages
+            await self.http.stop()
         await self.worker.stop(timeout_s=5.0)
         self.telemetry.close()
         self.router.close(linger=0)
@@ -204,7 +194,7 @@ class Service:
 
     async def _dispatch(self, identity: bytes, msg) -> None:
         if isinstance(msg, Generate):
-            await self._on_generate(identity, msg)
+            await self.submit(identity, msg)
         elif isinstance(msg, Abort):
             await self._on_abort(identity, msg)
         elif isinstance(msg, Health):
@@ -222,17 +212,18 @@ class Service:
             if rid in self.scheduler.core.requests and rid not in self.clients.requests:
                 self.scheduler.abort(rid)
 
-    async def _on_generate(self, identity: bytes, msg: Generate) -> None:
+    async def submit(self, identity: bytes, msg: Generate) -> None:
+        """Admit a request from a ZMQ client, or from the HTTP API (service/http/). Every
+        outcome, a refusal included, is a reply to `identity`."""
         rid = self.clients.scheduler_id(identity, msg.id)
         if rid in self.clients.requests:
             await self.replies.send(identity, Error(
                 msg.id, "duplicate_id",
                 f"request id '{msg.id}' is already in flight on this connection: use a new id"))
             return
-        if not self.worker_ok:
-            await self.replies.send(identity, Error(
-                msg.id, "worker_unavailable",
-                "the model worker is down and could not be restarted; see the service log"))
+        refusal = self._refusal()
+        if refusal is not None:
+            await self.replies.send(identity, Error(msg.id, *refusal))
             return
         try:
             prompt = self.intake.prepare(msg, self.scheduler.core.max_seq_len)
@@ -277,6 +268,26 @@ class Service:
                 rid, [], "", finish_reason=FinishReason.ERROR, error=str(exc)), code=code)
             return
         self._work.set()
+
+    def _refusal(self) -> tuple[str, str] | None:
+        """Why no request can be taken now, as (code, message); None when one can."""
+        if not self.accepting:
+            return "service_shutdown", "the service is shutting down: try again once it is back"
+        if not self.worker_ok:
+            return ("worker_unavailable",
+                    "the model worker is down and could not be restarted; see the service log")
+        limit, core = self.cfg.scheduling.max_queued_requests, self.scheduler.core
+        # Queued behind the free slots; those ahead of them only await the next plan.
+        if limit and len(core.waiting) + len(self._tokenizing) - core.slots.num_free >= limit:
+            return "queue_full", (f"{limit} requests are already queued "
+                                  f"(scheduling.max_queued_requests): retry later")
+        return None
+
+    async def cancel(self, identity: bytes, request_id: str) -> None:
+        """Abort a request of `identity` if it is still in flight (an HTTP client left)."""
+        out = self._abort(self.clients.scheduler_id(identity, request_id))
+        if out is not None:
+            await self.replies.terminal(out)
 
     def _abort(self, rid: str) -> RequestOutput | None:
         """End a request in flight, admitted or still being tokenized; None if there is none."""

@@ -32,8 +32,9 @@ def child_pids(pid: int) -> list[int]:
 
 class ServiceProcess:
     def __init__(self, model_path: Path, *extra: str) -> None:
-        self.port, self.tport = free_port(), free_port()
+        self.port, self.tport, self.http_port = free_port(), free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"fmserve-svc-{self.port}.log", "w+")
@@ -41,6 +42,7 @@ class ServiceProcess:
             [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model_path),
              "--dtype", "fp32", "--endpoint", self.endpoint,
              "--telemetry-endpoint", f"tcp://127.0.0.1:{self.tport}", "--max-kv-tokens", "4096",
+             "--http-port", str(self.http_port),
              "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180

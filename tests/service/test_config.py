@@ -198,14 +198,22 @@ def test_serve_refuses_an_endpoint_it_cannot_bind_before_loading_the_model(tmp_p
         taken.listen()
         port = taken.getsockname()[1]
         cfg = load_config(None, {"service.client_endpoint": f"tcp://127.0.0.1:{port}",
-                                 "service.telemetry_endpoint": "tcp://127.0.0.1:0"})
+                                 "service.telemetry_endpoint": "tcp://127.0.0.1:0",
+                                 "http.port": 0})
         with pytest.raises(ConfigError, match=f"service.client_endpoint = 'tcp://127.0.0.1:"
                                               f"{port}' cannot be bound: Address already in use"):
             check_endpoints(cfg)
         check_endpoints(load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
-                                           "service.telemetry_endpoint": "tcp://*:0"}))
+                                           "service.telemetry_endpoint": "tcp://*:0",
+                                           "http.port": 0}))
+        with pytest.raises(ConfigError, match=f"http.port = {port} \\(on 127.0.0.1\\) cannot "
+                                              f"be bound: Address already in use"):
+            check_endpoints(load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
+                                               "service.telemetry_endpoint": "tcp://*:0",
+                                               "http.port": port}))
     cfg = load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
-                             "service.telemetry_endpoint": "tcp://192.0.2.1:5558"})  # TEST-NET-1
+                             "service.telemetry_endpoint": "tcp://192.0.2.1:5558",
+                             "http.port": 0})  # TEST-NET-1
     with pytest.raises(ConfigError, match="service.telemetry_endpoint = 'tcp://192.0.2.1:5558' "
                                           "cannot be bound"):
         check_endpoints(cfg)
@@ -250,3 +258,32 @@ def test_worker_config_comes_from_the_sections():
     worker = cfg.worker_config()
     assert worker.runtime is cfg.runtime and worker.model is cfg.model and worker.spec is cfg.spec
     assert worker.launch_ahead == "off"  # config.toml's, not WorkerConfig's own "auto"
+
+
+def test_http_api_beyond_loopback_needs_an_api_key():
+    with pytest.raises(ConfigError, match=r'http.host = "0.0.0.0" would serve the HTTP API '
+                                          r'beyond this machine with no API key: set one .*'
+                                          r'FMSERVE_API_KEY'):
+        load_config(None, {"http.host": "0.0.0.0"})
+    assert load_config(None, {"http.host": "0.0.0.0", "http.api_key": "k"}).http.api_key == "k"
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert load_config(None, {"http.host": host}).http.host == host
+    assert load_config(None, {"http.host": "0.0.0.0", "http.enabled": False}).http.host
+
+
+def test_api_key_comes_from_the_flag_then_the_environment_then_the_file(tmp_path, monkeypatch):
+    import argparse
+
+    from fmserve.serve_cmd import add_serve_args, config_from_args
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[http]\napi_key = "from-file"\n')
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    monkeypatch.delenv("FMSERVE_API_KEY", raising=False)
+    assert config_from_args(parser.parse_args(["--config", str(cfg_file)])).http.api_key == \
+        "from-file"
+    monkeypatch.setenv("FMSERVE_API_KEY", "from-env")
+    assert config_from_args(parser.parse_args(["--config", str(cfg_file)])).http.api_key == \
+        "from-env"
+    assert config_from_args(parser.parse_args(["--config", str(cfg_file), "--api-key", "flag"])
+                            ).http.api_key == "flag"

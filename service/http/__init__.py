@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API, served by the service process beside its ZMQ protocol."""

@@ -1,0 +1,90 @@
+"""Prometheus metrics (GET /metrics), named as vLLM's under an `fmserve:` prefix.
+
+Latencies are histograms observed as replies go out (service/replies.py); everything the
+service already counts (service/counters.py, the scheduler's accounting, draft acceptance) is
+read at scrape time by a collector, so no number is kept twice. Each Service has its own
+registry: tests run several in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+from service.counters import ServiceCounters
+
+P = "fmserve:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _CountersCollector:
+    """Counters and gauges from what the service counts, read when Prometheus scrapes."""
+
+    def __init__(self, counters: ServiceCounters, scheduler: Callable[[], object],
+                 worker_state: Callable[[], str]) -> None:
+        self.counters, self.scheduler, self.worker_state = counters, scheduler, worker_state
+
+    def collect(self):
+        c, sched = self.counters, self.scheduler()
+        yield CounterMetricFamily(P + "prompt_tokens", "Prefilled prompt tokens of finished "
+                                  "requests", value=c.prompt_tokens)
+        yield CounterMetricFamily(P + "generation_tokens", "Output tokens sent to clients",
+                                  value=c.output_tokens)
+        success = CounterMetricFamily(P + "request_success", "Requests ended, by finish "
+                                      "reason (error: failed)", labels=["finished_reason"])
+        for reason, n in sorted(c.finished_by_reason.items()):
+            success.add_metric([reason], n)
+        yield success
+        yield CounterMetricFamily(P + "worker_restarts", "Worker processes restarted after "
+                                  "dying", value=c.worker_restarts)
+        yield GaugeMetricFamily(P + "worker_idle_share", "Share of step time the worker waited "
+                                "for the scheduler while work was queued (overlap hides it)",
+                                value=c.worker_idle_share)
+        up = GaugeMetricFamily(P + "worker_state", "1 for the worker's current state",
+                               labels=["state"])
+        for state in ("ready", "restarting", "down"):
+            up.add_metric([state], float(self.worker_state() == state))
+        yield up
+        if sched is None:
+            return
+        core = sched.core
+        acc = core.accounting()
+        yield GaugeMetricFamily(P + "num_requests_running", "Requests holding a slot",
+                                value=acc["running"])
+        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests queued for a slot",
+                                value=acc["waiting"])
+        used = acc["total_pages"] - acc["free_pages"]
+        yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Share of KV pages in use (0-1)",
+                                value=used / max(1, acc["total_pages"]))
+        yield CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens served from the "
+                                  "prefix cache", value=acc["prefix_cache_hit_tokens"])
+        spec = core.spec_stats
+        yield CounterMetricFamily(P + "spec_decode_num_drafts", "Verify steps (one request's "
+                                  "draft tree checked once)", value=spec.verify_steps)
+        yield CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "Draft tokens "
+                                  "accepted", value=spec.accepted_drafts)
+        yield GaugeMetricFamily(P + "spec_decode_mean_accept_length", "Tokens per verify step "
+                                "since start (accepted drafts + 1); 0 before any",
+                                value=(spec.verify_steps + spec.accepted_drafts)
+                                / spec.verify_steps if spec.verify_steps else 0.0)
+
+
+class ServiceMetrics:
+    def __init__(self, counters: ServiceCounters, scheduler: Callable[[], object],
+                 worker_state: Callable[[], str]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_CountersCollector(counters, scheduler, worker_state))
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(P + name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token")
+        self.itl = histogram("inter_token_latency_seconds", "Between two output tokens of a "
+                             "request (a chunk of k tokens counts k intervals)")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the terminal message")
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
