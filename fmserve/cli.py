@@ -9,6 +9,7 @@
     fmserve bench offline                      prefill/decode tokens/s vs transformers
     fmserve bench offline --spec chain,tree    EAGLE speculative decoding vs the plain engine
     fmserve bench serve                        the service under load vs the offline engine
+    fmserve bench http                         the OpenAI HTTP API vs ZMQ, same load, one run
     fmserve bench peers [--quick]              fmserve vs transformers / llama.cpp, report + plots
     fmserve bench prefix                       the prefix cache off and on (system prompt, chat)
     fmserve train-eagle                        train an EAGLE-3 draft head (self-distilled)
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     from fmserve.bench.serve import add_bench_serve_args, run_bench_serve
     add_bench_serve_args(srv)
     srv.set_defaults(func=run_bench_serve)
+    http = bench_sub.add_parser("http", help="the same load over the OpenAI HTTP API and ZMQ")
+    from fmserve.bench.http import add_bench_http_args, run_bench_http
+    add_bench_http_args(http)
+    http.set_defaults(func=run_bench_http)
     peers = bench_sub.add_parser("peers", help="fmserve against transformers and llama.cpp: "
                                                "markdown report and plots")
     from fmserve.bench.peers import add_bench_peers_args, run_bench_peers

@@ -164,6 +164,7 @@ def start_service(args, path: Path, overlap: bool, extra: list[str] = (),
            args.dtype, "--device", args.device, "--attention-backend", args.attention_backend,
            "--endpoint", endpoint, "--telemetry-endpoint", "tcp://127.0.0.1:0",
            "--max-running-requests", str(max_running_requests), "--log-level", "WARNING",
+           "--http-port", "0",
            "--overlap" if overlap else "--no-overlap", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with Client(endpoint) as c:

@@ -26,7 +26,7 @@ def test_worker_load_failure_is_one_message_and_the_log_keeps_the_traceback(tiny
     proc = subprocess.run(
         [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model), "--dtype", "fp32",
          "--endpoint", f"tcp://127.0.0.1:{free_port()}",
-         "--telemetry-endpoint", f"tcp://127.0.0.1:{free_port()}"],
+         "--telemetry-endpoint", f"tcp://127.0.0.1:{free_port()}", "--http-port", "0"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     shown = proc.stdout + proc.stderr
     assert proc.returncode == 2, shown

@@ -7,6 +7,7 @@ import socket
 import time
 
 import httpx2 as httpx
+import msgspec
 import openai
 import pytest
 import zmq
@@ -16,6 +17,7 @@ from ipc.client import Client
 from ipc.client_messages import Abort, Generate
 from ipc.codec import encode
 from ipc.sampling import SamplingParams
+from ipc.telemetry import TelemetrySnapshot
 from service.tokenizer import TextTokenizer
 from tests.e2e.service_process import ServiceProcess, assert_idle
 
@@ -199,11 +201,19 @@ def test_metrics_move_by_what_a_known_request_did(service, api, model):
 def test_a_client_leaving_mid_stream_frees_its_slot_and_pages_at_once(service, model):
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
-    with httpx.stream("POST", service.http_url + "/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: {")
+    with zmq.Context() as ctx, ctx.socket(zmq.SUB) as sub:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{service.tport}")
+        with httpx.stream("POST", service.http_url + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = msgspec.json.decode(next(lines).removeprefix("data: "))
+            shown = set()  # `fmserve top` shows the HTTP request by its id, as any other
+            while f"{first['id']}-0" not in shown:
+                assert sub.poll(5000), "no telemetry"
+                snap = msgspec.msgpack.decode(sub.recv(), type=TelemetrySnapshot)
+                shown = {req.id for req in snap.running}
     with Client(service.endpoint) as client:
         assert_idle(client)  # within seconds, not after 2000 tokens
 

@@ -1,0 +1,138 @@
+"""`fmserve bench http`: the same load over the OpenAI-compatible HTTP API and over ZMQ, against
+one `fmserve serve` in one run.
+
+Closed loop at each --concurrency level: dev prompts as chats, greedy, exactly
+--max-new-tokens tokens each (eos ignored). The transports take turns, the order reversed every
+other round (ZMQ HTTP, HTTP ZMQ, ...), so neither gains from the machine warming or drifting.
+The HTTP load generator (`run_closed_loop_http`) speaks plain OpenAI streaming chat, so it can
+drive any OpenAI-compatible server; it parses SSE with msgspec, so its own cost is close to the
+ZMQ client's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import msgspec
+import numpy as np
+from rich.console import Console
+
+from fmserve.arg_types import add_runtime_args, positive_int, positive_int_list
+from fmserve.bench.serve import (RequestTiming, RunResult, dev_prompts, pct, pool_rounds,
+                                 run_closed_loop, start_service)
+from fmserve.bench.tables import print_table
+from fmserve.default_model import resolve_model_path
+from ipc.sampling import SamplingParams
+
+
+def add_bench_http_args(p: argparse.ArgumentParser) -> None:
+    add_runtime_args(p, dtype="fp32", checked=False, dtype_help=None)
+    p.add_argument("--concurrency", type=positive_int_list, default="1,32")
+    p.add_argument("--requests-per-level", type=positive_int, default=32,
+                   help="requests per concurrency level (at least the concurrency)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=2,
+                   help="each transport runs once a round, in alternating order")
+    p.add_argument("--markdown", default=None, help="also write the tables to this file")
+
+
+async def one_http_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                           max_tokens: int) -> RequestTiming:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = msgspec.json.decode(line[6:])
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return RequestTiming(stamps[0] - start if stamps else end - start, itl, end - start, tokens,
+                         [t - start for t in stamps], [1] * len(stamps))
+
+
+async def run_closed_loop_http(url: str, model: str, prompts: list[str], concurrency: int,
+                               max_tokens: int) -> RunResult:
+    queue = list(prompts)
+    timings: list[RequestTiming] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+        async def worker() -> None:
+            while queue:
+                timings.append(await one_http_request(client, url, model, queue.pop(),
+                                                      max_tokens))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return RunResult(f"concurrency {concurrency}", timings, time.perf_counter() - start)
+
+
+def run_bench_http(args: argparse.Namespace) -> int:
+    console = Console()
+    path = resolve_model_path(args.model)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    n = max(args.requests_per_level, max(levels))
+    prompts = dev_prompts(n)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    console.print("starting fmserve serve ...")
+    proc, endpoint = start_service(args, path, True, ["--http-port", str(port)],
+                                   max_running_requests=max(levels))
+    results: list[RunResult] = []
+    try:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(run_closed_loop(endpoint, prompts[:max(levels)], max(levels),
+                                    SamplingParams(max_new_tokens=4)))  # warm-up
+        for r in range(args.rounds):
+            order = ["ZMQ", "HTTP"] if r % 2 == 0 else ["HTTP", "ZMQ"]
+            for c in levels:
+                for transport in order:
+                    console.print(f"round {r + 1}: {transport}, concurrency {c} ...")
+                    run = asyncio.run(
+                        run_closed_loop(endpoint, prompts[:max(n, c)], c, params)
+                        if transport == "ZMQ" else
+                        run_closed_loop_http(url, model, prompts[:max(n, c)], c,
+                                             args.max_new_tokens))
+                    run.name = f"{transport}, concurrency {c}"
+                    results.append(run)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    pooled = {r.name: r for r in pool_rounds(results)}
+    rows = [[r.name, str(len(r.timings)), pct([t.ttft for t in r.timings], 50),
+             pct([t.ttft for t in r.timings], 99),
+             pct([x for t in r.timings for x in t.itl], 50), f"{r.output_tps:.1f}"]
+            for r in pooled.values()]
+    lines = print_table(console, f"HTTP vs ZMQ: {args.dtype}, {args.max_new_tokens} new tokens "
+                        f"per request, {args.rounds} rounds pooled",
+                        ["run", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                         "output tok/s"], rows)
+    summary = []
+    for c in levels:
+        h, z = pooled[f"HTTP, concurrency {c}"], pooled[f"ZMQ, concurrency {c}"]
+        ttft_ms = [1000 * np.median([t.ttft for t in run.timings]) for run in (h, z)]
+        summary.append(f"- concurrency {c}: HTTP/ZMQ throughput {h.output_tps / z.output_tps:.3f}x"
+                       f", TTFT p50 {ttft_ms[0] - ttft_ms[1]:+.1f} ms "
+                       f"(targets: >= 0.95x, <= +10 ms)")
+    for line in summary:
+        console.print(line)
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines + [""] + summary) + "\n")
+    return 0
