@@ -25,8 +25,9 @@ class _CountersCollector:
     """Counters and gauges from what the service counts, read when Prometheus scrapes."""
 
     def __init__(self, counters: ServiceCounters, scheduler: Callable[[], object],
-                 worker_state: Callable[[], str]) -> None:
+                 worker_state: Callable[[], str], drafts_per_verify: int) -> None:
         self.counters, self.scheduler, self.worker_state = counters, scheduler, worker_state
+        self.drafts_per_verify = drafts_per_verify
 
     def collect(self):
         c, sched = self.counters, self.scheduler()
@@ -65,6 +66,9 @@ class _CountersCollector:
         spec = core.spec_stats
         yield CounterMetricFamily(P + "spec_decode_num_drafts", "Verify steps (one request's "
                                   "draft tree checked once)", value=spec.verify_steps)
+        yield CounterMetricFamily(P + "spec_decode_num_draft_tokens", "Draft tokens proposed "
+                                  "for verification", value=spec.verify_steps
+                                  * self.drafts_per_verify)
         yield CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "Draft tokens "
                                   "accepted", value=spec.accepted_drafts)
         yield GaugeMetricFamily(P + "spec_decode_mean_accept_length", "Tokens per verify step "
@@ -75,9 +79,12 @@ class _CountersCollector:
 
 class ServiceMetrics:
     def __init__(self, counters: ServiceCounters, scheduler: Callable[[], object],
-                 worker_state: Callable[[], str]) -> None:
+                 worker_state: Callable[[], str], drafts_per_verify: int = 0) -> None:
+        """`drafts_per_verify`: draft tokens one verify step checks (spec.num_draft_tokens
+        less the root; 0 without speculation)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_CountersCollector(counters, scheduler, worker_state))
+        self.registry.register(_CountersCollector(counters, scheduler, worker_state,
+                                                  drafts_per_verify))
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(P + name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)

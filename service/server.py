@@ -79,8 +79,9 @@ class Service:
         # No send limit per client (as SGLang's sockets): at the default 1000 queued replies a
         # client that reads slowly would silently lose chunks, or its one terminal message.
         self.router.setsockopt(zmq.SNDHWM, 0)
-        self.metrics = ServiceMetrics(self.counters, lambda: self.scheduler,
-                                      lambda: "ready" if self.worker_ok else "down")
+        self.metrics = ServiceMetrics(
+            self.counters, lambda: self.scheduler, lambda: "ready" if self.worker_ok else "down",
+            0 if cfg.spec.algorithm == "none" else cfg.spec.num_draft_tokens - 1)
         self.replies = Replies(self.router, self.clients, self.counters, self.metrics)
         self.accepting = True  # false from the start of the shutdown: new requests refused
         self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,

@@ -370,16 +370,27 @@ def test_speculative_service_streams_the_greedy_output(model_path, reference):
             t.start()
         for t in threads:
             t.join(timeout=180)
-        verify_steps = 0
+        verify_steps = accepted = 0
         for q in QUESTIONS:
             ids, fin = results[q]
             assert isinstance(fin, Finished), fin
             assert ids == reference[q].token_ids
             assert fin.usage.completion_tokens == len(ids)
             verify_steps += fin.usage.spec_verify_steps
+            accepted += fin.usage.spec_accepted_drafts
             if fin.usage.spec_verify_steps:
                 assert fin.usage.spec_accept_length >= 1.0
         assert verify_steps > 0
+        # Prometheus says what the requests' usage says (6 tokens verified: 5 drafts a step).
+        from prometheus_client.parser import text_string_to_metric_families
+        import httpx2
+        samples = {s.name: s.value for fam in text_string_to_metric_families(
+            httpx2.get(svc.http_url + "/metrics").text) for s in fam.samples}
+        assert samples["fmserve:spec_decode_num_drafts_total"] == verify_steps
+        assert samples["fmserve:spec_decode_num_accepted_tokens_total"] == accepted
+        assert samples["fmserve:spec_decode_num_draft_tokens_total"] == 5 * verify_steps
+        assert samples["fmserve:spec_decode_mean_accept_length"] == pytest.approx(
+            (verify_steps + accepted) / verify_steps)
         with Client(svc.endpoint) as client:
             assert_idle(client)
     finally:
