@@ -110,6 +110,7 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     cached_pages: int = 0
     prefix_cache_hit_tokens: int = 0
     instance: str = ""  # as in Pong; "" from an older service
+    draining: bool = False  # shutting down: new requests refused, those in flight finishing
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True, omit_defaults=True):

@@ -90,3 +90,4 @@ class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     # requests' tokens served from it since start.
     prefix_cache_hit_share: float | None = None
     cached_pages: int = 0
+    draining: bool = False  # shutting down: new requests refused, those in flight finishing

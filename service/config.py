@@ -46,6 +46,7 @@ class ServiceSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     client_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     heartbeat_interval_s: Annotated[float, Meta(gt=0, le=600)] = 2.0
     max_message_bytes: Annotated[int, Meta(ge=1 << 10, le=1 << 30)] = MAX_MESSAGE_BYTES
+    drain_timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 30.0
 
 
 class HttpSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

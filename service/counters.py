@@ -1,5 +1,5 @@
-"""What the service counts over its life, in one place: `Service.stats()` (Stats replies) and
-the telemetry snapshots read the same numbers."""
+"""What the service counts over its life, in one place: `Stats` replies (`stats`) and the
+telemetry snapshots read the same numbers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ipc.client_messages import Stats
 from ipc.telemetry import StepTelemetry
-from ipc.worker_messages import StepPlan, StepResult, unpack_i32
+from ipc.worker_messages import StepPlan, StepResult, WorkerInfo, unpack_i32
 
 RECENT_STEPS = 64
 
@@ -40,6 +41,20 @@ class ServiceCounters:
         self.recent_steps.append(StepTelemetry(
             plan.step_id, len(plan.extends) + decodes, num_tokens, result.forward_ms,
             (time.perf_counter() - sent) * 1000.0, result.idle_ms))
+
+    def stats(self, acc: dict[str, int], info: WorkerInfo, worker_ok: bool, instance: str,
+              waiting_extra: int, draining: bool) -> Stats:
+        """A Stats reply: these counters and the scheduler's accounting (`acc`); requests
+        still being tokenized (`waiting_extra`) count as waiting."""
+        return Stats(model=info.model_name, device=info.device, worker_alive=worker_ok,
+                     running=acc["running"], waiting=acc["waiting"] + waiting_extra,
+                     free_pages=acc["free_pages"], total_pages=acc["total_pages"],
+                     free_slots=acc["free_slots"], total_slots=acc["total_slots"],
+                     steps=self.steps, output_tokens=self.output_tokens,
+                     worker_busy_ms=self.worker_busy_ms, worker_idle_ms=self.worker_idle_ms,
+                     cached_pages=acc["cached_pages"],
+                     prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
+                     instance=instance, draining=draining)
 
     @property
     def worker_idle_share(self) -> float:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
+from ipc.spec_settings import SpecSettings
 from service.counters import ServiceCounters
 
 P = "fmserve:"
@@ -79,9 +80,9 @@ class _CountersCollector:
 
 class ServiceMetrics:
     def __init__(self, counters: ServiceCounters, scheduler: Callable[[], object],
-                 worker_state: Callable[[], str], drafts_per_verify: int = 0) -> None:
-        """`drafts_per_verify`: draft tokens one verify step checks (spec.num_draft_tokens
-        less the root; 0 without speculation)."""
+                 worker_state: Callable[[], str], spec: SpecSettings) -> None:
+        # Draft tokens one verify step checks: the tree's tokens less its root.
+        drafts_per_verify = 0 if spec.algorithm == "none" else spec.num_draft_tokens - 1
         self.registry = CollectorRegistry()
         self.registry.register(_CountersCollector(counters, scheduler, worker_state,
                                                   drafts_per_verify))

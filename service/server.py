@@ -7,8 +7,9 @@ Three anyio tasks share one event loop (asyncio backend):
 - `_step_loop`: plan -> worker.step -> process result -> stream replies (service/replies.py),
   while there is work;
 - `_housekeeping_loop`: publishes telemetry snapshots and aborts requests of silent clients.
-The worker is a separate process (see worker_supervisor); if it dies mid-step, its requests
-get an Error, it is restarted, and serving continues.
+The OpenAI-compatible HTTP API (service/http/) runs on the same loop and submits through
+`submit`. The worker is a separate process (see worker_supervisor); if it dies mid-step, its
+requests get an Error, it is restarted, and serving continues. A signal drains, then stops.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ from collections import deque
 
 import anyio
 import anyio.lowlevel
-import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client_messages import (Abort, AdminAbort, Aborted, Error, Generate, Health, Ping,
-                                 Pong, Stats)
+from ipc.client_messages import Abort, AdminAbort, Aborted, Error, Generate, Health, Ping, Pong
 from ipc.codec import ProtocolError, decode_client_request
 from ipc.worker_messages import WorkerInfo
 from service.client_registry import ClientRegistry
@@ -76,14 +75,12 @@ class Service:
         # Frames up to the limit get decoded; a bit over it gets Error(message_too_large); only a
         # frame far beyond it (4x, a memory guard) makes ZMQ drop that connection silently.
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.service.max_message_bytes)
-        # No send limit per client (as SGLang's sockets): at the default 1000 queued replies a
-        # client that reads slowly would silently lose chunks, or its one terminal message.
+        # No send limit per client (as SGLang's): at ZMQ's default 1000 a slow reader loses replies.
         self.router.setsockopt(zmq.SNDHWM, 0)
-        self.metrics = ServiceMetrics(
-            self.counters, lambda: self.scheduler, lambda: "ready" if self.worker_ok else "down",
-            0 if cfg.spec.algorithm == "none" else cfg.spec.num_draft_tokens - 1)
+        self.metrics = ServiceMetrics(self.counters, lambda: self.scheduler,
+                                      lambda: "ready" if self.worker_ok else "down", cfg.spec)
         self.replies = Replies(self.router, self.clients, self.counters, self.metrics)
-        self.accepting = True  # false from the start of the shutdown: new requests refused
+        self.draining = False  # from a signal (or the shutdown) on: new requests refused
         self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,
                                cfg.http.host, cfg.http.port) if cfg.http.enabled else None
         self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint,
@@ -107,7 +104,7 @@ class Service:
             log.info("OpenAI-compatible API on %s/v1", await self.http.start())
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._signal_watch, tg.cancel_scope)
+                tg.start_soon(self._signal_watch, tg)
                 tg.start_soon(self._receive_loop)
                 tg.start_soon(self._step_loop)
                 tg.start_soon(self._housekeeping_loop)
@@ -127,15 +124,29 @@ class Service:
                               f"bound: {zmq.strerror(exc.errno)}; give a free local address "
                               f"(--set service.{key}=...), or stop what holds it") from None
 
-    async def _signal_watch(self, scope: anyio.CancelScope) -> None:
+    async def _signal_watch(self, tg: anyio.abc.TaskGroup) -> None:
+        """A first signal drains (service.drain_timeout_s), a second one stops at once."""
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
-                log.info("received %s: shutting down", signal.Signals(signum).name)
-                scope.cancel()
-                return
+                name, grace = signal.Signals(signum).name, self.cfg.service.drain_timeout_s
+                if self.draining or not grace:
+                    log.info("received %s: shutting down now", name)
+                    tg.cancel_scope.cancel()
+                    return
+                self.draining = True
+                log.info("received %s: draining: new requests are refused; the %d in flight "
+                         "have up to %g s to finish (a second signal stops at once)", name,
+                         len(self.clients.requests), grace)
+                tg.start_soon(self._drain, tg.cancel_scope, grace)
+
+    async def _drain(self, scope: anyio.CancelScope, grace: float) -> None:
+        with anyio.move_on_after(grace):
+            while self.clients.requests:
+                await anyio.sleep(0.05)
+        scope.cancel()
 
     async def _shutdown(self) -> None:
-        self.accepting = False
+        self.draining = True
         if self.scheduler is not None:
             for out in self.scheduler.fail_all("the service is shutting down"):
                 await self.replies.terminal(out, code="service_shutdown")
@@ -199,7 +210,9 @@ class Service:
         elif isinstance(msg, Abort):
             await self._on_abort(identity, msg)
         elif isinstance(msg, Health):
-            await self.replies.send(identity, self.stats())
+            await self.replies.send(identity, self.counters.stats(
+                self.scheduler.accounting(), self.info, self.worker_ok, self.instance,
+                waiting_extra=len(self._tokenizing), draining=self.draining))
         elif isinstance(msg, Ping):
             await self.replies.send(identity, Pong(self.instance))
         elif isinstance(msg, AdminAbort):
@@ -272,8 +285,9 @@ class Service:
 
     def _refusal(self) -> tuple[str, str] | None:
         """Why no request can be taken now, as (code, message); None when one can."""
-        if not self.accepting:
-            return "service_shutdown", "the service is shutting down: try again once it is back"
+        if self.draining:
+            return "shutting_down", ("the service is shutting down (those in flight may "
+                                     "finish; new requests are refused): retry once it is back")
         if not self.worker_ok:
             return ("worker_unavailable",
                     "the model worker is down and could not be restarted; see the service log")
@@ -372,7 +386,8 @@ class Service:
         interval = self.cfg.service.telemetry_interval_s
         while True:
             await anyio.sleep(interval)
-            self.telemetry.publish(self.scheduler, self.info, self.worker_ok, self.worker.pid)
+            self.telemetry.publish(self.scheduler, self.info, self.worker_ok, self.worker.pid,
+                                   self.draining)
             for identity in self.clients.silent_clients(self.cfg.service.client_timeout_s):
                 rids = self.clients.requests_of(identity)
                 log.warning("client %s silent for %.0f s: aborting its %d request(s)",
@@ -383,15 +398,3 @@ class Service:
                         await self.replies.terminal(out)
                     else:
                         self.clients.pop(rid)
-
-    def stats(self) -> Stats:
-        acc, counters = self.scheduler.accounting(), self.counters
-        return Stats(model=self.info.model_name, device=self.info.device,
-                     worker_alive=self.worker_ok, running=acc["running"],
-                     waiting=acc["waiting"] + len(self._tokenizing), free_pages=acc["free_pages"],
-                     total_pages=acc["total_pages"], free_slots=acc["free_slots"],
-                     total_slots=acc["total_slots"], steps=counters.steps,
-                     output_tokens=counters.output_tokens, worker_busy_ms=counters.worker_busy_ms,
-                     worker_idle_ms=counters.worker_idle_ms, cached_pages=acc["cached_pages"],
-                     prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
-                     instance=self.instance)

@@ -63,7 +63,7 @@ class TelemetryPublisher:
         self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     def snapshot(self, scheduler: Scheduler, info: WorkerInfo, worker_alive: bool,
-                 worker_pid: int | None) -> TelemetrySnapshot:
+                 worker_pid: int | None, draining: bool = False) -> TelemetrySnapshot:
         counters = self.counters
         now_m = time.monotonic()
         self._history.append((now_m, counters.output_tokens))
@@ -95,13 +95,13 @@ class TelemetryPublisher:
             spec_config=self._spec_config,
             prefix_cache_hit_share=None if core.prefix_cache is None else
             core.prefix_cache.hit_tokens / max(1, core.prefix_cache.admitted_tokens),
-            cached_pages=acc["cached_pages"])
+            cached_pages=acc["cached_pages"], draining=draining)
 
     def publish(self, scheduler: Scheduler, info: WorkerInfo, worker_alive: bool,
-                worker_pid: int | None) -> None:
+                worker_pid: int | None, draining: bool = False) -> None:
         if self.endpoint is None:
             return
-        snapshot = self.snapshot(scheduler, info, worker_alive, worker_pid)
+        snapshot = self.snapshot(scheduler, info, worker_alive, worker_pid, draining)
         try:
             self.socket.send(self._encoder.encode(snapshot), flags=zmq.NOBLOCK)
         except zmq.Again:

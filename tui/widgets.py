@@ -100,6 +100,8 @@ def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool
         else:
             out.append("DOWN", style="bold red")
         out.append(f" restarts {w.restarts}", style="red" if w.restarts else "")
+        if snap.draining:
+            out.append("  DRAINING (shutting down)", style="bold yellow")
         out.append("  ")
     if status.connected:
         out.append(status.describe(), style="green")

@@ -197,8 +197,7 @@ class OpenAIApp:
 
     async def health(self, request: Request) -> Response:
         svc = self.service
-        state = ("shutting_down" if not svc.accepting else "ok" if svc.worker_ok else
-                 "worker_down")
+        state = ("draining" if svc.draining else "ok" if svc.worker_ok else "worker_down")
         return JSONResponse({"status": state, "model": svc.info.model_name},
                             200 if state == "ok" else 503)
 

@@ -13,6 +13,7 @@ STATUS_OF_CODE = {
     "invalid_api_key": 401, "model_not_found": 404, "not_found": 404,
     "message_too_large": 413, "queue_full": 429,
     "worker_unavailable": 503, "worker_died": 503, "service_shutdown": 503,
+    "shutting_down": 503,
     "worker_restarting": 503,
 }
 TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error",

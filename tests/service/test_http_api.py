@@ -28,7 +28,8 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 @pytest.fixture(scope="module")
 def service(model_path):
     svc = ServiceProcess(model_path, "--api-key", KEY, "--set", "http.max_body_bytes=65536",
-                         "--set", "scheduling.max_queued_requests=2")
+                         "--set", "scheduling.max_queued_requests=2",
+                         "--set", "service.drain_timeout_s=0")  # the last test: no drain
     yield svc
     svc.stop()
 

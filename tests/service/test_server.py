@@ -271,30 +271,50 @@ def test_worker_killed_mid_batch_errors_in_flight_then_recovers(model_path):
         svc.stop()
 
 
-def test_sigterm_shuts_down_cleanly(model_path):
-    svc = ServiceProcess(model_path)
+def test_sigterm_drains_then_shuts_down_cleanly(model_path):
+    """SIGTERM: new requests are refused at once, a request that can finish within
+    service.drain_timeout_s does, one that cannot ends with service_shutdown at the timeout."""
+    svc = ServiceProcess(model_path, "--set", "service.drain_timeout_s=10")
     worker = svc.worker_pid()
-    replies: list[object] = []
+    replies: dict[str, object] = {}
 
-    def run() -> None:
+    def run(name: str, tokens: int) -> None:
         with Client(svc.endpoint) as client:
             try:
-                replies.append(client.complete(
-                    "Go on and on", params=SamplingParams(max_new_tokens=2000, ignore_eos=True),
-                    timeout_s=60))
+                replies[name] = client.complete(
+                    "Go on and on", params=SamplingParams(max_new_tokens=tokens,
+                                                          ignore_eos=True), timeout_s=60)
             except RequestFailed as exc:
-                replies.append(exc)
+                replies[name] = exc
 
-    t = threading.Thread(target=run)
-    t.start()
+    threads = [threading.Thread(target=run, args=a) for a in (("short", 8), ("long", 2000))]
+    for t in threads:
+        t.start()
     with Client(svc.endpoint) as client:
         deadline = time.monotonic() + 60
-        while client.health().running < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-    assert svc.stop() == 0
-    t.join(timeout=30)
-    assert len(replies) == 1 and isinstance(replies[0], RequestFailed)
-    assert replies[0].code == "service_shutdown"
+        while client.health().running < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not client.health().draining:
+            assert time.monotonic() < deadline, "Stats never said draining"
+            time.sleep(0.05)
+        with pytest.raises(RequestFailed) as refused:
+            client.complete("Hello", params=GREEDY)
+        assert refused.value.code == "shutting_down"
+        import httpx2
+        health = httpx2.get(svc.http_url + "/health")  # a load balancer stops routing here
+        assert (health.status_code, health.json()["status"]) == (503, "draining")
+    started = time.monotonic()
+    assert svc.proc.wait(timeout=30) == 0  # no second signal: that one stops at once
+    for t in threads:
+        t.join(timeout=30)
+    assert time.monotonic() - started < 25
+    assert not isinstance(replies["short"], RequestFailed), replies["short"]
+    assert replies["short"].finish_reason == "length"
+    assert len(replies["short"].token_ids) == 8
+    assert isinstance(replies["long"], RequestFailed)
+    assert replies["long"].code == "service_shutdown"
     with pytest.raises(ProcessLookupError):
         for _ in range(50):
             os.kill(worker, 0)
@@ -432,7 +452,7 @@ def test_a_failure_handling_one_message_answers_internal_error_and_serves_on(mod
     """A fault injected into what one message calls (health's stats): that client gets
     `internal_error`, the loop lives on and answers the next message. Before, any such
     exception ended the service."""
-    def broken_stats():
+    def broken_stats(*args, **kwargs):
         raise RuntimeError("injected fault")
 
     replies: list = []
@@ -450,7 +470,8 @@ def test_a_failure_handling_one_message_answers_internal_error_and_serves_on(mod
             dealer.close()
 
     in_process_receive_loop(model_path, client,
-                            patch=lambda svc: monkeypatch.setattr(svc, "stats", broken_stats))
+                            patch=lambda svc: monkeypatch.setattr(svc.counters, "stats",
+                                                                  broken_stats))
     assert len(replies) == 2
     assert isinstance(replies[0], Error) and replies[0].code == "internal_error", replies[0]
     assert "Health" in replies[0].message

@@ -38,7 +38,7 @@ def req(rid: str, slot: int, seq_len: int, generated: int, state: str = "decodin
 
 def snapshot(t: float, running=(), waiting=(), *, retractions=0, restarts=0, alive=True,
              pid=4242, finished=0, tokens=0, speculation=False,
-             spec_config=None) -> TelemetrySnapshot:
+             spec_config=None, draining=False) -> TelemetrySnapshot:
     steps = [_make(StepTelemetry, step_id=100 + i, batch_size=len(running), num_tokens=8,
                    forward_ms=20.0, wall_ms=25.0, idle_ms=5.0) for i in range(4)]
     return _make(TelemetrySnapshot, time=t, uptime_s=3725.0, model="SmolLM2-135M-Instruct",
@@ -50,7 +50,7 @@ def snapshot(t: float, running=(), waiting=(), *, retractions=0, restarts=0, ali
                  worker_idle_share=0.25,
                  worker=WorkerTelemetry(alive=alive, pid=pid, restarts=restarts, device="cpu",
                                         dtype="fp32", attention_backend="torch"),
-                 spec_config=spec_config)
+                 spec_config=spec_config, draining=draining)
 
 
 class Publisher:

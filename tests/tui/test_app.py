@@ -190,6 +190,15 @@ async def test_service_down_then_up():
         assert "service down?" in events_text(app)
 
 
+async def test_header_says_when_the_service_drains(pub):
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        await show(pilot, app, pub, snapshot(7100.0, [req("d1", 1, 5, 1)]))
+        assert "DRAINING" not in app.query_one("#header").render().plain
+        await show(pilot, app, pub, snapshot(7101.0, [req("d1", 1, 6, 2)], draining=True))
+        assert "DRAINING (shutting down)" in app.query_one("#header").render().plain
+
+
 async def test_speculation_panel_shows_the_published_accept_length(pub):
     app = make_app(pub.endpoint)
     running = [req("s1", 1, 40, 10, accept=3), req("s2", 2, 30, 5, accept=1)]
