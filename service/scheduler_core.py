@@ -82,12 +82,14 @@ class SchedulerCore:
     # -- requests in ------------------------------------------------------------------------
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        # Messages never quote `rid`: in the service it is an internal key holding the client's
+        # identity, and the error reaches the client with its own id anyway.
         if rid in self.requests:
-            raise RequestRejected("duplicate_id", f"request id '{rid}' is already in use")
+            raise RequestRejected("duplicate_id", "a request with this id is already in flight")
         try:
             params.validate(self.info.vocab_size)
         except ValueError as exc:
-            raise RequestRejected("invalid_params", f"request {rid!r}: {exc}") from None
+            raise RequestRejected("invalid_params", str(exc)) from None
         if not prompt_ids:
             raise RequestRejected("invalid_prompt", "the prompt is empty: give at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]

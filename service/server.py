@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from ipc.client_messages import (Abort, AdminAbort, Aborted, Error, Generate, Health, Ping,
-                                 Pong, Stats)
+                                 Pong, Stats, WorkerState)
 from ipc.codec import ProtocolError, decode_client_request
 from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import WorkerInfo
@@ -42,7 +42,8 @@ from service.scheduler_core import RequestRejected, SchedulerConfig
 from service.telemetry import TelemetryPublisher
 from service.tokenizer import TextTokenizer
 from service.worker_recovery import refuse_all, restart_worker
-from service.worker_supervisor import WorkerDied, WorkerHandle
+from service.worker_supervisor import (POLL_INTERVAL_S, WorkerDied, WorkerHandle,
+                                       describe_returncode)
 
 log = logging.getLogger("fmserve.service")
 
@@ -86,7 +87,7 @@ class Service:
         # empties it for the fresh worker).
         self.scheduler: Scheduler | None = None
         self.info: WorkerInfo | None = None
-        self.worker_ok = False
+        self.worker_state: WorkerState = "restarting"  # until the first worker is ready
         self.counters = ServiceCounters()
         self.instance = uuid.uuid4().hex  # Pong/Stats: clients tell a restarted service by it
         self._work = anyio.Event()
@@ -108,7 +109,7 @@ class Service:
 
     async def run(self, ready: anyio.Event | None = None) -> None:
         self.info = await self.worker.start()
-        self.worker_ok = True
+        self.worker_state = "ready"
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
             prefix_cache=self.cfg.scheduling.prefix_cache))
@@ -229,7 +230,7 @@ class Service:
                 msg.id, "duplicate_id",
                 f"request id '{msg.id}' is already in flight on this connection: use a new id"))
             return
-        if not self.worker_ok:
+        if self.worker_state == "down":
             await self.replies.send(identity, Error(
                 msg.id, "worker_unavailable",
                 "the model worker is down and could not be restarted; see the service log"))
@@ -263,7 +264,7 @@ class Service:
         try:
             if failure is not None:
                 raise RequestRejected("invalid_prompt", f"could not encode the prompt: {failure}")
-            if not self.worker_ok:
+            if self.worker_state == "down":
                 raise RequestRejected("worker_unavailable", "the model worker is down and could "
                                       "not be restarted; see the service log")
             self.scheduler.add_request(rid, ids, params)
@@ -327,11 +328,15 @@ class Service:
             if not inflight:
                 waited = True
                 self._work = anyio.Event()
-                if self.scheduler.has_work:  # work that cannot be planned now (no pages): poll
-                    with anyio.move_on_after(0.05):
-                        await self._work.wait()
-                else:
+                # Poll: for work that cannot be planned now (no pages), and for a worker that
+                # dies while idle, so that health says so and a replacement loads before a
+                # request needs it.
+                with anyio.move_on_after(POLL_INTERVAL_S):
                     await self._work.wait()
+                code = self.worker.returncode
+                if code is not None and self.worker_state == "ready":
+                    await self._on_worker_death(f"the worker (pid {self.worker.pid}) exited with "
+                                                f"{describe_returncode(code)} while idle")
                 continue
             try:
                 result = await self.worker.next_result()
@@ -346,12 +351,15 @@ class Service:
             await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
 
     async def _on_worker_death(self, message: str) -> None:
+        # Meanwhile requests are still admitted: they wait in the queue and run on the new
+        # worker, as a client retrying after a crash would want, rather than failing too.
+        self.worker_state = "restarting"
         info = await restart_worker(self.worker, self.scheduler, self.replies, self.counters,
                                     self.cfg.worker, message)
         if info is not None:
-            self.info = info
+            self.info, self.worker_state = info, "ready"
             return
-        self.worker_ok = False
+        self.worker_state = "down"
         await refuse_all(self.scheduler, self.replies)
 
     # -- housekeeping -----------------------------------------------------------------------
@@ -360,7 +368,7 @@ class Service:
         interval = self.cfg.service.telemetry_interval_s
         while True:
             await anyio.sleep(interval)
-            self.telemetry.publish(self.scheduler, self.info, self.worker_ok, self.worker.pid)
+            self.telemetry.publish(self.scheduler, self.info, self.worker_state, self.worker.pid)
             for identity in self.clients.silent_clients(self.cfg.service.client_timeout_s):
                 rids = self.clients.requests_of(identity)
                 log.warning("client %s silent for %.0f s: aborting its %d request(s)",
@@ -375,11 +383,12 @@ class Service:
     def stats(self) -> Stats:
         acc, counters = self.scheduler.accounting(), self.counters
         return Stats(model=self.info.model_name, device=self.info.device,
-                     worker_alive=self.worker_ok, running=acc["running"],
+                     worker_alive=self.worker_state == "ready", running=acc["running"],
                      waiting=acc["waiting"] + len(self._tokenizing), free_pages=acc["free_pages"],
                      total_pages=acc["total_pages"], free_slots=acc["free_slots"],
                      total_slots=acc["total_slots"], steps=counters.steps,
                      output_tokens=counters.output_tokens, worker_busy_ms=counters.worker_busy_ms,
                      worker_idle_ms=counters.worker_idle_ms, cached_pages=acc["cached_pages"],
                      prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
-                     instance=self.instance)
+                     instance=self.instance, worker_state=self.worker_state,
+                     worker_restarts=counters.worker_restarts)

@@ -37,9 +37,10 @@ def test_stop_string_before_min_new_tokens_is_streamed_not_dropped():
     assert outs[-1].finish_reason == FinishReason.STOP
 
 
-def test_params_refused_against_the_vocabulary_name_the_request():
+def test_params_refused_against_the_vocabulary_never_quote_the_internal_key():
     # top_k and stop_token_ids are checked against the model's vocabulary here, at admission
-    # (the codec does not know it): the error names the request like the codec's do.
+    # (the codec does not know it). In the service the id is "<identity hex>/<client id>": the
+    # message must not show it (the Error carries the client's own id).
     import pytest
 
     from service.scheduler_core import RequestRejected
@@ -48,9 +49,10 @@ def test_params_refused_against_the_vocabulary_name_the_request():
     vocab = core.info.vocab_size
     for params in (SamplingParams(top_k=vocab + 1), SamplingParams(stop_token_ids=[vocab])):
         with pytest.raises(RequestRejected) as info:
-            core.add_request("r-7", [1, 2, 3], params)
+            core.add_request("c0ffee/r-7", [1, 2, 3], params)
         assert info.value.code == "invalid_params"
-        assert str(info.value).startswith("request 'r-7': sampling parameter")
+        assert str(info.value).startswith("sampling parameter")
+        assert "c0ffee" not in str(info.value)
     assert core.accounting()["waiting"] == 0
 
 
