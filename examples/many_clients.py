@@ -26,7 +26,7 @@ from ipc.client_request import DEFAULT_ENDPOINT
 from ipc.client_messages import Chunk, Finished
 from ipc.sampling import SamplingParams
 
-DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "dev.jsonl"
+DEV_PROMPTS = Path(__file__).resolve().parents[1] / "fmserve" / "bench" / "dev_prompts.jsonl"
 FALLBACK_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
     "Write a short poem about autumn leaves.",

@@ -8,12 +8,17 @@ in a request is an error, not a silently ignored option.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from ipc.sampling import SamplingParams
 
 CLIENT_PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 8 << 20  # larger frames are refused with Error(code="message_too_large")
+# "restarting": a replacement worker is loading (requests wait in the queue meanwhile);
+# "down": restarts are spent and new requests get Error(code="worker_unavailable").
+WorkerState = Literal["ready", "restarting", "down"]
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -94,7 +99,7 @@ class Error(msgspec.Struct, tag="error", frozen=True):
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     model: str
     device: str
-    worker_alive: bool
+    worker_alive: bool  # worker_state == "ready"
     running: int
     waiting: int
     free_pages: int
@@ -110,6 +115,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     cached_pages: int = 0
     prefix_cache_hit_tokens: int = 0
     instance: str = ""  # as in Pong; "" from an older service
+    worker_state: WorkerState = "ready"
+    worker_restarts: int = 0  # since the service started, failed restart attempts included
     draining: bool = False  # shutting down: new requests refused, those in flight finishing
 
 

@@ -20,6 +20,7 @@ from ipc.client_messages import (
     Generate,
     ServiceReply,
 )
+from ipc.frame_head import frame_head
 
 MAX_REQUEST_ID_CHARS = 128
 CHAT_ROLES = ("system", "user", "assistant")
@@ -119,30 +120,44 @@ def _check_request_id(rid: str) -> None:
 
 def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, valid_types: tuple[str, ...],
             what: str, max_bytes: int):
-    # Size first: a huge frame is refused before we spend time parsing it.
+    # Size first: a huge frame is refused before we spend time parsing it (its id is read by
+    # item sizes, not by decoding it).
     if len(frame) > max_bytes:
         raise ProtocolError("message_too_large",
-                            f"{what} frame is {len(frame)} bytes; the limit is {max_bytes} bytes")
+                            f"{what} frame is {len(frame)} bytes; the limit is {max_bytes} bytes",
+                            _id_in(frame))
     try:
         return decoder.decode(frame)
     except msgspec.ValidationError as exc:  # first: it is a subclass of DecodeError
         error = exc
     except _UNREADABLE as exc:
-        raise _not_msgpack(exc) from None
+        raise _not_msgpack(exc, frame) from None
     # The typed decoder may stop at the first type mismatch, before it has read the whole
     # frame: parse it untyped to tell bad msgpack from a bad message and to find the id.
     try:
         raw = _lenient_decoder.decode(frame)
     except _UNREADABLE as exc:
-        raise _not_msgpack(exc) from None
+        raise _not_msgpack(exc, frame) from None
     raise _explain_invalid(raw, error, valid_types, what)
 
 
-def _not_msgpack(exc: Exception) -> ProtocolError:
+def _not_msgpack(exc: Exception, frame: bytes) -> ProtocolError:
     why = f"a str in it is not valid UTF-8: {exc}" if isinstance(exc, UnicodeDecodeError) \
         else str(exc)
     return _invalid(f"frame is not valid msgpack ({why}); each frame must be one msgpack map "
-                    f"with a \"type\" field")
+                    f"with a \"type\" field", _id_in(frame))
+
+
+def _id_in(frame: bytes) -> str | None:
+    """The request id of a frame msgspec cannot (or should not) decode, when it can be read."""
+    head = frame_head(frame)
+    return _request_id(head.get("type"), head.get("id"))
+
+
+def _request_id(tag: Any, rid: Any) -> str | None:
+    """The id an error about a frame of type `tag` belongs to, if it is a valid one."""
+    ok = tag in _TYPES_WITH_ID and isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS
+    return rid if ok else None
 
 
 def _explain_invalid(raw: Any, exc: msgspec.ValidationError,
@@ -159,8 +174,4 @@ def _explain_invalid(raw: Any, exc: msgspec.ValidationError,
     if tag not in valid_types:
         return ProtocolError("unknown_message_type",
                              f"unknown message type {tag!r}; valid types are: {valid}")
-    rid = raw.get("id")
-    if tag not in _TYPES_WITH_ID or not isinstance(rid, str) or not rid \
-            or len(rid) > MAX_REQUEST_ID_CHARS:
-        rid = None
-    return _invalid(f"invalid {tag!r} message: {exc}", rid)
+    return _invalid(f"invalid {tag!r} message: {exc}", _request_id(tag, raw.get("id")))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from ipc.client_messages import WorkerState
+
 # A request's `text_tail` holds at most this many characters (the newest), so a snapshot stays
 # small however long the outputs grow: at most 400 x the running and waiting requests.
 TEXT_TAIL_CHARS = 400
@@ -50,12 +52,13 @@ class SpecConfigTelemetry(msgspec.Struct, frozen=True):
 
 
 class WorkerTelemetry(msgspec.Struct, frozen=True):
-    alive: bool
-    pid: int | None
-    restarts: int
+    alive: bool  # state == "ready"
+    pid: int | None  # while restarting, the replacement's
+    restarts: int  # failed restart attempts included
     device: str
     dtype: str
     attention_backend: str
+    state: WorkerState = "ready"
 
 
 class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from fmserve.bench.offline import DEV_PROMPTS
+from fmserve.bench import DEV_PROMPTS
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
 

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ipc.client_messages import Stats
+from ipc.client_messages import Stats, WorkerState
 from ipc.telemetry import StepTelemetry
 from ipc.worker_messages import StepPlan, StepResult, WorkerInfo, unpack_i32
 
@@ -42,11 +42,13 @@ class ServiceCounters:
             plan.step_id, len(plan.extends) + decodes, num_tokens, result.forward_ms,
             (time.perf_counter() - sent) * 1000.0, result.idle_ms))
 
-    def stats(self, acc: dict[str, int], info: WorkerInfo, worker_ok: bool, instance: str,
-              waiting_extra: int, draining: bool) -> Stats:
+    def stats(self, acc: dict[str, int], info: WorkerInfo, worker_state: WorkerState,
+              instance: str, waiting_extra: int, draining: bool) -> Stats:
         """A Stats reply: these counters and the scheduler's accounting (`acc`); requests
         still being tokenized (`waiting_extra`) count as waiting."""
-        return Stats(model=info.model_name, device=info.device, worker_alive=worker_ok,
+        return Stats(model=info.model_name, device=info.device,
+                     worker_alive=worker_state == "ready", worker_state=worker_state,
+                     worker_restarts=self.worker_restarts,
                      running=acc["running"], waiting=acc["waiting"] + waiting_extra,
                      free_pages=acc["free_pages"], total_pages=acc["total_pages"],
                      free_slots=acc["free_slots"], total_slots=acc["total_slots"],

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import accept_length
+from service.spec_stats import count_accepted
 
 
 class RequestState(enum.Enum):
@@ -47,13 +48,18 @@ class Request:
     last_accept_len: int = 0  # draft tokens accepted by the last verify step
 
     def record_accept(self, accepted: int) -> None:
+        """A verify step emitted accepted + 1 tokens."""
         self.last_accept_len = accepted
         self.spec_verify_steps += 1
         self.spec_accepted_drafts += accepted
-        if len(self.spec_accepted_per_position) < accepted:
-            self.spec_accepted_per_position += [0] * (accepted - len(self.spec_accepted_per_position))
-        for i in range(accepted):
-            self.spec_accepted_per_position[i] += 1
+        count_accepted(self.spec_accepted_per_position, accepted)
+
+    def drop_accepted(self, dropped: int) -> None:
+        """The last verify step emitted `dropped` tokens fewer: a stop string ended it."""
+        kept = self.last_accept_len - dropped
+        count_accepted(self.spec_accepted_per_position, self.last_accept_len, -1, kept)
+        self.spec_accepted_drafts -= dropped
+        self.last_accept_len = kept
 
     @property
     def spec_accept_length(self) -> float | None:

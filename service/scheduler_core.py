@@ -30,7 +30,7 @@ from ipc.worker_messages import (ExtendEntry, NewRequest, PageGrant, StepPlan, S
 from service.kv_accounting import PageAllocator, SlotAllocator
 from service.prefix_cache import PrefixCache
 from service.request import FinishReason, Request, RequestState, TokenOutput
-from service.spec_stats import SpecAcceptStats
+from service.spec_stats import SpecAcceptStats, count_accepted
 
 
 class RequestRejected(ValueError):
@@ -82,12 +82,14 @@ class SchedulerCore:
     # -- requests in ------------------------------------------------------------------------
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        # Messages never quote `rid`: in the service it is an internal key holding the client's
+        # identity, and the error reaches the client with its own id anyway.
         if rid in self.requests:
-            raise RequestRejected("duplicate_id", f"request id '{rid}' is already in use")
+            raise RequestRejected("duplicate_id", "a request with this id is already in flight")
         try:
             params.validate(self.info.vocab_size)
         except ValueError as exc:
-            raise RequestRejected("invalid_params", f"request {rid!r}: {exc}") from None
+            raise RequestRejected("invalid_params", str(exc)) from None
         if not prompt_ids:
             raise RequestRejected("invalid_prompt", "the prompt is empty: give at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]
@@ -316,17 +318,19 @@ class SchedulerCore:
                     req.num_preemptions != epoch:
                 self.num_stale_results += 1
                 continue  # finished, aborted or retracted after this step was planned: drop
-            if accept is not None and accept[row] >= 0:
-                req.record_accept(int(accept[row]))
-                accepted.append(int(accept[row]))
             first = int(starts[row])
-            out = TokenOutput(req.rid, [], first)
+            out, reason = TokenOutput(req.rid, [], first), None
             for token in tokens[first:first + int(counts[row])].tolist():
                 out.token_ids.append(token)
                 reason = self._on_token(req, token, now)
                 if reason is not None:  # tokens past a stop are dropped
-                    out = self._finish(req, reason, token_ids=out.token_ids, result_row=first)
                     break
+            if accept is not None and accept[row] >= 0:  # a verify row: acceptance counts
+                # only what is emitted, not drafts dropped past a stop or max_new_tokens
+                req.record_accept(len(out.token_ids) - 1)
+                accepted.append(len(out.token_ids) - 1)
+            if reason is not None:
+                out = self._finish(req, reason, token_ids=out.token_ids, result_row=first)
             out.completion_tokens = len(req.output_ids)
             outputs.append(out)
         self.spec_stats.record_step(accepted)
@@ -350,10 +354,14 @@ class SchedulerCore:
         """The text of out.token_ids[keep - 1] completed a stop string: the request ends there
         with "stop", as if out's later tokens (the rest of a verify row) never came. Returns
         what replaces out."""
-        dropped = len(out.token_ids) - keep
+        dropped, accepted = len(out.token_ids) - keep, len(out.token_ids) - 1
+        if dropped:  # a verify row (others emit one token), its drafts counted as emitted:
+            # count only those kept, in this step's statistics too
+            self.spec_stats.drop_accepted(accepted, dropped)
         req = self.requests.get(out.rid)
         if req is not None:  # still running: end it now, freeing its slot and pages
             del req.output_ids[len(req.output_ids) - dropped:]
+            req.drop_accepted(dropped)
             end = self._finish(req, FinishReason.STOP, token_ids=out.token_ids[:keep],
                                result_row=out.result_row)
         else:  # ended on a later token of the row (eos, length): its resources are free
@@ -361,6 +369,8 @@ class SchedulerCore:
             end = out
             end.token_ids, end.finish_reason = out.token_ids[:keep], FinishReason.STOP
             end.completion_tokens -= dropped
+            end.spec_accepted_drafts -= dropped
+            count_accepted(end.spec_accepted_per_position, accepted, -1, keep - 1)
         return end
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None,

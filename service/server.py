@@ -25,7 +25,8 @@ import anyio.lowlevel
 import zmq
 import zmq.asyncio
 
-from ipc.client_messages import Abort, AdminAbort, Aborted, Error, Generate, Health, Ping, Pong
+from ipc.client_messages import (Abort, AdminAbort, Aborted, Error, Generate, Health, Ping,
+                                 Pong, WorkerState)
 from ipc.codec import ProtocolError, decode_client_request
 from ipc.worker_messages import WorkerInfo
 from service.client_registry import ClientRegistry
@@ -42,7 +43,8 @@ from service.scheduler_core import RequestRejected, SchedulerConfig
 from service.telemetry import TelemetryPublisher
 from service.tokenizer import TextTokenizer
 from service.worker_recovery import refuse_all, restart_worker
-from service.worker_supervisor import WorkerDied, WorkerHandle
+from service.worker_supervisor import (POLL_INTERVAL_S, WorkerDied, WorkerHandle,
+                                       describe_returncode)
 
 log = logging.getLogger("fmserve.service")
 
@@ -65,7 +67,7 @@ class Service:
         # empties it for the fresh worker).
         self.scheduler: Scheduler | None = None
         self.info: WorkerInfo | None = None
-        self.worker_ok = False
+        self.worker_state: WorkerState = "restarting"  # until the first worker is ready
         self.counters = ServiceCounters()
         self.instance = uuid.uuid4().hex  # Pong/Stats: clients tell a restarted service by it
         self._work = anyio.Event()
@@ -78,7 +80,7 @@ class Service:
         # No send limit per client (as SGLang's): at ZMQ's default 1000 a slow reader loses replies.
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.metrics = ServiceMetrics(self.counters, lambda: self.scheduler,
-                                      lambda: "ready" if self.worker_ok else "down", cfg.spec)
+                                      lambda: self.worker_state, cfg.spec)
         self.replies = Replies(self.router, self.clients, self.counters, self.metrics)
         self.draining = False  # from a signal (or the shutdown) on: new requests refused
         self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,
@@ -91,7 +93,7 @@ class Service:
 
     async def run(self, ready: anyio.Event | None = None) -> None:
         self.info = await self.worker.start()
-        self.worker_ok = True
+        self.worker_state = "ready"
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
             prefix_cache=self.cfg.scheduling.prefix_cache))
@@ -211,7 +213,7 @@ class Service:
             await self._on_abort(identity, msg)
         elif isinstance(msg, Health):
             await self.replies.send(identity, self.counters.stats(
-                self.scheduler.accounting(), self.info, self.worker_ok, self.instance,
+                self.scheduler.accounting(), self.info, self.worker_state, self.instance,
                 waiting_extra=len(self._tokenizing), draining=self.draining))
         elif isinstance(msg, Ping):
             await self.replies.send(identity, Pong(self.instance))
@@ -268,7 +270,7 @@ class Service:
         try:
             if failure is not None:
                 raise RequestRejected("invalid_prompt", f"could not encode the prompt: {failure}")
-            if not self.worker_ok:
+            if self.worker_state == "down":
                 raise RequestRejected("worker_unavailable", "the model worker is down and could "
                                       "not be restarted; see the service log")
             self.scheduler.add_request(rid, ids, params)
@@ -288,7 +290,7 @@ class Service:
         if self.draining:
             return "shutting_down", ("the service is shutting down (those in flight may "
                                      "finish; new requests are refused): retry once it is back")
-        if not self.worker_ok:
+        if self.worker_state == "down":
             return ("worker_unavailable",
                     "the model worker is down and could not be restarted; see the service log")
         limit, core = self.cfg.scheduling.max_queued_requests, self.scheduler.core
@@ -353,11 +355,15 @@ class Service:
             if not inflight:
                 waited = True
                 self._work = anyio.Event()
-                if self.scheduler.has_work:  # work that cannot be planned now (no pages): poll
-                    with anyio.move_on_after(0.05):
-                        await self._work.wait()
-                else:
+                # Poll: for work that cannot be planned now (no pages), and for a worker that
+                # dies while idle, so that health says so and a replacement loads before a
+                # request needs it.
+                with anyio.move_on_after(POLL_INTERVAL_S):
                     await self._work.wait()
+                code = self.worker.returncode
+                if code is not None and self.worker_state == "ready":
+                    await self._on_worker_death(f"the worker (pid {self.worker.pid}) exited with "
+                                                f"{describe_returncode(code)} while idle")
                 continue
             try:
                 result = await self.worker.next_result()
@@ -372,12 +378,15 @@ class Service:
             await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
 
     async def _on_worker_death(self, message: str) -> None:
+        # Meanwhile requests are still admitted: they wait in the queue and run on the new
+        # worker, as a client retrying after a crash would want, rather than failing too.
+        self.worker_state = "restarting"
         info = await restart_worker(self.worker, self.scheduler, self.replies, self.counters,
                                     self.cfg.worker, message)
         if info is not None:
-            self.info = info
+            self.info, self.worker_state = info, "ready"
             return
-        self.worker_ok = False
+        self.worker_state = "down"
         await refuse_all(self.scheduler, self.replies)
 
     # -- housekeeping -----------------------------------------------------------------------
@@ -386,7 +395,7 @@ class Service:
         interval = self.cfg.service.telemetry_interval_s
         while True:
             await anyio.sleep(interval)
-            self.telemetry.publish(self.scheduler, self.info, self.worker_ok, self.worker.pid,
+            self.telemetry.publish(self.scheduler, self.info, self.worker_state, self.worker.pid,
                                    self.draining)
             for identity in self.clients.silent_clients(self.cfg.service.client_timeout_s):
                 rids = self.clients.requests_of(identity)

@@ -3,6 +3,8 @@
 A verify row is one request in one step: the target checked its draft tree and accepted
 `accepted` draft tokens (0 .. depth), then added the bonus token. The accept length of a row is
 accepted + 1, the tokens it emitted; a mean accept length of 1.0 means no draft ever helped.
+Only emitted tokens count: a row cut short by a stop or the length limit counts the drafts it
+kept (its last emitted token standing for the bonus).
 """
 
 from __future__ import annotations
@@ -11,6 +13,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW_STEPS = 64  # the recent mean covers the last this-many steps that verified drafts
+
+
+def count_accepted(per_position: list[int], accepted: int, sign: int = 1, start: int = 0) -> None:
+    """Add `sign` to the verify steps that accepted draft depths start+1 .. accepted."""
+    if accepted > len(per_position):
+        per_position += [0] * (accepted - len(per_position))
+    for i in range(start, accepted):
+        per_position[i] += sign
 
 
 @dataclass
@@ -34,10 +44,15 @@ class SpecAcceptStats:
         self.accepted_drafts += sum(accepted)
         self._recent.append((len(accepted), sum(accepted)))
         for n in accepted:
-            if n > len(self.accepted_per_position):
-                self.accepted_per_position += [0] * (n - len(self.accepted_per_position))
-            for i in range(n):
-                self.accepted_per_position[i] += 1
+            count_accepted(self.accepted_per_position, n)
+
+    def drop_accepted(self, accepted: int, dropped: int) -> None:
+        """A row of the last recorded step, counted with `accepted` drafts, kept `dropped`
+        fewer: a stop string ended it there."""
+        self.accepted_drafts -= dropped
+        rows, total = self._recent[-1]
+        self._recent[-1] = (rows, total - dropped)
+        count_accepted(self.accepted_per_position, accepted, -1, accepted - dropped)
 
     @property
     def recent_accept_length(self) -> float | None:

@@ -11,6 +11,7 @@ from collections import deque
 import msgspec
 import zmq
 
+from ipc.client_messages import WorkerState
 from ipc.telemetry import (RequestTelemetry, SpecConfigTelemetry, TelemetrySnapshot,
                            WorkerTelemetry)
 from ipc.worker_messages import WorkerInfo
@@ -62,7 +63,7 @@ class TelemetryPublisher:
         self.socket.bind(self._requested)
         self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    def snapshot(self, scheduler: Scheduler, info: WorkerInfo, worker_alive: bool,
+    def snapshot(self, scheduler: Scheduler, info: WorkerInfo, worker_state: WorkerState,
                  worker_pid: int | None, draining: bool = False) -> TelemetrySnapshot:
         counters = self.counters
         now_m = time.monotonic()
@@ -87,9 +88,10 @@ class TelemetryPublisher:
             finished_requests=counters.finished_requests, retractions=core.num_retractions,
             recent_steps=list(counters.recent_steps)[-16:],
             worker_idle_share=counters.worker_idle_share,
-            worker=WorkerTelemetry(alive=worker_alive, pid=worker_pid,
+            worker=WorkerTelemetry(alive=worker_state == "ready", pid=worker_pid,
                                    restarts=counters.worker_restarts, device=info.device,
-                                   dtype=info.dtype, attention_backend=info.attention_backend),
+                                   dtype=info.dtype, attention_backend=info.attention_backend,
+                                   state=worker_state),
             spec_accept_length=spec.recent_accept_length, spec_verify_steps=spec.verify_steps,
             spec_accept_rate_per_position=spec.accept_rate_per_position,
             spec_config=self._spec_config,
@@ -97,11 +99,11 @@ class TelemetryPublisher:
             core.prefix_cache.hit_tokens / max(1, core.prefix_cache.admitted_tokens),
             cached_pages=acc["cached_pages"], draining=draining)
 
-    def publish(self, scheduler: Scheduler, info: WorkerInfo, worker_alive: bool,
+    def publish(self, scheduler: Scheduler, info: WorkerInfo, worker_state: WorkerState,
                 worker_pid: int | None, draining: bool = False) -> None:
         if self.endpoint is None:
             return
-        snapshot = self.snapshot(scheduler, info, worker_alive, worker_pid, draining)
+        snapshot = self.snapshot(scheduler, info, worker_state, worker_pid, draining)
         try:
             self.socket.send(self._encoder.encode(snapshot), flags=zmq.NOBLOCK)
         except zmq.Again:

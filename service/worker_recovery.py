@@ -1,10 +1,16 @@
 """What the service does when its worker dies: every request in flight ends with an error, and
 the worker is restarted within `[worker]`'s policy. The same Scheduler serves on: `fail_all`
-empties its accounting (pages, slots, prefix cache), matching the fresh worker's empty pool."""
+empties its accounting (pages, slots, prefix cache), matching the fresh worker's empty pool.
+
+A replacement that fails to start (killed while it loads, say) spends one restart, and the next
+is tried after a back-off, until `max_restarts` are spent: a transient failure must not take
+the service down for good."""
 
 from __future__ import annotations
 
 import logging
+
+import anyio
 
 from ipc.worker_messages import WorkerInfo
 from service.counters import ServiceCounters
@@ -13,6 +19,8 @@ from service.scheduler import Scheduler
 from service.worker_supervisor import WorkerHandle, WorkerStartError
 
 log = logging.getLogger("fmserve.service")
+RESTART_BACKOFF_S = 1.0  # before the second attempt; doubled for each further one
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 async def restart_worker(worker: WorkerHandle, scheduler: Scheduler, replies: Replies,
@@ -24,15 +32,22 @@ async def restart_worker(worker: WorkerHandle, scheduler: Scheduler, replies: Re
     # refuses them (`refuse_all`, once the service no longer admits any).
     for out in scheduler.fail_all(f"the model worker died during a step: {message}"):
         await replies.terminal(out, code="worker_died")
-    if not policy.restart_on_failure or counters.worker_restarts >= policy.max_restarts:
-        log.error("not restarting the worker (restarts so far: %d)", counters.worker_restarts)
-        return None
-    try:
+    backoff = RESTART_BACKOFF_S
+    while policy.restart_on_failure and counters.worker_restarts < policy.max_restarts:
         counters.worker_restarts += 1
-        return await worker.restart()
-    except WorkerStartError as exc:
-        log.error("worker restart failed: %s", exc)
-        return None
+        try:
+            return await worker.restart()
+        except WorkerStartError as exc:
+            log.error("worker restart %d of %d failed: %s", counters.worker_restarts,
+                      policy.max_restarts, exc)
+        if counters.worker_restarts < policy.max_restarts:
+            log.info("trying again in %g s", backoff)
+            await anyio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_RESTART_BACKOFF_S)
+    log.error("the worker stays down: %d of worker.max_restarts = %d restarts spent%s",
+              counters.worker_restarts, policy.max_restarts,
+              "" if policy.restart_on_failure else " (worker.restart_on_failure is off)")
+    return None
 
 
 async def refuse_all(scheduler: Scheduler, replies: Replies) -> None:

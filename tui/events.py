@@ -177,7 +177,7 @@ class SnapshotTracker:
             events.append(MonitorEvent(
                 t, ERROR, f"worker restarted (restart #{cw.restarts}, pid {pw.pid} -> {cw.pid}); "
                           f"the requests it was running failed"))
-        if pw.alive and not cw.alive:
+        if cw.state == "down" and pw.state != "down":
             events.append(MonitorEvent(t, ERROR, "worker down and not restarted: the service "
                                                  "refuses new requests; see its log"))
         elif cw.alive and not pw.alive:

@@ -97,6 +97,8 @@ def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool
                    f"  uptime {_fmt_duration(snap.uptime_s)}\nworker ")
         if w.alive:
             out.append(f"alive pid {w.pid}", style="green")
+        elif w.state == "restarting":
+            out.append(f"RESTARTING pid {w.pid}", style="bold yellow")
         else:
             out.append("DOWN", style="bold red")
         out.append(f" restarts {w.restarts}", style="red" if w.restarts else "")

@@ -9,7 +9,6 @@ request produces exactly --decode-len tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +17,15 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from fmserve.bench import DEV_PROMPTS
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from fmserve.engine import Engine
+from fmserve.jsonl import read_prompts
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 
-# the dev prompts sit in shared/ beside the checkout (this file: <checkout>/fmserve/bench/)
-DEV_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts" / "dev.jsonl"
-FALLBACK_TEXT = ("The quick brown fox jumps over the lazy dog while the scheduler batches "
+FILLER_TEXT = ("The quick brown fox jumps over the lazy dog while the scheduler batches "
                  "requests and the worker decodes tokens. ")
 
 
@@ -43,20 +42,17 @@ class Measure:
 
 
 def dev_texts() -> list[str]:
-    """The dev set's prompts; none where shared/ is not beside the checkout."""
-    if not DEV_PROMPTS.exists():
-        return []
-    lines = DEV_PROMPTS.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+    """The dev set's prompts."""
+    return read_prompts(str(DEV_PROMPTS))
 
 
 def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    texts = dev_texts() or [FALLBACK_TEXT]
+    texts = dev_texts()
     prompts = []
     for i in range(n):
         ids = tokenizer.encode(texts[i % len(texts)])
         while len(ids) < length:
-            ids = ids + tokenizer.encode(FALLBACK_TEXT)
+            ids = ids + tokenizer.encode(FILLER_TEXT)
         prompts.append(ids[:length])
     return prompts
 

@@ -35,13 +35,14 @@ import time
 from pathlib import Path
 
 from fmserve.arg_types import add_runtime_args, non_negative_int, positive_int, positive_int_list
+from fmserve.bench import DEV_PROMPTS
 from fmserve.bench.peer_types import (BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL,
                                      NOT_APPLICABLE, PEERS, QUICK_LEAVES_OUT, Peer, PeerConfig,
                                      PeerResult)
 from fmserve.bench.peers_llama_server import LlamaServerPeer, find_llama_server
 from fmserve.bench.peers_served import ServedPeer
 from fmserve.bench.peers_workers import ChildGroup
-from fmserve.bench.spec import DEV_PROMPTS, spec_settings_for
+from fmserve.bench.spec import spec_settings_for
 from fmserve.jsonl import read_prompts
 
 

@@ -5,7 +5,8 @@ For each batch size the same prompts run through the non-speculative engine and 
 speculative setting; reported are decode tokens/s (output tokens after every request of a
 group has its first token, over the time since), the ratio to the plain engine, the mean
 accept length (tokens per verify step: accepted drafts + the bonus token) and the acceptance
-rate per draft position. Greedy outputs are also compared token for token.
+rate per draft position, both counting emitted tokens only (a step cut short by a stop or
+--max-new-tokens counts the drafts it kept). Greedy outputs are also compared token for token.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -20,11 +22,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from fmserve.arg_types import positive_int
-from fmserve.bench.offline import DEV_PROMPTS
+from fmserve.bench import DEV_PROMPTS
 from fmserve.bench.tables import print_table
 from fmserve.engine import Engine
 from fmserve.jsonl import read_prompts
-from gpu.eagle.eagle_step import EagleStep
 from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
@@ -87,12 +88,8 @@ def load_chats(path: str, n: int) -> list[list[dict]]:
 def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) -> SpecRun:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
     engine.generate([chats[0]], SamplingParams(max_new_tokens=4))  # warm-up
-    step = engine.worker.step
-    eagle = step if isinstance(step, EagleStep) else None
-    if eagle is not None:  # acceptance per position of this run only
-        eagle.num_verify_rows = 0
-        eagle.accepted_per_position[:] = 0
     run = SpecRun(name, batch, 0.0, 0)
+    per_position: list[int] = []  # verify steps whose emitted tokens include draft depth i+1
     decode_time, decode_tokens = 0.0, 0
     for g in range(0, len(chats), batch):
         group = chats[g:g + batch]
@@ -106,13 +103,15 @@ def measure(engine: Engine, name: str, chats: list, batch: int, max_new: int) ->
             if out.finished:
                 run.verify_steps += out.spec_verify_steps
                 run.accepted += out.spec_accepted_drafts
+                count = out.spec_accepted_per_position
+                per_position = [a + b for a, b in zip_longest(per_position, count, fillvalue=0)]
         decode_time += time.perf_counter() - start_decode
         produced = sum(len(t) for t in tokens.values())
         decode_tokens += produced - len(group)
         run.output_tokens += produced
         run.outputs += [tokens[rid] for rid, _ in submitted]
-    if eagle is not None and eagle.num_verify_rows:
-        run.per_position = (eagle.accepted_per_position / eagle.num_verify_rows).tolist()
+    if run.verify_steps:
+        run.per_position = [n / run.verify_steps for n in per_position]
     run.decode_tps = decode_tokens / max(decode_time, 1e-9)
     return run
 

@@ -2,7 +2,9 @@
 
 - ``spec`` (the number that counts): greedy generation through the Engine's real speculative
   path (EAGLE-3, a chain of ``num_steps`` drafts); accept length = tokens per verify step
-  (accepted drafts + the bonus token), summed over every verify step of every request.
+  (accepted drafts + the bonus token), summed over every verify step of every request, as the
+  Engine counts them: emitted tokens only (a step cut short by the length limit or a stop
+  counts the drafts it kept, not those accepted past it).
 - ``estimate`` (no speculative runtime needed): the target's greedy responses are captured as
   training data is, then from every response position a chain of ``num_steps`` greedy drafts is
   run teacher-forced with dense attention (while the drafts are right, the true tokens *are* the

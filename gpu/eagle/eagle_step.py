@@ -58,9 +58,6 @@ class EagleStep:
         self.batches = SpecBatches(state, self.needs_cpu_seq_lens)
         state.future_map.enable_spec(settings.topk, self.head.config.hidden_size, state.dtype)
         self.max_position = drafter.max_position
-        # Lifetime acceptance counters, per draft position (for telemetry and benchmarks).
-        self.num_verify_rows = 0
-        self.accepted_per_position = np.zeros(settings.num_steps, dtype=np.int64)
 
     # -- the interface the Worker calls ------------------------------------------------------
 
@@ -83,11 +80,6 @@ class EagleStep:
     def finish(self, pending: PendingStep, host: dict[str, torch.Tensor]) -> StepResult:
         """The step's result from its parts' outputs, landed on the host (timings left 0)."""
         rows = rows_of(pending.parts, host)
-        for part, r in zip(pending.parts, rows):
-            if part.verify:  # acceptance counters, per draft position
-                self.num_verify_rows += len(r.accept_lens)
-                for a in r.accept_lens:
-                    self.accepted_per_position[:a] += 1
         tokens = [t for r in rows for t in r.tokens]
         logprobs, n_top, top_ids, top_lps = merge_logprobs(rows)
         return StepResult(

@@ -197,7 +197,8 @@ class OpenAIApp:
 
     async def health(self, request: Request) -> Response:
         svc = self.service
-        state = ("draining" if svc.draining else "ok" if svc.worker_ok else "worker_down")
+        state = ("draining" if svc.draining else "ok" if svc.worker_state == "ready" else
+                 f"worker_{svc.worker_state}")
         return JSONResponse({"status": state, "model": svc.info.model_name},
                             200 if state == "ok" else 503)
 

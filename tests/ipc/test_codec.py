@@ -112,6 +112,7 @@ def test_oversize_frame_is_refused_before_decoding():
     assert error_of(frame, lambda f: decode_client_request(f, max_bytes=50)).code == \
         "message_too_large"
     assert decode_client_request(frame, max_bytes=len(frame)).text == "x" * 100
+    assert error_of(frame, lambda f: decode_client_request(f, max_bytes=50)).request_id == "a"
 
 
 # msgspec raises UnicodeDecodeError for a str that is not UTF-8 and RecursionError for nesting
@@ -120,17 +121,26 @@ BAD_UTF8 = b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text\xa3\xed\xa0\x80"  # a l
 DEEP = b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text" + b"\x91" * 100_000 + b"\xc0"
 
 
-@pytest.mark.parametrize("frame", [
-    b"\xc1", b"", pack({"type": "ping"}) + b"x", b"\x92\x01",
-    pytest.param(BAD_UTF8, id="text-not-utf8"),
-    pytest.param(b"\x81\xa4type\xa2\xff\xfe", id="type-not-utf8"),
-    pytest.param(DEEP, id="deep-text"), pytest.param(b"\x91" * 100_000 + b"\xc0", id="deep"),
+@pytest.mark.parametrize("frame, request_id", [
+    (b"\xc1", None), (b"", None), (pack({"type": "ping"}) + b"x", None), (b"\x92\x01", None),
+    pytest.param(BAD_UTF8, "x", id="text-not-utf8"),
+    pytest.param(b"\x83\xa4type\xa8generate\xa4text\xa3\xed\xa0\x80\xa2id\xa1x", "x",
+                 id="id-after-bad-text"),
+    pytest.param(b"\x83\xa4type\xa8generate\xa2id\xa3\xed\xa0\x80\xa4text\xa1x", None,
+                 id="id-not-utf8"),
+    pytest.param(b"\x81\xa4type\xa2\xff\xfe", None, id="type-not-utf8"),
+    pytest.param(b"\x82\xa4type\xa4ping\xa2id\xa3\xed\xa0\x80", None, id="ping-has-no-id"),
+    pytest.param(DEEP, "x", id="deep-text"),
+    pytest.param(b"\x83\xa4type\xa8generate\xa4text" + b"\x91" * 100_000 + b"\xc0\xa2id\xa1x",
+                 "x", id="id-after-deep-text"),
+    pytest.param(b"\x91" * 100_000 + b"\xc0", None, id="deep"),
 ])
-def test_not_msgpack(frame):
+def test_not_msgpack(frame, request_id):
+    """The error carries the request id whenever the frame's top-level map shows one."""
     err = error_of(frame)
     assert err.code == "invalid_message"
     assert "not valid msgpack" in err.message
-    assert err.request_id is None
+    assert err.request_id == request_id
 
 
 def test_unknown_type_lists_valid_types():

@@ -37,9 +37,10 @@ def test_stop_string_before_min_new_tokens_is_streamed_not_dropped():
     assert outs[-1].finish_reason == FinishReason.STOP
 
 
-def test_params_refused_against_the_vocabulary_name_the_request():
+def test_params_refused_against_the_vocabulary_never_quote_the_internal_key():
     # top_k and stop_token_ids are checked against the model's vocabulary here, at admission
-    # (the codec does not know it): the error names the request like the codec's do.
+    # (the codec does not know it). In the service the id is "<identity hex>/<client id>": the
+    # message must not show it (the Error carries the client's own id).
     import pytest
 
     from service.scheduler_core import RequestRejected
@@ -48,24 +49,27 @@ def test_params_refused_against_the_vocabulary_name_the_request():
     vocab = core.info.vocab_size
     for params in (SamplingParams(top_k=vocab + 1), SamplingParams(stop_token_ids=[vocab])):
         with pytest.raises(RequestRejected) as info:
-            core.add_request("r-7", [1, 2, 3], params)
+            core.add_request("c0ffee/r-7", [1, 2, 3], params)
         assert info.value.code == "invalid_params"
-        assert str(info.value).startswith("request 'r-7': sampling parameter")
+        assert str(info.value).startswith("sampling parameter")
+        assert "c0ffee" not in str(info.value)
     assert core.accounting()["waiting"] == 0
 
 
 def answer(core: Scheduler, rows: dict[str, list[int]], logprobs: bool = False) -> list:
     """Answer the next plan as a speculative step would: each request's row emits its tokens
-    (accept_len + 1 of them)."""
+    (accept_len + 1 of them; a prefill row one, its accept_len -1)."""
     plan = core.plan_step()
     slot_rid = {r.slot: r.rid for r in core.core.running.values()}
-    sampled = [e.slot for e in plan.extends if e.sample] + unpack_i32(plan.decode_slots).tolist()
+    prefills = [e.slot for e in plan.extends if e.sample]
+    sampled = prefills + unpack_i32(plan.decode_slots).tolist()
     tokens = [t for s in sampled for t in rows[slot_rid[s]]]
     return core.process_result(StepResult(
         step_id=plan.step_id, slots=pack_i32(sampled), token_ids=pack_i32(tokens),
         logprobs=pack_f32([-0.5 - i for i in range(len(tokens))]) if logprobs else b"",
         top_logprobs_n=0, top_logprob_ids=b"", top_logprobs=b"", forward_ms=1.0,
-        accept_lens=pack_i32([len(rows[slot_rid[s]]) - 1 for s in sampled])))
+        accept_lens=pack_i32([-1 if s in prefills else len(rows[slot_rid[s]]) - 1
+                              for s in sampled])))
 
 
 def test_a_stop_string_inside_a_verify_row_ends_the_request_there_and_frees_it():
@@ -80,6 +84,14 @@ def test_a_stop_string_inside_a_verify_row_ends_the_request_there_and_frees_it()
         assert out.finish_reason == FinishReason.STOP
         assert out.token_ids == [101, 102] and out.text == "" and out.completion_tokens == 3
         assert [lp.logprob for lp in out.logprobs] == [-0.5, -1.5]
+        # the row accepted 3 drafts but emitted 2 tokens: 1 draft and the one in its place
+        assert (out.spec_verify_steps, out.spec_accepted_drafts) == (1, 1)
+        assert out.spec_accepted_per_position[0] == 1 and not any(
+            out.spec_accepted_per_position[1:])
+        stats = core.core.spec_stats
+        assert (stats.verify_steps, stats.accepted_drafts, stats.recent_accept_length) == (
+            1, 1, 2.0)
+        assert stats.accepted_per_position[0] == 1 and not any(stats.accepted_per_position[1:])
         acc = core.accounting()
         assert (acc["free_pages"], acc["free_slots"], acc["running"]) == (
             acc["total_pages"], acc["total_slots"], 0)

@@ -160,42 +160,52 @@ def test_vanished_client_is_detected_and_its_requests_aborted(service):
     assert "silent" in service.log_text()
 
 
-@pytest.mark.parametrize("frame, code", [
-    (b"\xc1\xff not msgpack", "invalid_message"),
-    (msgspec.msgpack.encode({"type": "teleport", "id": "x"}), "unknown_message_type"),
-    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": 5}), "invalid_message"),
-    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi", "colour": 1}),
-     "invalid_message"),
-    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi",
-                             "params": {"temperature": -1.0}}), "invalid_params"),
-    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi",
-                             "params": {"top_p": 0.0}}), "invalid_params"),
-    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "word " * 9000}),
-     "prompt_too_long"),
-    (msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "x" * (9 << 20)}),
-     "message_too_large"),
-    (msgspec.msgpack.encode({"type": "abort", "id": "never-sent"}), "unknown_request"),
-    # a str that is not UTF-8 (a lone surrogate), and nesting too deep: these ended the service
+def gen(**fields) -> bytes:
+    return msgspec.msgpack.encode({"type": "generate", "id": "x", **fields})
+
+
+@pytest.mark.parametrize("frame, code, rid", [
+    (b"\xc1\xff not msgpack", "invalid_message", None),
+    (msgspec.msgpack.encode({"type": "teleport", "id": "x"}), "unknown_message_type", None),
+    (gen(text=5), "invalid_message", "x"),
+    (gen(text="hi", colour=1), "invalid_message", "x"),
+    (gen(text="hi", params={"temperature": -1.0}), "invalid_params", "x"),
+    (gen(text="hi", params={"top_p": 0.0}), "invalid_params", "x"),
+    # refused at admission, against the vocabulary: its message used to show the internal key
+    pytest.param(gen(text="hi", params={"top_k": 10**6}), "invalid_params", "x",
+                 id="top-k-over-vocab"),
+    (gen(text="word " * 9000), "prompt_too_long", "x"),
+    (gen(text="x" * (9 << 20)), "message_too_large", "x"),
+    (msgspec.msgpack.encode({"type": "abort", "id": "never-sent"}), "unknown_request",
+     "never-sent"),
+    # a str that is not UTF-8 (a lone surrogate), and nesting too deep: these ended the service,
+    # then were answered with id None although the id was readable
     pytest.param(b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text\xa3\xed\xa0\x80",
-                 "invalid_message", id="text-not-utf8"),
-    pytest.param(b"\x91" * 100_000 + b"\xc0", "invalid_message", id="deep-nesting"),
+                 "invalid_message", "x", id="text-not-utf8"),
+    pytest.param(b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text" + b"\x91" * 100_000 + b"\xc0",
+                 "invalid_message", "x", id="deep-text"),
+    pytest.param(b"\x91" * 100_000 + b"\xc0", "invalid_message", None, id="deep-nesting"),
     # min_new_tokens lives in an int64 in the worker: this one used to kill it (worker_died)
-    pytest.param(msgspec.msgpack.encode({"type": "generate", "id": "x", "text": "hi", "params": {
-        "max_new_tokens": 2**64 - 1, "min_new_tokens": 2**63}}), "invalid_params",
-        id="min-new-tokens-over-int64"),
+    pytest.param(gen(text="hi", params={"max_new_tokens": 2**64 - 1, "min_new_tokens": 2**63}),
+                 "invalid_params", "x", id="min-new-tokens-over-int64"),
 ])
-def test_bad_input_gets_a_clear_error(service, frame, code):
+def test_bad_input_gets_a_clear_error(service, frame, code, rid):
+    """Each gets an Error with its code and the request's id when the frame shows one; no
+    message quotes the service's internal key (the connection's identity)."""
+    identity = b"client-\xc0\xff\xee"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(service.endpoint)
     try:
         sock.send(frame)
         assert sock.poll(30000), f"no reply for {code}"
         reply = decode_service_reply(sock.recv())
         assert isinstance(reply, Error), reply
-        assert reply.code == code, reply
+        assert (reply.code, reply.id) == (code, rid), reply
         assert len(reply.message) > 15
+        assert identity.hex() not in reply.message, reply
     finally:
         sock.close()
         ctx.term()

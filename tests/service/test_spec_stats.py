@@ -58,7 +58,7 @@ def snapshot_of(core: Scheduler) -> TelemetrySnapshot:
     try:
         publisher = TelemetryPublisher(ctx, "tcp://127.0.0.1:0", ServiceCounters(started=0.0),
                                        spec, overlap=True)
-        snap = publisher.snapshot(core, core.core.info, worker_alive=True, worker_pid=1)
+        snap = publisher.snapshot(core, core.core.info, worker_state="ready", worker_pid=1)
         publisher.close()
     finally:
         ctx.term()
@@ -95,24 +95,28 @@ def test_accept_lengths_reach_usage_and_telemetry():
     # Depth 1 accepted by 3 rows (2, 3, 1), depth 2 by 2 (2, 3), depth 3 by 1 (3).
     assert snap.spec_accept_rate_per_position == pytest.approx([3 / 4, 2 / 4, 1 / 4])
 
-    # b has 4 of its 6 tokens; accepting 2 drafts emits 3, so it stops at its length limit.
+    # b has 4 of its 6 tokens; accepting 2 drafts emits 3, so it stops at its length limit
+    # after 2: its third token, and so its second draft, is never emitted and never counted.
     outs = {o.rid: o for o in step(core, {"a": 0, "b": 2})}
     done = outs["b"]
     assert done.finish_reason == FinishReason.LENGTH and len(done.token_ids) == 2
-    assert (done.spec_verify_steps, done.spec_accepted_drafts) == (3, 0 + 1 + 2)
-    assert done.spec_accepted_per_position == [2, 1, 0]  # padded to the draft depth
+    assert (done.spec_verify_steps, done.spec_accepted_drafts) == (3, 0 + 1 + 1)
+    assert done.spec_accepted_per_position == [2, 0, 0]  # padded to the draft depth
     usage = usage_of(done, arrival=10.0, first_token=10.5, now=12.0)
     assert usage.completion_tokens == 6 and usage.ttft_ms == pytest.approx(500.0)
-    assert usage.spec_verify_steps == 3 and usage.spec_accepted_drafts == 3
-    assert usage.spec_accept_length == pytest.approx((3 + 3) / 3)
-    assert usage.spec_accepted_per_position == [2, 1, 0]
+    # every output token is the prefill's, a verify step's bonus or an accepted draft
+    assert usage.completion_tokens == 1 + usage.spec_verify_steps + usage.spec_accepted_drafts
+    assert usage.spec_verify_steps == 3 and usage.spec_accepted_drafts == 2
+    assert usage.spec_accept_length == pytest.approx((3 + 2) / 3)
+    assert usage.spec_accepted_per_position == [2, 0, 0]
     wire = decode_service_reply(encode(Finished("b", done.finish_reason.value, usage)))
     assert wire.usage == usage
 
     snap = snapshot_of(core)
     assert [r.id for r in snap.running] == ["a"] and snap.running[0].last_accept_len == 0
     assert snap.spec_verify_steps == 6
-    assert snap.spec_accept_length == pytest.approx((6 + 2 + 3 + 0 + 1 + 0 + 2) / 6)
+    assert snap.spec_accept_length == pytest.approx((6 + 2 + 3 + 0 + 1 + 0 + 1) / 6)
+    assert snap.spec_accept_rate_per_position == pytest.approx([4 / 6, 2 / 6, 1 / 6])
 
     aborted = core.abort("a")  # an aborted request reports what it verified too
     assert (aborted.spec_verify_steps, aborted.spec_accepted_drafts) == (3, 5)
@@ -148,23 +152,28 @@ def test_recent_window_follows_new_steps_while_lifetime_rates_remember():
     assert stats.accept_rate_per_position == pytest.approx([16 / 24] * 3)
 
 
-def test_engine_completion_carries_acceptance_per_position(model_path):
+def test_engine_counts_acceptance_by_the_tokens_it_emits(model_path):
+    # The shipped head through the real engine, with length limits that cut verify steps
+    # short: drafts accepted past max_new_tokens used to count, so the accept length of a
+    # request exceeded what it emitted.
     from fmserve.engine import Engine
 
-    engine = Engine(model=str(model_path), dtype="fp32", page_size=4, max_kv_tokens=1024,
-                    max_running_requests=4, progress=False,
+    engine = Engine(model=str(model_path), dtype="fp32", page_size=4, max_kv_tokens=2048,
+                    max_running_requests=8, progress=False,
                     spec=SpecSettings("eagle3", "", NUM_STEPS, 1, NUM_STEPS + 1))
     chats = [[{"role": "user", "content": q}] for q in ("What is 2+2?", "Name three colors.")]
-    done = engine.generate(chats, SamplingParams(temperature=0.0, max_new_tokens=12))
+    limits = range(5, 13)
+    done = engine.generate([c for c in chats for _ in limits], [
+        SamplingParams(temperature=0.0, max_new_tokens=n) for _ in chats for n in limits])
     for c in done:
         per_pos = c.spec_accepted_per_position
         assert c.spec_verify_steps > 0 and len(per_pos) == NUM_STEPS
         assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= c.spec_verify_steps
         assert sum(per_pos) == c.spec_accepted_drafts  # each accepted draft has one depth
-        # The prefill token, then accepted drafts + one bonus per verify step (the last step
-        # may be cut short by the length limit).
-        assert len(c.token_ids) <= 1 + c.spec_verify_steps + c.spec_accepted_drafts
+        # Every token is the prefill's, or an accepted draft or the bonus of a verify step.
+        assert len(c.token_ids) == 1 + c.spec_verify_steps + c.spec_accepted_drafts, c
     stats = engine.scheduler.core.spec_stats
     assert stats.verify_steps == sum(c.spec_verify_steps for c in done)
+    assert stats.accepted_drafts == sum(c.spec_accepted_drafts for c in done)
     assert stats.accepted_per_position == [sum(x) for x in zip(
         *(c.spec_accepted_per_position for c in done))]

@@ -49,7 +49,8 @@ def snapshot(t: float, running=(), waiting=(), *, retractions=0, restarts=0, ali
                  finished_requests=finished, retractions=retractions, recent_steps=steps,
                  worker_idle_share=0.25,
                  worker=WorkerTelemetry(alive=alive, pid=pid, restarts=restarts, device="cpu",
-                                        dtype="fp32", attention_backend="torch"),
+                                        dtype="fp32", attention_backend="torch",
+                                        state="ready" if alive else "down"),
                  spec_config=spec_config, draining=draining)
 
 
