@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import anyio
 import msgspec
 
 from fmserve.default_model import resolve_draft_model, resolve_model_path
+from ipc.client_messages import ADMIN_TOKEN_ENV
 from service.config import ConfigError, ServiceConfig, load_config, parse_set_flags
 
 # Flag -> (dotted config key, more add_argument keywords); a flag left unset (None) does not
@@ -27,6 +29,10 @@ OVERRIDE_FLAGS = {
     "--endpoint": ("service.client_endpoint",
                    dict(help="client ROUTER endpoint (tcp:// or ipc://)")),
     "--telemetry-endpoint": ("service.telemetry_endpoint", {}),
+    "--curve-keys": ("service.curve_keys", dict(
+        metavar="DIR", help="CURVE on both endpoints, keys from `fmserve keys DIR`")),
+    "--insecure": ("service.insecure", dict(action="store_true", help=(
+        "allow plain ZMQ on endpoints beyond loopback (logs a warning)"))),
     "--overlap": ("scheduling.overlap", dict(action=argparse.BooleanOptionalAction)),
     "--spec-algorithm": ("spec.algorithm", dict(help="none, eagle3 or eagle")),
     "--draft-model": ("spec.draft_model", dict(help="EAGLE head directory")),
@@ -54,6 +60,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         "config.toml").exists() else None)
     overrides = {key: getattr(args, flag[2:].replace("-", "_"))
                  for flag, (key, _) in OVERRIDE_FLAGS.items()}
+    # The environment beats config.toml (a secret kept out of files), --set beats both.
+    overrides["service.admin_token"] = os.environ.get(ADMIN_TOKEN_ENV) or None
     overrides.update(parse_set_flags(args.set))
     return load_config(path, overrides)
 

@@ -26,13 +26,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client_messages import (Abort, AdminAbort, Aborted, Error, Generate, Health, Ping,
-                                 Pong, Stats)
+from ipc.client_messages import Abort, AdminAbort, Error, Generate, Health, Ping, Pong, Stats
 from ipc.codec import ProtocolError, decode_client_request
 from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import WorkerInfo
+from service.admin import AdminOps
 from service.client_registry import ClientRegistry
 from service.config import ConfigError, ServiceConfig
+from service.endpoint_security import EndpointSecurity
 from service.prompt_intake import PromptIntake
 from service.counters import ServiceCounters
 from service.replies import Replies
@@ -82,6 +83,7 @@ class Service:
                                    ready_timeout_s=cfg.worker.ready_timeout_s,
                                    step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
+        self.security = EndpointSecurity(cfg.service)  # reads CURVE keys: refused before loading
         # Made once the worker says what it holds; kept across worker restarts (fail_all
         # empties it for the fresh worker).
         self.scheduler: Scheduler | None = None
@@ -100,8 +102,12 @@ class Service:
         # client that reads slowly would silently lose chunks, or its one terminal message.
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.replies = Replies(self.router, self.clients, self.counters)
-        self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint,
-                                            self.counters, cfg.spec, cfg.scheduling.overlap)
+        self.admin = AdminOps(cfg.service.admin_token, self._abort, self.replies)
+        self.telemetry = TelemetryPublisher(
+            self._ctx, cfg.service.telemetry_endpoint, self.counters, cfg.spec,
+            cfg.scheduling.overlap, include_text=cfg.service.telemetry_include_text)
+        for sock in (self.router, self.telemetry.socket):
+            self.security.secure(sock)
         self.bound_endpoint: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -112,6 +118,7 @@ class Service:
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
             prefix_cache=self.cfg.scheduling.prefix_cache))
+        self.security.start(self._ctx)
         self._bind("client_endpoint", lambda: self.router.bind(self.cfg.service.client_endpoint))
         self.bound_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._bind("telemetry_endpoint", self.telemetry.bind)
@@ -158,6 +165,7 @@ class Service:
         await self.worker.stop(timeout_s=5.0)
         self.telemetry.close()
         self.router.close(linger=0)
+        self.security.stop()
         self._ctx.term()
 
     # -- clients ----------------------------------------------------------------------------
@@ -212,7 +220,7 @@ class Service:
         elif isinstance(msg, Ping):
             await self.replies.send(identity, Pong(self.instance))
         elif isinstance(msg, AdminAbort):
-            await self._on_admin_abort(identity, msg)
+            await self.admin.abort(identity, msg)
 
     def _drop_unowned(self, identity: bytes, msg) -> None:
         """After a failure in a generate: a request the scheduler took but no client owns would
@@ -292,15 +300,6 @@ class Service:
                 "connection (finished already, or never sent)"))
             return
         await self.replies.terminal(out)
-
-    async def _on_admin_abort(self, identity: bytes, msg: AdminAbort) -> None:
-        out = self._abort(msg.key)
-        if out is None:
-            await self.replies.send(identity, Error(
-                None, "unknown_request", f"no request with key '{msg.key}' is in flight"))
-            return
-        await self.replies.terminal(out)
-        await self.replies.send(identity, Aborted(msg.key))
 
     # -- stepping ---------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ipc.client import Client
 from ipc.client_errors import ServiceUnavailable
+from ipc.curve import CurveClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,8 @@ def child_pids(pid: int) -> list[int]:
 
 
 class ServiceProcess:
-    def __init__(self, model_path: Path, *extra: str) -> None:
+    def __init__(self, model_path: Path, *extra: str, curve: CurveClient | None = None) -> None:
+        """`extra`: more `fmserve serve` flags; `curve`: the client keys, for a CURVE service."""
         self.port, self.tport = free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
@@ -44,7 +46,7 @@ class ServiceProcess:
              "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
-        with Client(self.endpoint) as c:
+        with Client(self.endpoint, curve=curve) as c:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"fmserve serve exited early:\n{self.log_text()}")
