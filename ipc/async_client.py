@@ -156,7 +156,11 @@ class AsyncClient:
         self._inflight.set()
         finished = False
         try:
-            await sock.send(frame)
+            try:  # a DEALER with no connection to queue on (CURVE refused it) waits to send
+                async with asyncio.timeout(self.service_timeout_s):
+                    await sock.send(frame)
+            except TimeoutError:
+                raise no_answer(self.endpoint, self.service_timeout_s) from None
             while True:
                 try:
                     async with asyncio.timeout(timeout_s):
@@ -219,8 +223,8 @@ class AsyncClient:
         waiter = asyncio.get_running_loop().create_future()
         self._health_waiters.append(waiter)
         try:
-            await sock.send(encode(Health()))
             async with asyncio.timeout(timeout_s):
+                await sock.send(encode(Health()))  # may wait too: see generate()
                 return await waiter
         except TimeoutError:
             raise no_answer(self.endpoint, timeout_s) from None

@@ -32,8 +32,10 @@ def child_pids(pid: int) -> list[int]:
 
 
 class ServiceProcess:
-    def __init__(self, model_path: Path, *extra: str, curve: CurveClient | None = None) -> None:
-        """`extra`: more `fmserve serve` flags; `curve`: the client keys, for a CURVE service."""
+    def __init__(self, model_path: Path, *extra: str, curve: CurveClient | None = None,
+                 bind_host: str = "127.0.0.1") -> None:
+        """`extra`: more `fmserve serve` flags; `curve`: the client keys, for a CURVE service;
+        `bind_host`: where it binds (clients connect over loopback either way)."""
         self.port, self.tport = free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
@@ -41,8 +43,8 @@ class ServiceProcess:
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"fmserve-svc-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model_path),
-             "--dtype", "fp32", "--endpoint", self.endpoint,
-             "--telemetry-endpoint", f"tcp://127.0.0.1:{self.tport}", "--max-kv-tokens", "4096",
+             "--dtype", "fp32", "--endpoint", f"tcp://{bind_host}:{self.port}",
+             "--telemetry-endpoint", f"tcp://{bind_host}:{self.tport}", "--max-kv-tokens", "4096",
              "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
