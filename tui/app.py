@@ -28,8 +28,8 @@ from textual.markup import escape
 from textual.widgets import DataTable, Footer, Label, Sparkline, Static
 
 from ipc.client_messages import ADMIN_TOKEN_ENV, AdminAbort, Error
-from ipc.curve import CurveClient
 from ipc.codec import ProtocolError, decode_service_reply, encode
+from ipc.curve import CurveClient
 from ipc.telemetry import RequestTelemetry, TelemetrySnapshot
 from tui.events import ERROR, INFO, WARNING, MonitorEvent, SnapshotTracker, request_key
 from tui.telemetry_feed import DEFAULT_TELEMETRY_ENDPOINT, TelemetryFeed
