@@ -44,6 +44,8 @@ def test_a_client_with_the_keys_generates_over_curve(service, keys):
     assert isinstance(replies[-1], Finished) and replies[-1].usage.completion_tokens == 8
     assert sum(len(m.token_ids) for m in replies if isinstance(m, Chunk)) == 8
     assert "CURVE on: admitting the client keys in" in service.log_text()
+    assert main(["client", "--endpoint", service.endpoint, "--curve-keys", str(keys),
+                 "--health"]) == 0
 
 
 @pytest.mark.parametrize("who", ["plain", "intruder"])
