@@ -6,6 +6,7 @@
     fmserve serve                              the service (config.toml + flags)
     fmserve client --prompt "Hello"            ask a running service
     fmserve top                                live monitor of a running service
+    fmserve keys DIR                           CURVE keys for a service beyond loopback
     fmserve bench offline                      prefill/decode tokens/s vs transformers
     fmserve bench offline --spec chain,tree    EAGLE speculative decoding vs the plain engine
     fmserve bench serve                        the service under load vs the offline engine
@@ -90,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     from fmserve.top_cmd import add_top_args, run_top
     add_top_args(top)
     top.set_defaults(func=run_top)
+
+    keys = sub.add_parser("keys", help="write CURVE key pairs (service beyond loopback)")
+    from fmserve.keys_cmd import add_keys_args, run_keys
+    add_keys_args(keys)
+    keys.set_defaults(func=run_keys)
 
     bench = sub.add_parser("bench", help="measure throughput")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -10,6 +10,7 @@ import time
 from fmserve.arg_types import endpoint, positive_int
 from fmserve.generate_cmd import _messages, _read_jsonl, chat_loop, echo, sampling_from_args
 from fmserve.jsonl import check_output_path, write_jsonl
+from fmserve.keys_cmd import add_curve_args, curve_from_args
 from ipc.async_client import AsyncClient
 from ipc.client import Client
 from ipc.client_errors import RequestFailed
@@ -28,6 +29,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=positive_int, default=8,
                    help="requests in flight for --file")
     p.add_argument("--output", default="-", help="where --file results go (JSONL)")
+    add_curve_args(p)
 
 
 def _chat(msgs: list[dict]) -> list[ChatMessage]:
@@ -44,7 +46,7 @@ async def _run_file(args: argparse.Namespace, params) -> int:
     check_output_path(args.output)  # written at the end: a bad path must not cost the batch
     sem = asyncio.Semaphore(args.concurrency)
     results: list[dict | None] = [None] * len(prompts)
-    async with AsyncClient(args.endpoint) as client:
+    async with AsyncClient(args.endpoint, curve=curve_from_args(args)) as client:
         await client.health()  # ServiceUnavailable after a few seconds, not a silent wait
         async def one(i: int, prompt) -> None:
             async with sem:
@@ -65,14 +67,14 @@ async def _run_file(args: argparse.Namespace, params) -> int:
 
 def run_client(args: argparse.Namespace) -> int:
     if args.health:
-        with Client(args.endpoint) as client:
+        with Client(args.endpoint, curve=curve_from_args(args)) as client:
             print(json.dumps({f: getattr(s, f) for s in [client.health()]
                               for f in s.__struct_fields__}, indent=2))
         return 0
     params = sampling_from_args(args)
     if args.file:
         return asyncio.run(_run_file(args, params))
-    with Client(args.endpoint) as client:
+    with Client(args.endpoint, curve=curve_from_args(args)) as client:
         client.health()  # ServiceUnavailable after a few seconds, not a silent wait
         if args.prompt is not None:
             _stream(client, args.prompt if args.raw else _messages(args.system, args.prompt), params)

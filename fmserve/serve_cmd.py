@@ -12,6 +12,7 @@ import anyio
 import msgspec
 
 from fmserve.default_model import resolve_draft_model, resolve_model_path
+from ipc.client_messages import ADMIN_TOKEN_ENV
 from service.config import ConfigError, ServiceConfig, load_config, parse_set_flags
 
 # Flag -> (dotted config key, more add_argument keywords); a flag left unset (None) does not
@@ -32,6 +33,10 @@ OVERRIDE_FLAGS = {
     "--http-port": ("http.port", dict(type=int, help="OpenAI-API port (0: any free one)")),
     "--api-key": ("http.api_key", dict(help="key the OpenAI API requires (default: "
                                        "$FMSERVE_API_KEY, else http.api_key)")),
+    "--curve-keys": ("service.curve_keys", dict(
+        metavar="DIR", help="CURVE on both endpoints, keys from `fmserve keys DIR`")),
+    "--insecure": ("service.insecure", dict(action="store_true", help=(
+        "allow plain ZMQ on endpoints beyond loopback (logs a warning)"))),
     "--overlap": ("scheduling.overlap", dict(action=argparse.BooleanOptionalAction)),
     "--spec-algorithm": ("spec.algorithm", dict(help="none, eagle3 or eagle")),
     "--draft-model": ("spec.draft_model", dict(help="EAGLE head directory")),
@@ -61,6 +66,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                  for flag, (key, _) in OVERRIDE_FLAGS.items()}
     if overrides["http.api_key"] is None:
         overrides["http.api_key"] = os.environ.get("FMSERVE_API_KEY") or None
+    # The environment beats config.toml (a secret kept out of files), --set beats both.
+    overrides["service.admin_token"] = os.environ.get(ADMIN_TOKEN_ENV) or None
     overrides.update(parse_set_flags(args.set))
     return load_config(path, overrides)
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from fmserve.arg_types import endpoint
+from fmserve.keys_cmd import add_curve_args, curve_from_args
+from ipc.client_messages import ADMIN_TOKEN_ENV
 
 
 def add_top_args(p: argparse.ArgumentParser) -> None:
@@ -16,6 +19,10 @@ def add_top_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between screen updates (default 0.25)")
     p.add_argument("--stale-after", type=float, default=2.0,
                    help="seconds without a snapshot before the service is shown as down")
+    p.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV, ""),
+                   help=f"the service's service.admin_token, needed to abort requests "
+                        f"(default: ${ADMIN_TOKEN_ENV}; prefer it: a flag shows in ps)")
+    add_curve_args(p)
 
 
 def run_top(args: argparse.Namespace) -> int:
@@ -23,5 +30,6 @@ def run_top(args: argparse.Namespace) -> int:
         raise ValueError("--refresh and --stale-after must be > 0 seconds")
     from tui.app import TopApp
     TopApp(args.telemetry_endpoint, args.endpoint, refresh_s=args.refresh,
-           stale_after_s=args.stale_after).run()
+           stale_after_s=args.stale_after, admin_token=args.admin_token,
+           curve=curve_from_args(args)).run()
     return 0

@@ -49,6 +49,7 @@ from ipc.client_request import (
     encode_generate,
 )
 from ipc.codec import ProtocolError, decode_service_reply, encode
+from ipc.curve import CurveClient
 from ipc.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class AsyncClient:
     `service_timeout_s`: while requests are in flight, how long the service may send nothing
     at all (not even a Pong) before they all fail with `ServiceUnavailable`; None = never.
     `max_message_bytes`: the service's `service.max_message_bytes`; a larger request fails
-    with `RequestFailed("message_too_large")` before it is sent.
+    with `RequestFailed("message_too_large")` before it is sent. `curve`: the keys of a service
+    that runs CURVE (`ipc.curve.curve_client`); without the right ones it never answers.
     """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *,
@@ -68,7 +70,8 @@ class AsyncClient:
                  timeout_s: float | None = None,
                  service_timeout_s: float | None = DEFAULT_SERVICE_TIMEOUT_S,
                  max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None,
+                 curve: CurveClient | None = None) -> None:
         check_service_timeout(service_timeout_s, heartbeat_interval_s)
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
@@ -78,6 +81,7 @@ class AsyncClient:
         self._heard_at = 0.0  # loop time of the last frame from the service (or of going busy)
         self._instance = ""  # the service run that answered last (Pong/Stats.instance)
         self._context = context
+        self._curve = curve
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> replies (and exceptions)
@@ -101,6 +105,8 @@ class AsyncClient:
             ctx = self._context or zmq.asyncio.Context.instance()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)  # close() never blocks on unsent frames
+            if self._curve is not None:
+                self._curve.apply(sock)
             sock.connect(self.endpoint)
             self._socket = sock
             self._tasks = [asyncio.create_task(self._receive_loop(), name="fmserve-recv"),
@@ -150,7 +156,11 @@ class AsyncClient:
         self._inflight.set()
         finished = False
         try:
-            await sock.send(frame)
+            try:  # a DEALER with no connection to queue on (CURVE refused it) waits to send
+                async with asyncio.timeout(self.service_timeout_s):
+                    await sock.send(frame)
+            except TimeoutError:
+                raise no_answer(self.endpoint, self.service_timeout_s) from None
             while True:
                 try:
                     async with asyncio.timeout(timeout_s):
@@ -213,8 +223,8 @@ class AsyncClient:
         waiter = asyncio.get_running_loop().create_future()
         self._health_waiters.append(waiter)
         try:
-            await sock.send(encode(Health()))
             async with asyncio.timeout(timeout_s):
+                await sock.send(encode(Health()))  # may wait too: see generate()
                 return await waiter
         except TimeoutError:
             raise no_answer(self.endpoint, timeout_s) from None

@@ -31,6 +31,7 @@ from ipc.client_request import (
     Completion,
     check_service_timeout,
 )
+from ipc.curve import CurveClient
 from ipc.sampling import SamplingParams
 
 
@@ -42,7 +43,8 @@ class Client:
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                  timeout_s: float | None = None,
                  service_timeout_s: float | None = DEFAULT_SERVICE_TIMEOUT_S,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 curve: CurveClient | None = None) -> None:
         check_service_timeout(service_timeout_s, heartbeat_interval_s)  # before the thread
         self.endpoint = endpoint
         self._loop = asyncio.new_event_loop()
@@ -51,7 +53,7 @@ class Client:
         self._thread.start()
         self._async = AsyncClient(endpoint, heartbeat_interval_s=heartbeat_interval_s,
                                   timeout_s=timeout_s, service_timeout_s=service_timeout_s,
-                                  max_message_bytes=max_message_bytes)
+                                  max_message_bytes=max_message_bytes, curve=curve)
         self._closed = False
 
     def __enter__(self) -> Client:

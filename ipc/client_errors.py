@@ -38,5 +38,7 @@ def no_answer(endpoint: str, waited_s: float) -> ServiceUnavailable:
     return ServiceUnavailable(
         f"no answer from an fmserve service at {endpoint} within {waited_s:g} s. "
         f"Is it running? Start it with `fmserve serve` (or point the client at the endpoint "
-        f"the service binds, see [service] client_endpoint in config.toml)."
+        f"the service binds, see [service] client_endpoint in config.toml). A service that "
+        f"runs CURVE (service.curve_keys) answers only clients holding keys it admits "
+        f"(--curve-keys)."
     )

@@ -51,10 +51,16 @@ class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
 
 class AdminAbort(msgspec.Struct, tag="admin_abort", frozen=True, forbid_unknown_fields=True):
     """Abort any client's request (for monitors such as `fmserve top`). `key` is the
-    service-wide request key from telemetry (`RequestTelemetry.key`). The owner gets its
-    usual `Finished(reason="abort")`; the sender gets `Aborted` (or `Error` if unknown)."""
+    service-wide request key from telemetry (`RequestTelemetry.key`); `token` the service's
+    admin token (`Error(code="forbidden")` without the right one). The owner gets its usual
+    `Finished(reason="abort")`; the sender gets `Aborted` (or `Error` if unknown)."""
 
     key: str
+    token: str = ""
+
+
+# Where the service and its admin clients (fmserve top) read the admin token from.
+ADMIN_TOKEN_ENV = "FMSERVE_ADMIN_TOKEN"
 
 
 ClientRequest = Generate | Abort | Health | Ping | AdminAbort

@@ -48,6 +48,12 @@ class ServiceSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_message_bytes: Annotated[int, Meta(ge=1 << 10, le=1 << 30)] = MAX_MESSAGE_BYTES
     drain_timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 30.0
 
+    # Trust (config.toml says more): admin operations need this token; "" = none allowed.
+    admin_token: str = ""
+    curve_keys: str = ""  # a directory from `fmserve keys`: CURVE on both endpoints
+    insecure: bool = False  # plain ZMQ beyond loopback, on purpose
+    telemetry_include_text: bool = False  # publish requests' output text (text_tail)
+
 
 class HttpSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enabled: bool = True
@@ -266,14 +272,37 @@ def _port_problem(endpoint: str) -> str | None:
     return None
 
 
+def exposed(endpoint: str) -> bool:
+    """A tcp endpoint on anything but a loopback address: other machines may reach it. A host
+    name, an interface or "*" counts as exposed (what it binds is not known here)."""
+    if not endpoint.startswith("tcp://"):
+        return False  # ipc:// and inproc:// stay on this machine
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    try:
+        return host != "localhost" and not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
+
+
 def _check_consistency(config: ServiceConfig, source: str, origins: dict[str, str]) -> None:
     """Rules that tie two keys together. `origins` says where each key set came from."""
     s, sp = config.service, config.spec
     for key in ("client_endpoint", "telemetry_endpoint"):
+        where = f"{origins.get(f'service.{key}', source)}: service.{key} = {_show(getattr(s, key))}"
         problem = _port_problem(getattr(s, key))
         if problem:
-            raise ConfigError(f"{origins.get(f'service.{key}', source)}: service.{key} = "
-                              f"{_show(getattr(s, key))} {problem}")
+            raise ConfigError(f"{where} {problem}")
+        if exposed(getattr(s, key)) and not (s.curve_keys or s.insecure):
+            raise ConfigError(
+                f"{where} can be reached from other machines, and without authentication "
+                f"anyone who reaches it could use the service and read its telemetry: bind "
+                f"a loopback address (tcp://127.0.0.1:PORT), or run `fmserve keys DIR` and set "
+                f"service.curve_keys = \"DIR\" (fmserve serve --curve-keys DIR) so that only "
+                f"clients holding its keys get in, or, on a network you trust, set "
+                f"service.insecure = true (fmserve serve --insecure)")
+    if s.curve_keys and s.insecure:
+        raise ConfigError(f"{source}: service.insecure = true and service.curve_keys are both "
+                          f"set: with CURVE keys the endpoints are not insecure; drop one")
     if sp.draft_model and sp.algorithm == "none":
         # A head given with speculation off used to load nothing and say nothing.
         algorithm = (f"set in {origins['spec.algorithm']}" if "spec.algorithm" in origins

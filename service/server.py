@@ -25,12 +25,13 @@ import anyio.lowlevel
 import zmq
 import zmq.asyncio
 
-from ipc.client_messages import (Abort, AdminAbort, Aborted, Error, Generate, Health, Ping,
-                                 Pong, WorkerState)
+from ipc.client_messages import Abort, AdminAbort, Error, Generate, Health, Ping, Pong, WorkerState
 from ipc.codec import ProtocolError, decode_client_request
 from ipc.worker_messages import WorkerInfo
+from service.admin import AdminOps
 from service.client_registry import ClientRegistry
-from service.config import ConfigError, ServiceConfig, worker_config_for
+from service.config import ServiceConfig, worker_config_for
+from service.endpoint_security import EndpointSecurity, bind_endpoint
 from service.http.app import OpenAIApp
 from service.http.http_server import HttpServer
 from service.metrics import ServiceMetrics
@@ -63,6 +64,7 @@ class Service:
                                    ready_timeout_s=cfg.worker.ready_timeout_s,
                                    step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
+        self.security = EndpointSecurity(cfg.service)  # reads CURVE keys: refused before loading
         # Made once the worker says what it holds; kept across worker restarts (fail_all
         # empties it for the fresh worker).
         self.scheduler: Scheduler | None = None
@@ -82,11 +84,15 @@ class Service:
         self.metrics = ServiceMetrics(self.counters, lambda: self.scheduler,
                                       lambda: self.worker_state, cfg.spec)
         self.replies = Replies(self.router, self.clients, self.counters, self.metrics)
+        self.admin = AdminOps(cfg.service.admin_token, self._abort, self.replies)
         self.draining = False  # from a signal (or the shutdown) on: new requests refused
         self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,
                                cfg.http.host, cfg.http.port) if cfg.http.enabled else None
-        self.telemetry = TelemetryPublisher(self._ctx, cfg.service.telemetry_endpoint,
-                                            self.counters, cfg.spec, cfg.scheduling.overlap)
+        self.telemetry = TelemetryPublisher(
+            self._ctx, cfg.service.telemetry_endpoint, self.counters, cfg.spec,
+            cfg.scheduling.overlap, include_text=cfg.service.telemetry_include_text)
+        for sock in (self.router, self.telemetry.socket):
+            self.security.secure(sock)
         self.bound_endpoint: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -97,9 +103,10 @@ class Service:
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
             prefix_cache=self.cfg.scheduling.prefix_cache))
-        self._bind("client_endpoint", lambda: self.router.bind(self.cfg.service.client_endpoint))
+        self.security.start(self._ctx)
+        bind_endpoint(self.cfg.service, "client_endpoint", self.router.bind)
         self.bound_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._bind("telemetry_endpoint", self.telemetry.bind)
+        bind_endpoint(self.cfg.service, "telemetry_endpoint", lambda _: self.telemetry.bind())
         log.info("serving %s on %s (telemetry %s)", self.info.model_name, self.bound_endpoint,
                  self.telemetry.endpoint)
         if self.http is not None:
@@ -115,16 +122,6 @@ class Service:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
-
-    def _bind(self, key: str, bind) -> None:
-        """Bind, or say which setting could not be bound and what to do (fmserve serve checks
-        tcp endpoints before the model loads; ipc paths and host names only fail here)."""
-        try:
-            bind()
-        except zmq.ZMQError as exc:
-            raise ConfigError(f"service.{key} = {getattr(self.cfg.service, key)!r} cannot be "
-                              f"bound: {zmq.strerror(exc.errno)}; give a free local address "
-                              f"(--set service.{key}=...), or stop what holds it") from None
 
     async def _signal_watch(self, tg: anyio.abc.TaskGroup) -> None:
         """A first signal drains (service.drain_timeout_s), a second one stops at once."""
@@ -162,6 +159,7 @@ class Service:
         await self.worker.stop(timeout_s=5.0)
         self.telemetry.close()
         self.router.close(linger=0)
+        self.security.stop()
         self._ctx.term()
 
     # -- clients ----------------------------------------------------------------------------
@@ -218,7 +216,7 @@ class Service:
         elif isinstance(msg, Ping):
             await self.replies.send(identity, Pong(self.instance))
         elif isinstance(msg, AdminAbort):
-            await self._on_admin_abort(identity, msg)
+            await self.admin.abort(identity, msg)
 
     def _drop_unowned(self, identity: bytes, msg) -> None:
         """After a failure in a generate: a request the scheduler took but no client owns would
@@ -320,15 +318,6 @@ class Service:
                 "connection (finished already, or never sent)"))
             return
         await self.replies.terminal(out)
-
-    async def _on_admin_abort(self, identity: bytes, msg: AdminAbort) -> None:
-        out = self._abort(msg.key)
-        if out is None:
-            await self.replies.send(identity, Error(
-                None, "unknown_request", f"no request with key '{msg.key}' is in flight"))
-            return
-        await self.replies.terminal(out)
-        await self.replies.send(identity, Aborted(msg.key))
 
     # -- stepping ---------------------------------------------------------------------------
 

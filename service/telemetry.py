@@ -22,7 +22,7 @@ from service.scheduler import Scheduler
 THROUGHPUT_WINDOW_S = 5.0
 
 
-def request_telemetry(req: Request, now: float, text_tail: str = "") -> RequestTelemetry:
+def request_telemetry(req: Request, now: float, text_tail: str | None) -> RequestTelemetry:
     # A request whose last prompt chunk is planned counts as decoding for the scheduler;
     # until its first token arrives, people would call it prefilling.
     state = "prefilling" if req.state == RequestState.DECODING and not req.output_ids else \
@@ -45,8 +45,10 @@ def spec_config_telemetry(spec) -> SpecConfigTelemetry | None:
 
 class TelemetryPublisher:
     def __init__(self, ctx: zmq.Context, endpoint: str, counters: ServiceCounters, spec,
-                 overlap: bool) -> None:
-        """`spec`: the config's [spec] section; `overlap`: scheduling.overlap."""
+                 overlap: bool, *, include_text: bool) -> None:
+        """`spec`: the config's [spec] section; `overlap`: scheduling.overlap; `include_text`:
+        service.telemetry_include_text (off: every text_tail is None, as whoever can subscribe
+        would read every request's output)."""
         self.counters = counters
         self._requested = endpoint
         self.socket = zmq.Socket(ctx, zmq.PUB)  # a plain (blocking-API) socket: sends never wait
@@ -58,6 +60,7 @@ class TelemetryPublisher:
         self._overlap = overlap
         self._speculation = spec.algorithm != "none"
         self._spec_config = spec_config_telemetry(spec)  # fixed for the service's life
+        self._include_text = include_text
 
     def bind(self) -> None:
         self.socket.bind(self._requested)
@@ -72,9 +75,10 @@ class TelemetryPublisher:
             self._history.popleft()
         t0, n0 = self._history[0]
         rate = (counters.output_tokens - n0) / (now_m - t0) if now_m > t0 else 0.0
-        core, text = scheduler.core, scheduler.text
-        running = [request_telemetry(r, now_m, text.tail(r.rid)) for r in core.running.values()]
-        waiting = [request_telemetry(r, now_m, text.tail(r.rid)) for r in core.waiting
+        core = scheduler.core
+        tail = scheduler.text.tail if self._include_text else lambda rid: None
+        running = [request_telemetry(r, now_m, tail(r.rid)) for r in core.running.values()]
+        waiting = [request_telemetry(r, now_m, tail(r.rid)) for r in core.waiting
                    if r.state == RequestState.WAITING]
         acc = core.accounting()
         spec = core.spec_stats

@@ -6,8 +6,9 @@ keyboard stays responsive under load. `p` freezes the screen, `s` cycles the sor
 `enter` opens the selected request, `a` aborts it, `q` quits.
 
 `a` sends the service an `AdminAbort` naming the request by its service-wide key (a plain
-`Abort` only reaches requests of the connection that sent them); the owner's stream ends with
-`Finished(reason="abort")` and the service answers the monitor with `Aborted` or `Error`.
+`Abort` only reaches requests of the connection that sent them) and the admin token; the owner's
+stream ends with `Finished(reason="abort")` and the service answers the monitor with `Aborted`
+or `Error`. Without a token the monitor does not send it and says why.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from textual.coordinate import Coordinate
 from textual.markup import escape
 from textual.widgets import DataTable, Footer, Label, Sparkline, Static
 
-from ipc.client_messages import AdminAbort, Error
+from ipc.client_messages import ADMIN_TOKEN_ENV, AdminAbort, Error
 from ipc.codec import ProtocolError, decode_service_reply, encode
+from ipc.curve import CurveClient
 from ipc.telemetry import RequestTelemetry, TelemetrySnapshot
 from tui.events import ERROR, INFO, WARNING, MonitorEvent, SnapshotTracker, request_key
 from tui.telemetry_feed import DEFAULT_TELEMETRY_ENDPOINT, TelemetryFeed
@@ -49,6 +51,9 @@ from tui.widgets import (
 
 DEFAULT_CLIENT_ENDPOINT = "tcp://127.0.0.1:5557"
 ABORT_REPLY_TIMEOUT_S = 3.0
+ABORT_UNAVAILABLE = (f"abort is unavailable: it needs the service's admin token (its "
+                     f"service.admin_token); start fmserve top with --admin-token or "
+                     f"{ADMIN_TOKEN_ENV}")
 
 
 @dataclass(frozen=True)
@@ -121,17 +126,22 @@ class TopApp(App):
     def __init__(self, telemetry_endpoint: str = DEFAULT_TELEMETRY_ENDPOINT,
                  client_endpoint: str = DEFAULT_CLIENT_ENDPOINT, *, refresh_s: float = 0.25,
                  stale_after_s: float = 2.0, reconnect_every_s: float = 3.0,
+                 admin_token: str = "", curve: CurveClient | None = None,
                  feed: TelemetryFeed | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        """`feed` replaces the ZMQ reader (anything with run/stop/take/status and an endpoint)
-        and `clock` the time stamp of the monitor's own events: tests use both to draw the
-        same screen on every run."""
+        """`admin_token`: the service's, for `a` ("": abort is unavailable); `curve`: the keys
+        of a CURVE service, for both sockets. `feed` replaces the ZMQ reader (anything with
+        run/stop/take/status and an endpoint) and `clock` the time stamp of the monitor's own
+        events: tests use both to draw the same screen on every run."""
         super().__init__()
         self.client_endpoint = client_endpoint
+        self.admin_token = admin_token
+        self.curve = curve
         self.refresh_s = refresh_s
         self.clock = clock
         self.feed = feed if feed is not None else TelemetryFeed(
-            telemetry_endpoint, stale_after_s=stale_after_s, reconnect_every_s=reconnect_every_s)
+            telemetry_endpoint, stale_after_s=stale_after_s, reconnect_every_s=reconnect_every_s,
+            curve=curve)
         self.tracker = SnapshotTracker()
         self.snapshot: TelemetrySnapshot | None = None  # the one on screen
         self.paused = False
@@ -175,7 +185,8 @@ class TopApp(App):
         for key, label, width in COLUMNS:
             table.add_column(label, width=width, key=key)
         table.border_title = "running batch"
-        table.border_subtitle = "enter: details  a: abort  s: sort"
+        table.border_subtitle = "enter: details  a: abort  s: sort" if self.admin_token else \
+            "enter: details  s: sort  (abort needs --admin-token)"
         self.side.border_title = "memory, throughput, steps"
         self.seq_lens.border_title = "sequence lengths"
         self.queue.border_title = "queue"
@@ -310,6 +321,9 @@ class TopApp(App):
         if key is None:
             self._log(MonitorEvent(self.clock(), WARNING, "abort: no request selected"))
             return
+        if not self.admin_token:
+            self._log(MonitorEvent(self.clock(), WARNING, ABORT_UNAVAILABLE))
+            return
         track = self.tracker.tracks.get(key)
         if track is not None and track.ended_at is not None:
             self._log(MonitorEvent(self.clock(), WARNING, f"abort {key}: it has already ended"))
@@ -320,7 +334,7 @@ class TopApp(App):
 
     @work(thread=True, group="abort")
     def _send_abort(self, key: str) -> None:
-        event = send_admin_abort(self.client_endpoint, key)
+        event = send_admin_abort(self.client_endpoint, key, self.admin_token, self.curve)
         self.call_from_thread(self._abort_answered, key, event)
 
     def _abort_answered(self, key: str, event: MonitorEvent) -> None:
@@ -329,15 +343,17 @@ class TopApp(App):
         self._log(event)
 
 
-def send_admin_abort(endpoint: str, key: str,
+def send_admin_abort(endpoint: str, key: str, token: str, curve: CurveClient | None = None,
                      timeout_s: float = ABORT_REPLY_TIMEOUT_S) -> MonitorEvent:
-    """Send `AdminAbort(key)` on a fresh DEALER socket and describe the answer."""
+    """Send `AdminAbort(key, token)` on a fresh DEALER socket and describe the answer."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        if curve is not None:
+            curve.apply(sock)
         sock.connect(endpoint)
-        sock.send(encode(AdminAbort(key)))  # the request's service-wide key
+        sock.send(encode(AdminAbort(key, token)))  # the request's service-wide key
         if not sock.poll(int(timeout_s * 1000)):
             return MonitorEvent(time.time(), WARNING,
                                 f"abort {key}: no answer from {endpoint} within {timeout_s:g} s;"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from ipc.curve import CurveClient
 from ipc.telemetry import TelemetrySnapshot
 
 DEFAULT_TELEMETRY_ENDPOINT = "tcp://127.0.0.1:5558"
@@ -59,8 +60,11 @@ class TelemetryFeed:
     """`run()` in a thread; `take()` from the UI for the newest snapshot not yet taken."""
 
     def __init__(self, endpoint: str = DEFAULT_TELEMETRY_ENDPOINT, *,
-                 stale_after_s: float = 2.0, reconnect_every_s: float = 3.0) -> None:
+                 stale_after_s: float = 2.0, reconnect_every_s: float = 3.0,
+                 curve: CurveClient | None = None) -> None:
+        """`curve`: the keys of a service that runs CURVE (None: plain ZMQ)."""
         self.endpoint = endpoint
+        self.curve = curve
         self.stale_after_s = stale_after_s
         self.reconnect_every_s = reconnect_every_s
         self._decoder = msgspec.msgpack.Decoder(TelemetrySnapshot)
@@ -106,6 +110,8 @@ class TelemetryFeed:
         sock.setsockopt(zmq.CONFLATE, 1)  # must precede connect; frames are single-part
         sock.setsockopt(zmq.RCVHWM, 4)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.endpoint)
         return sock
 

@@ -243,7 +243,8 @@ class EventLog(RichLog):
 
 # ----- request detail -----------------------------------------------------------------------
 
-TEXT_NOTE = "text n/a: this service's telemetry carries no request text (no text_tail)"
+TEXT_NOTE = ("text off: the service publishes no request text (its "
+             "service.telemetry_include_text is false)")
 NO_TEXT_YET = "no text yet"
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
 

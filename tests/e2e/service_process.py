@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ipc.client import Client
 from ipc.client_errors import ServiceUnavailable
+from ipc.curve import CurveClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,10 @@ def child_pids(pid: int) -> list[int]:
 
 
 class ServiceProcess:
-    def __init__(self, model_path: Path, *extra: str) -> None:
+    def __init__(self, model_path: Path, *extra: str, curve: CurveClient | None = None,
+                 bind_host: str = "127.0.0.1") -> None:
+        """`extra`: more `fmserve serve` flags; `curve`: the client keys, for a CURVE service;
+        `bind_host`: where it binds (clients connect over loopback either way)."""
         self.port, self.tport, self.http_port = free_port(), free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
@@ -40,13 +44,13 @@ class ServiceProcess:
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"fmserve-svc-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fmserve.cli", "serve", "--model", str(model_path),
-             "--dtype", "fp32", "--endpoint", self.endpoint,
-             "--telemetry-endpoint", f"tcp://127.0.0.1:{self.tport}", "--max-kv-tokens", "4096",
+             "--dtype", "fp32", "--endpoint", f"tcp://{bind_host}:{self.port}",
+             "--telemetry-endpoint", f"tcp://{bind_host}:{self.tport}", "--max-kv-tokens", "4096",
              "--http-port", str(self.http_port),
              "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
-        with Client(self.endpoint) as c:
+        with Client(self.endpoint, curve=curve) as c:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"fmserve serve exited early:\n{self.log_text()}")

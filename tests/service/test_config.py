@@ -205,15 +205,15 @@ def test_serve_refuses_an_endpoint_it_cannot_bind_before_loading_the_model(tmp_p
             check_endpoints(cfg)
         check_endpoints(load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
                                            "service.telemetry_endpoint": "tcp://*:0",
-                                           "http.port": 0}))
+                                           "service.insecure": True, "http.port": 0}))
         with pytest.raises(ConfigError, match=f"http.port = {port} \\(on 127.0.0.1\\) cannot "
                                               f"be bound: Address already in use"):
             check_endpoints(load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
                                                "service.telemetry_endpoint": "tcp://*:0",
-                                               "http.port": port}))
+                                               "service.insecure": True, "http.port": port}))
     cfg = load_config(None, {"service.client_endpoint": "tcp://127.0.0.1:0",
-                             "service.telemetry_endpoint": "tcp://192.0.2.1:5558",
-                             "http.port": 0})  # TEST-NET-1
+                             "service.telemetry_endpoint": "tcp://192.0.2.1:5558",  # TEST-NET-1
+                             "service.insecure": True, "http.port": 0})
     with pytest.raises(ConfigError, match="service.telemetry_endpoint = 'tcp://192.0.2.1:5558' "
                                           "cannot be bound"):
         check_endpoints(cfg)
@@ -287,3 +287,49 @@ def test_api_key_comes_from_the_flag_then_the_environment_then_the_file(tmp_path
         "from-env"
     assert config_from_args(parser.parse_args(["--config", str(cfg_file), "--api-key", "flag"])
                             ).http.api_key == "flag"
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://192.0.2.1:1",
+                                      "tcp://eth0:5557", "tcp://example.org:5557"])
+def test_an_endpoint_beyond_loopback_needs_curve_or_insecure(endpoint):
+    for key in ("client_endpoint", "telemetry_endpoint"):
+        message = refused(None, {f"service.{key}": endpoint})
+        assert f'command line: service.{key} = "{endpoint}" can be reached from other ' \
+               f'machines' in message
+        for how in ("fmserve keys DIR", 'service.curve_keys = "DIR"', "--curve-keys DIR",
+                    "service.insecure = true", "--insecure", "tcp://127.0.0.1:PORT"):
+            assert how in message
+        assert load_config(None, {f"service.{key}": endpoint, "service.insecure": True})
+        assert load_config(None, {f"service.{key}": endpoint, "service.curve_keys": "keys"})
+    assert "drop one" in refused(None, {"service.insecure": True, "service.curve_keys": "k"})
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "tcp://127.8.9.10:0",
+                                      "tcp://localhost:5557", "ipc:///tmp/fm.sock",
+                                      "inproc://fm"])
+def test_a_loopback_or_local_endpoint_needs_nothing(endpoint):
+    assert load_config(None, {"service.client_endpoint": endpoint}).service.insecure is False
+
+
+def test_the_admin_token_comes_from_the_environment_over_the_file(tmp_path, monkeypatch):
+    from fmserve.serve_cmd import add_serve_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    path = write(tmp_path, '[service]\nadmin_token = "from-file"\n')
+    token = lambda *flags: config_from_args(  # noqa: E731
+        parser.parse_args(["--config", str(path), *flags])).service.admin_token
+    monkeypatch.delenv("FMSERVE_ADMIN_TOKEN", raising=False)
+    assert token() == "from-file"
+    monkeypatch.setenv("FMSERVE_ADMIN_TOKEN", "from-env")
+    assert token() == "from-env"
+    assert token("--set", "service.admin_token=from-set") == "from-set"
+
+
+def test_serve_refuses_a_plain_endpoint_beyond_loopback_at_start(capsys):
+    from fmserve.cli import main
+
+    assert main(["serve", "--endpoint", "tcp://0.0.0.0:5557"]) == 2
+    err = capsys.readouterr().err
+    assert 'service.client_endpoint = "tcp://0.0.0.0:5557" can be reached from other machines' \
+        in err and "--curve-keys DIR" in err and "--insecure" in err

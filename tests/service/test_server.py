@@ -25,9 +25,12 @@ QUESTIONS = ["What is 2+2?", "Name a color.", "Write one word about the sea.",
              "Say hello in French."]
 
 
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
 @pytest.fixture(scope="module")
 def service(model_path):
-    svc = ServiceProcess(model_path)
+    svc = ServiceProcess(model_path, "--set", f"service.admin_token={ADMIN_TOKEN}")
     yield svc
     svc.stop()
 
@@ -334,8 +337,12 @@ def test_sigterm_drains_then_shuts_down_cleanly(model_path):
             s.bind(("127.0.0.1", port))  # raises if the service still holds it
 
 
-def test_telemetry_snapshot_and_admin_abort(service):
-    from ipc.client_messages import AdminAbort, Aborted
+def test_another_client_aborts_a_request_only_with_the_admin_token(service):
+    """The attack: a second connection ends the owner's request by the key telemetry shows.
+    Without the admin token (none, or a wrong one) it is refused and the request runs on to
+    its end; a plain abort reaches only the sender's own requests; with the token it works.
+    Telemetry carries no output text by default."""
+    from ipc.client_messages import Abort, AdminAbort, Aborted
     from ipc.telemetry import TelemetrySnapshot
 
     ctx = zmq.Context()
@@ -343,37 +350,83 @@ def test_telemetry_snapshot_and_admin_abort(service):
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{service.tport}")
-    admin = ctx.socket(zmq.DEALER)
-    admin.setsockopt(zmq.LINGER, 0)
-    admin.connect(service.endpoint)
+    other = ctx.socket(zmq.DEALER)
+    other.setsockopt(zmq.LINGER, 0)
+    other.connect(service.endpoint)
     decoder = msgspec.msgpack.Decoder(TelemetrySnapshot)
-    got: list[object] = []
-    params = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
+    got: dict[str, list] = {}
 
-    def owner() -> None:
+    def owner(rid: str, max_new_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
         with Client(service.endpoint) as client:
-            got.extend(client.generate("Tell me everything.", params=params, request_id="owned"))
+            got[rid] = list(client.generate("Tell me everything.", params=params,
+                                            request_id=rid))
 
-    t = threading.Thread(target=owner)
-    t.start()
-    try:
-        key = None
+    def running_key(rid: str) -> str:
         deadline = time.monotonic() + 60
-        while key is None and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             if sub.poll(1000):
                 snap = decoder.decode(sub.recv())
-                assert snap.total_pages > 0 and snap.worker.alive
-                key = next((r.key for r in snap.running if r.id == "owned"), None)
-        assert key is not None, "the running request never showed up in telemetry"
-        admin.send(encode(AdminAbort(key)))
-        assert admin.poll(10000)
-        assert isinstance(decode_service_reply(admin.recv()), Aborted)
-        t.join(timeout=30)
-        assert isinstance(got[-1], Finished) and got[-1].reason == "abort"
+                for r in snap.running:
+                    assert r.text_tail is None  # service.telemetry_include_text is off
+                    if r.id == rid and r.generated > 0:
+                        return r.key
+        raise AssertionError(f"{rid} never showed up running in telemetry")
+
+    def answer(msg) -> object:
+        other.send(encode(msg))
+        assert other.poll(10000), f"no answer to {msg}"
+        return decode_service_reply(other.recv())
+
+    victim = threading.Thread(target=owner, args=("victim", 160))
+    victim.start()
+    try:
+        key = running_key("victim")
+        for token in ("", "wrong-token", ADMIN_TOKEN[:-1]):
+            refusal = answer(AdminAbort(key, token))
+            assert isinstance(refusal, Error) and refusal.code == "forbidden", refusal
+            assert "admin token is missing or wrong" in refusal.message
+        for rid in (key, "victim"):  # Abort is scoped to the sender's own connection
+            assert answer(Abort(rid)).code == "unknown_request"
+        victim.join(timeout=120)
+        assert isinstance(got["victim"][-1], Finished) and got["victim"][-1].reason == "length"
+        assert got["victim"][-1].usage.completion_tokens == 160
+
+        owned = threading.Thread(target=owner, args=("owned", 2000))
+        owned.start()
+        key = running_key("owned")
+        assert isinstance(answer(AdminAbort(key, ADMIN_TOKEN)), Aborted)
+        owned.join(timeout=30)
+        assert isinstance(got["owned"][-1], Finished) and got["owned"][-1].reason == "abort"
     finally:
+        victim.join(timeout=120)
         sub.close()
-        admin.close()
+        other.close()
         ctx.term()
+
+
+def test_admin_operations_without_a_configured_token_say_how_to_enable_them(model_path):
+    from ipc.client_messages import AdminAbort
+
+    replies: list = []
+
+    def client(ctx, endpoint) -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(endpoint)
+        try:
+            for token in ("", "anything"):
+                dealer.send(encode(AdminAbort("00/x", token)))
+                replies.append(decode_service_reply(dealer.recv()))
+        finally:
+            dealer.close()
+
+    in_process_receive_loop(model_path, client)  # the default config: no admin token
+    for reply in replies:
+        assert isinstance(reply, Error) and reply.code == "forbidden", reply
+        assert "admin_abort is disabled: this service has no admin token" in reply.message
+        assert "service.admin_token" in reply.message and "FMSERVE_ADMIN_TOKEN" in reply.message
 
 
 def test_speculative_service_streams_the_greedy_output(model_path, reference):

@@ -36,7 +36,7 @@ from tests.e2e.service_process import ServiceProcess, free_port
 from tests.service.fake_scheduler import word_tokenizer
 from tests.tui.helpers import (REFRESH_S, SIZE, Publisher, events_text, make_app, req, screen_text,
                                show, snapshot, table_rows, until)
-from tui.app import AdminAbort, send_admin_abort
+from tui.app import ABORT_UNAVAILABLE, AdminAbort, send_admin_abort
 from tui.events import request_key
 from tui.widgets import NO_TEXT_YET, TEXT_NOTE, OutputText, RequestDetailScreen
 
@@ -68,6 +68,27 @@ async def test_rows_appear_update_and_leave(pub):
         kv = str(app.query_one("#kv").render())
         assert f"{(256 - 192) * 16}/{256 * 16}" in kv and "64/256 pages" in kv
         assert "waiting: 0" in str(app.query_one("#queue").render())
+
+
+async def test_abort_without_an_admin_token_says_it_is_unavailable_and_sends_nothing(pub):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)  # where the service would be
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    app = make_app(pub.endpoint, f"tcp://127.0.0.1:{port}")
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await show(pilot, app, pub, snapshot(1100.0, [req("alpha", 1, 40, 10)]))
+            assert "abort needs --admin-token" in app.table.border_subtitle
+            await pilot.press("a")
+            await until(pilot, lambda: "abort is unavailable" in events_text(app),
+                        what="the monitor to say abort is unavailable")
+            assert _squash(ABORT_UNAVAILABLE) in _squash(events_text(app))
+            assert "--admin-token or FMSERVE_ADMIN_TOKEN" in ABORT_UNAVAILABLE
+            assert not router.poll(500)  # no AdminAbort went out
+    finally:
+        router.close()
+        ctx.term()
 
 
 async def test_sort_cycles_columns_and_keeps_selection(pub):
@@ -247,7 +268,7 @@ class SchedulerTelemetry:
     """A Scheduler answered by hand (no worker; token t reads "w<t> ") and the service's
     TelemetryPublisher making snapshots of it, as `fmserve serve` publishes them."""
 
-    def __init__(self, spec: SpecSettings = SpecSettings()) -> None:
+    def __init__(self, spec: SpecSettings = SpecSettings(), include_text: bool = True) -> None:
         info = WorkerInfo(protocol_version=1, model_name="fake", device="cpu", dtype="fp32",
                           attention_backend="torch", num_layers=2, vocab_size=1000,
                           max_context_len=4096, page_size=16, num_pages=64, num_slots=5,
@@ -256,7 +277,7 @@ class SchedulerTelemetry:
         self.info = info
         self.ctx = zmq.Context()
         self.publisher = TelemetryPublisher(self.ctx, "tcp://127.0.0.1:0", ServiceCounters(),
-                                            spec, overlap=False)
+                                            spec, overlap=False, include_text=include_text)
         self.streamed: dict[str, str] = {}  # the text each client received, in its chunks
 
     def step(self, token: int) -> None:
@@ -330,6 +351,26 @@ async def test_detail_view_streams_the_request_text(pub):
         sched.close()
 
 
+async def test_detail_view_says_when_the_service_publishes_no_text(pub):
+    sched = SchedulerTelemetry(include_text=False)  # service.telemetry_include_text's default
+    rid = "c0ffee/quiet"
+    sched.core.add_request(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=100))
+    app = make_app(pub.endpoint)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            for token in (3, 4):
+                sched.step(token)
+            snap = sched.snapshot()
+            assert sched.streamed[rid] == "w3 w4 " and snap.running[0].text_tail is None
+            await show(pilot, app, pub, snap)
+            await pilot.press("enter")
+            panel = app.screen.query_one("#detail-text", OutputText)
+            assert panel.render().plain == TEXT_NOTE
+            assert "text off" in TEXT_NOTE and "service.telemetry_include_text" in TEXT_NOTE
+    finally:
+        sched.close()
+
+
 async def test_detail_view_before_the_first_token(pub):
     app = make_app(pub.endpoint)
     async with app.run_test(size=SIZE) as pilot:
@@ -371,11 +412,15 @@ async def test_header_shows_the_speculation_settings(pub):
 
 # ----- live service -------------------------------------------------------------------------
 
+ADMIN_TOKEN = "top-test-token-5f0c"
+
+
 @pytest.fixture(scope="module")
 def live_service(model_path):
     if not Path(model_path).exists():
         pytest.skip(f"model file {model_path} is missing; set FMSERVE_MODEL")
-    svc = ServiceProcess(model_path)
+    svc = ServiceProcess(model_path, "--set", f"service.admin_token={ADMIN_TOKEN}",
+                         "--set", "service.telemetry_include_text=true")
     yield svc
     svc.stop()
 
@@ -391,7 +436,7 @@ def _client(endpoint: str, prompt: str, rid: str, max_new: int, out: dict) -> No
                     "cannot abort another client's request (see tui/app.py)")
 async def test_live_service_with_concurrent_clients_and_abort(live_service):
     svc = live_service
-    app = make_app(f"tcp://127.0.0.1:{svc.tport}", svc.endpoint)
+    app = make_app(f"tcp://127.0.0.1:{svc.tport}", svc.endpoint, admin_token=ADMIN_TOKEN)
     results: dict[str, list] = {}
     short = [f"short-{i}" for i in range(3)]
     threads = [threading.Thread(target=_client, args=(svc.endpoint, f"Count to {i}.", rid, 24,
@@ -421,6 +466,11 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
                         what="the victim's text in the detail view")
             seen_text = panel.text
             await pilot.press("escape")
+            # Without the service's token the service refuses, and the victim runs on.
+            wrong = await asyncio.to_thread(send_admin_abort, svc.endpoint, app.selected_key(),
+                                            "not-the-token")
+            assert wrong.level == "error" and "[forbidden]" in wrong.text
+            assert "victim" not in results
             await pilot.press("a")
             await until(pilot, lambda: "victim" in results, timeout_s=30,
                         what="the victim's stream to end")
@@ -432,7 +482,8 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
             await until(pilot, lambda: "victim aborted from top" in events_text(app),
                         timeout_s=10, what="the abort event")
             # A key that is not in flight is refused, and the monitor says why.
-            refused = await asyncio.to_thread(send_admin_abort, svc.endpoint, "00/none")
+            refused = await asyncio.to_thread(send_admin_abort, svc.endpoint, "00/none",
+                                              ADMIN_TOKEN)
             assert refused.level == "error" and "unknown_request" in refused.text
             for t in threads:
                 await asyncio.to_thread(t.join, 60)

@@ -149,7 +149,8 @@ def utc():
 
 def scene_app() -> TopApp:
     return TopApp(client_endpoint="tcp://127.0.0.1:5557", refresh_s=REFRESH_S,
-                  feed=SceneFeed(scene()), clock=lambda: SCENE_T0 - 2.0)
+                  admin_token="scene-token", feed=SceneFeed(scene()),
+                  clock=lambda: SCENE_T0 - 2.0)
 
 
 async def play_scene(pilot) -> None:
