@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from fmserve.engine import Engine
+from gpu.loader.errors import ModelLoadError
+from gpu.loader.hf_loader import hf_model_config
+from gpu.loader.load import load_model
 from ipc.sampling import SamplingParams
 from tests.gpu import family_models as fm
 from tests.engine_runs import prompt_logits
@@ -80,3 +83,28 @@ def test_sliding_window_chunked_prefill_and_decode(tmp_path, backend):
     prompts = [PROMPT, PROMPT[:13], PROMPT[5:]]
     for prompt, completion in zip(prompts, engine.generate(prompts, GREEDY)):
         assert completion.token_ids == fm.reference_greedy(model, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("changes, window", [
+    (dict(), None),  # Qwen's sliding_window is off unless use_sliding_window says so
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), 8),
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), None),
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "some layers only"),
+])
+def test_qwen_sliding_window_settings(tmp_path, changes, window):
+    raw = fm.hf_config("qwen2", **changes).to_dict()
+    if isinstance(window, str):
+        with pytest.raises(ModelLoadError, match=window):
+            hf_model_config(raw, tmp_path / "config.json")
+    else:
+        assert hf_model_config(raw, tmp_path / "config.json").sliding_window == window
+
+
+def test_a_tensor_of_another_family_is_refused(tmp_path):
+    """A Qwen2 GGUF relabelled Qwen3 carries q/k/v biases a Qwen3 has no place for: named,
+    not silently dropped."""
+    path = fm.write_gguf(fm.random_model("qwen2"), "qwen2", tmp_path / "x.gguf", F16)
+    path.write_bytes(path.read_bytes().replace(b"qwen2", b"qwen3"))  # the same length
+    with pytest.raises(ModelLoadError, match=r"x.gguf: weights .*q_bias.* have no place in a "
+                                             r"qwen3 model"):
+        load_model(path, progress=False)
