@@ -1,6 +1,7 @@
 """Triton causal extend (prefill) attention over req_to_token, optionally with a sliding window
 or a tree mask over each request's last K keys (speculative verification), and the schedule
-mapping its grid to (request, query block). Interpreter and precision notes: ``gpu.attention.triton_common``."""
+mapping its grid to (request, query block). Interpreter and precision notes:
+``gpu.attention.triton_common``."""
 
 from __future__ import annotations
 

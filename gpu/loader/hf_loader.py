@@ -71,7 +71,8 @@ def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
         method = raw["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{config_file}: the checkpoint is quantized ({method}); use an "
                              f"unquantized checkpoint or a GGUF file")
-    for flag in ("attention_bias", "mlp_bias"):  # an o_proj / MLP bias: Qwen2's q/k/v ones are no flag
+    # Biases on o_proj or the MLP (Qwen2's q/k/v biases are no flag: the family has them).
+    for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ModelLoadError(f"{config_file}: '{flag}: true' is not supported")
 

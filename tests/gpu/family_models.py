@@ -37,7 +37,8 @@ FAMILIES = {
 # HF per-layer tensor name -> GGUF's (llama.cpp's tensor names)
 _GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
                "post_attention_layernorm.weight": "ffn_norm.weight",
-               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+               "self_attn.q_proj.weight": "attn_q.weight",
+               "self_attn.k_proj.weight": "attn_k.weight",
                "self_attn.v_proj.weight": "attn_v.weight",
                "self_attn.o_proj.weight": "attn_output.weight",
                "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
