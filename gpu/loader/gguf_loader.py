@@ -19,12 +19,10 @@ from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks, q8_0_as_q4_pair
-from gpu.loader.families import SUPPORTED_GGUF, gguf_family
+from gpu.loader.families import gguf_family
 from gpu.model_config import ModelConfig
 from gpu.rope_scaling import ROPE_SCALING_KINDS, RopeScaling, rope_inv_freq
 from ipc.gguf_file import GGUFFile
-
-SUPPORTED_ARCHITECTURES = SUPPORTED_GGUF
 
 # GGUF per-block tensor name (without "blk.{i}.") -> our unfused name (load.py: fused layout).
 _LAYER_TENSORS = {
