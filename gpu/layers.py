@@ -7,12 +7,11 @@ gather per forward, no dtype round trips when the model already runs in fp32.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from gpu.model_config import ModelConfig, RopeScaling
+from gpu.model_config import ModelConfig
+from gpu.rope_scaling import rope_inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,20 +24,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is None:
-        return inv_freq.float()
-    # Llama-3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return torch.where(mid, blended, scaled).float()
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every head of x [tokens, heads, head_dim] with its own row of weight
+    [heads, head_dim] (Qwen3's q and k norms, side by side as q and k sit in the projection)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 class RotaryEmbedding:
@@ -53,9 +44,10 @@ class RotaryEmbedding:
         t = torch.arange(config.max_context_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_len, half]
         self.half = config.head_dim // 2
+        scale = config.rope_scaling.cos_sin_scale() if config.rope_scaling else 1.0
         # Rounded to the model dtype after cos/sin in fp32, as transformers does.
-        self.cos = freqs.cos().to(device=device, dtype=dtype)  # [max_len, half]
-        sin = freqs.sin()
+        self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)  # [max_len, half]
+        sin = freqs.sin() * scale
         self.signed_sin = torch.stack([-sin, sin], dim=1).to(device=device, dtype=dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,8 @@
-"""A Llama-family decoder over a paged KV cache.
+"""A Llama-family decoder over a paged KV cache: Llama 1/2/3.x, Mistral, Qwen2/2.5 and Qwen3.
+
+The families are one decoder: Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm of q and k
+before rope, Mistral a sliding window (the attention backend's, see gpu/attention/base.py);
+the config's flags say which (gpu/model_config.py, gpu/loader/families.py).
 
 The model holds weights only; everything per-forward (token locations, lengths) arrives in a
 `ForwardBatch` and the attention backend reads and writes the KV pool. Projections are linear
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch
-from gpu.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+from gpu.layers import RotaryEmbedding, apply_rope, head_rms_norm, rms_norm, swiglu
 from gpu.loader.gguf_q4 import Q4Blocks
 from gpu.model_config import ModelConfig
 from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_applies, q4_shape_ok
@@ -32,6 +36,8 @@ class DecoderLayer:
     post_attn_norm: torch.Tensor
     gate_up_proj: Linear | Q4Linear
     down_proj: Linear | Q4Linear
+    qkv_bias: torch.Tensor | None = None  # [q_size + 2 * kv_size]
+    qk_norm: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]
 
 
 class LlamaModel:
@@ -75,7 +81,9 @@ class LlamaModel:
                          o_proj=linear(f"layers.{i}.o_proj"),
                          post_attn_norm=w(f"layers.{i}.post_attn_norm"),
                          gate_up_proj=linear(f"layers.{i}.gate_up_proj"),
-                         down_proj=linear(f"layers.{i}.down_proj"))
+                         down_proj=linear(f"layers.{i}.down_proj"),
+                         qkv_bias=w(f"layers.{i}.qkv_bias") if config.qkv_bias else None,
+                         qk_norm=w(f"layers.{i}.qk_norm") if config.qk_norm else None)
             for i in range(config.num_layers)
         ]
         self.rope = RotaryEmbedding(config, device, dtype)
@@ -109,9 +117,13 @@ class LlamaModel:
                 h = h.clone()  # the residual adds below are in place
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv_proj(x)
-            # q and k are rotated together: they sit side by side in the fused projection.
-            qk = apply_rope(qkv[:, :qk_heads * cfg.head_dim].view(n, qk_heads, cfg.head_dim),
-                            cos, signed_sin)
+            if layer.qkv_bias is not None:
+                qkv.add_(layer.qkv_bias)
+            # q and k are normed and rotated together: they sit side by side in the projection.
+            qk = qkv[:, :qk_heads * cfg.head_dim].view(n, qk_heads, cfg.head_dim)
+            if layer.qk_norm is not None:
+                qk = head_rms_norm(qk, layer.qk_norm, eps)
+            qk = apply_rope(qk, cos, signed_sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, qk_heads * cfg.head_dim:].view(n, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(q, k, v, layer_id, batch)

@@ -1,23 +1,16 @@
-"""The architecture facts a Llama-family model needs, whatever file they came from."""
+"""The architecture facts a decoder needs, whatever file they came from. The families differ
+only in the flags below (gpu/loader/families.py says which family sets which)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3"). None of it applies when absent."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+from gpu.rope_scaling import RopeScaling
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" (the only one the runtime accepts today)
+    architecture: str  # the family (gpu/loader/families.py): "llama", "mistral", "qwen2", ...
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -32,6 +25,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    sliding_window: int | None = None  # a query sees only its last `window` keys (Mistral)
 
     @property
     def q_size(self) -> int:

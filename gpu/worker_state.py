@@ -78,8 +78,13 @@ class WorkerState:
         self.req_to_token = ReqToTokenPool(self.num_slots,
                                            self.max_context_len + cfg.spec.reserve_tokens,
                                            rt.page_size, self.device)
+        if mc.sliding_window is not None and cfg.spec.enabled:
+            raise ValueError(f"speculative decoding ({cfg.spec.algorithm}) is not supported with "
+                             f"a sliding-window model ({mc.architecture}, window "
+                             f"{mc.sliding_window}); turn speculation off")
         self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
-                                           mc.num_heads, mc.num_kv_heads, mc.head_dim)
+                                           mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                           mc.sliding_window)
         self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device,
                                             eos_token_ids=mc.eos_token_ids)
         self.sampler = Sampler(self.sampling_state)

@@ -1,12 +1,16 @@
 """Shared by the engine tests: run chats through an offline Engine, check what every scenario
-must leave behind (exactly one terminal output per request, empty accounting)."""
+must leave behind (exactly one terminal output per request, empty accounting), and read the
+logits at every position of a prompt through the worker's paged path."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
+from ipc.worker_messages import ExtendEntry, NewRequest, PageGrant, StepPlan, pack_i32
 
 
 @dataclass
@@ -54,3 +58,17 @@ def run_requests(engine: Engine, chats: list, params: list[SamplingParams], over
     assert all(n == 1 for n in terminal.values()), terminal  # exactly one terminal each
     assert_accounting_empty(engine)
     return [runs[rid] for rid, _ in submitted]
+
+
+def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt, through the worker's paged path."""
+    worker = engine.worker
+    page = worker.state.kv_pool.page_size
+    pages = list(range(1, 1 + -(-len(ids) // page)))
+    plan = StepPlan(step_id=0, new_requests=[NewRequest(1, SamplingParams())],
+                    grants=[PageGrant(1, 0, pack_i32(pages))],
+                    extends=[ExtendEntry(1, 0, pack_i32(ids), True)],
+                    decode_slots=b"", released_slots=b"")
+    _, hidden, _ = worker.step.forward(plan)
+    worker.run_step(StepPlan(1, [], [], [], b"", pack_i32([1])))  # forget slot 1 again
+    return worker.state.model.logits(hidden)

@@ -18,12 +18,17 @@ class AttentionBackend:
     locations from ``req_to_token[slot, :seq_len]``. An EXTEND batch with ``tree_mask`` set
     replaces "causal within the new tokens" by the tree mask over each request's last K keys
     (see ``ForwardBatch.tree_mask``).
+
+    ``sliding_window`` (Mistral's): a query at position p sees keys p - window + 1 .. p only,
+    in every layer. Keys before the window stay in the pool: no page is freed early, so the
+    KV accounting, the prefix cache and overlap see nothing different. Not with a tree mask.
     """
 
     needs_cpu_seq_lens: bool
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float) -> None:
+                 num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads}) for grouped-query attention")
@@ -37,6 +42,7 @@ class AttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         raise NotImplementedError
@@ -48,8 +54,11 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def check_tree_mask(batch: ForwardBatch) -> None:
+def check_tree_mask(batch: ForwardBatch, sliding_window: int | None) -> None:
     """Shape checks only (no host sync): [bs, Q, K] with Q <= K and bs * Q new tokens."""
+    if sliding_window is not None:
+        raise ValueError("tree attention (speculative decoding) with a sliding window is not "
+                         "supported")
     tree_mask = batch.tree_mask
     if tree_mask.dim() != 3 or tree_mask.shape[0] != batch.batch_size:
         raise ValueError(f"tree_mask must be [bs={batch.batch_size}, Q, K] "

@@ -12,14 +12,17 @@ if TYPE_CHECKING:
 
 
 def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool",
-                           num_heads: int, num_kv_heads: int, head_dim: int) -> "AttentionBackend":
+                           num_heads: int, num_kv_heads: int, head_dim: int,
+                           sliding_window: int | None = None) -> "AttentionBackend":
     """The backend `name` over `kv_pool`; imported here only when chosen (Triton is slow to
     import and absent on some machines)."""
     scale = head_dim ** -0.5
     if name == "torch":
         from gpu.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+        return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,
+                                     scale, sliding_window)
     if name == "triton":
         from gpu.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+        return TritonAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,
+                                      scale, sliding_window)
     raise ValueError(f"attention backend '{name}' is unknown; choose one of {ATTENTION_BACKENDS}")

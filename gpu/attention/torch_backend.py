@@ -50,8 +50,10 @@ class TorchAttentionBackend(AttentionBackend):
     needs_cpu_seq_lens = True
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+                 num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale,
+                         sliding_window)
         self._groups: list[_Group] = []
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -79,7 +81,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._groups = [group, self._extend_group(batch, ext, starts, np.flatnonzero(~single))]
 
     def _decode_group(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> _Group:
-        in_seq = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
+        key_pos = torch.arange(max_len, device=seq_lens.device)[None, :]
+        in_seq = key_pos < seq_lens[:, None]
+        if self.sliding_window is not None:
+            in_seq &= key_pos >= seq_lens[:, None] - self.sliding_window
         bias = torch.zeros(in_seq.shape, dtype=torch.float32, device=seq_lens.device
                            ).masked_fill_(~in_seq, float("-inf"))[:, None, :]
         # Flat, so each layer gathers with index_select (4-5x faster than advanced indexing).
@@ -115,10 +120,13 @@ class TorchAttentionBackend(AttentionBackend):
         valid = j[None, :] < extend_lens[:, None]  # [n, Lq]
         query_index = torch.where(valid, cu_start[:, None] + j[None, :], 0)
         if batch.tree_mask is not None:
+            check_tree_mask(batch, self.sliding_window)
             mask = self._tree_mask(batch, key_pos, in_seq)
         else:
             query_pos = prefix_lens[:, None] + j[None, :]  # [n, Lq]
             mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
+            if self.sliding_window is not None:
+                mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.sliding_window
         # Padded query rows attend to key 0 only, so softmax never sees an all-masked row.
         mask[:, :, 0] |= ~valid
         # The valid (request, query) rows, from the host lengths: a boolean-mask gather would
@@ -133,7 +141,6 @@ class TorchAttentionBackend(AttentionBackend):
                    in_seq: torch.Tensor) -> torch.Tensor:
         """[bs, Q, L]: keys before seq_len - K visible to all queries, the last K keys looked
         up in ``batch.tree_mask`` [bs, Q, K], keys past seq_len masked."""
-        check_tree_mask(batch)
         tree_mask = batch.tree_mask.to(torch.bool)
         bs, num_q, num_k = tree_mask.shape
         rel = key_pos[None, :] - (batch.seq_lens[:, None] - num_k)  # [bs, L], tree key index

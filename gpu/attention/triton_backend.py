@@ -39,8 +39,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None,
                  num_kv_splits: int = triton_decode.DEFAULT_NUM_KV_SPLITS) -> None:
-        super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale)
+        super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale,
+                         sliding_window)
         if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
             raise ValueError(f"num_kv_splits must be a power of two (got {num_kv_splits})")
         self.num_kv_splits = num_kv_splits
@@ -59,7 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
                                        dtype=torch.float32, device=device)
         else:
             if batch.tree_mask is not None:
-                check_tree_mask(batch)
+                check_tree_mask(batch, self.sliding_window)
             meta.query_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             meta.block_req, meta.block_m = triton_extend.extend_block_schedule(
                 batch.extend_lens, batch.num_tokens)
@@ -83,11 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE:
             triton_decode.decode_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.seq_lens, meta.mid_out, meta.mid_lse,
-                                            self.scale)
+                                            self.scale, self.sliding_window)
         else:
             triton_extend.extend_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.prefix_lens, batch.extend_lens,
                                             meta.query_start, meta.block_req, meta.block_m,
                                             self.scale, seq_lens=batch.seq_lens,
-                                            tree_mask=batch.tree_mask)
+                                            tree_mask=batch.tree_mask,
+                                            window=self.sliding_window)
         return out

@@ -1,6 +1,7 @@
 """Triton split-K decode attention ("flash decoding"): one query per request, each sequence
-split into chunks attended in parallel, then merged by log-sum-exp. Interpreter and precision
-notes: ``gpu.attention.triton_common``."""
+split into chunks attended in parallel, then merged by log-sum-exp. With a sliding window only
+the last ``window`` keys are split. Interpreter and precision notes:
+``gpu.attention.triton_common``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gpu.attention.triton_common import check_inputs, online_softmax_step, use_f
 DECODE_BLOCK_N = 32  # keys per inner step of the decode kernel
 DECODE_BLOCK_H = 16  # query heads per program (padded; tl.dot needs M >= 16)
 DEFAULT_NUM_KV_SPLITS = 8  # sequence chunks per (request, kv head) in decode; a power of two
+NO_WINDOW = 1 << 30  # the window of full attention: longer than any sequence, fits an int32
 
 
 @triton.jit
@@ -23,9 +25,16 @@ def _decode_split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _decode_span(seq_len, window):
+    """The first key a query at position seq_len - 1 sees, and how many it sees."""
+    kv_start = tl.maximum(seq_len - window, 0)
+    return kv_start, seq_len - kv_start
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KBuf, VBuf, ReqToToken, Slots, SeqLens, MidO, MidLse,
-    sm_scale,
+    sm_scale, window,
     stride_q_tok, stride_q_head,
     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head,
     stride_r2t_slot,
@@ -56,8 +65,9 @@ def _decode_split_kernel(
 
     slot = tl.load(Slots + req).to(tl.int64)
     seq_len = tl.load(SeqLens + req).to(tl.int32)
-    per_split = _decode_split_len(seq_len, NUM_SPLITS, BLOCK_N)
-    start = split * per_split
+    kv_start, span = _decode_span(seq_len, window)
+    per_split = _decode_split_len(span, NUM_SPLITS, BLOCK_N)
+    start = kv_start + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     if end > start:
@@ -86,7 +96,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    MidO, MidLse, Out, SeqLens,
+    MidO, MidLse, Out, SeqLens, window,
     stride_mo_req, stride_mo_head, stride_mo_split,
     stride_ml_req, stride_ml_head,
     stride_o_tok, stride_o_head,
@@ -99,8 +109,9 @@ def _decode_reduce_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(SeqLens + req).to(tl.int32)
-    per_split = _decode_split_len(seq_len, NUM_SPLITS, BLOCK_N)
-    num_used = tl.cdiv(seq_len, per_split)  # non-empty chunks come first
+    _, span = _decode_span(seq_len, window)
+    per_split = _decode_split_len(span, NUM_SPLITS, BLOCK_N)
+    num_used = tl.cdiv(span, per_split)  # non-empty chunks come first
 
     offs_s = tl.arange(0, NUM_SPLITS)
     mask_s = offs_s < num_used
@@ -120,11 +131,12 @@ def _decode_reduce_kernel(
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      out: torch.Tensor, req_to_token: torch.Tensor, slots: torch.Tensor,
                      seq_lens: torch.Tensor, mid_out: torch.Tensor, mid_lse: torch.Tensor,
-                     sm_scale: float) -> None:
+                     sm_scale: float, window: int | None = None) -> None:
     """One query per request. q, out: [bs, num_heads, head_dim]; k/v_buffer: [num_locs,
     num_kv_heads, head_dim]; slots, seq_lens: [bs] (device); mid_out: [bs, num_heads,
     num_splits, head_dim] fp32 and mid_lse: [bs, num_heads, num_splits] fp32 scratch, where
-    num_splits (a power of two) sets how many chunks each sequence is split into."""
+    num_splits (a power of two) sets how many chunks each sequence is split into; `window`: the
+    query sees only the last `window` keys (None: all)."""
     check_inputs(q, k_buffer, v_buffer)
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -132,9 +144,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     group = num_heads // num_kv_heads
     head_blocks_per_kv = triton.cdiv(group, DECODE_BLOCK_H)
     block_d = triton.next_power_of_2(head_dim)
+    window = window or NO_WINDOW
     _decode_split_kernel[(batch_size, num_kv_heads * head_blocks_per_kv, num_splits)](
         q, k_buffer, v_buffer, req_to_token, slots, seq_lens, mid_out, mid_lse,
-        sm_scale,
+        sm_scale, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
@@ -146,7 +159,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         num_warps=4, num_stages=2,
     )
     _decode_reduce_kernel[(batch_size, num_heads)](
-        mid_out, mid_lse, out, seq_lens,
+        mid_out, mid_lse, out, seq_lens, window,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),

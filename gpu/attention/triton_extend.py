@@ -1,6 +1,7 @@
-"""Triton causal extend (prefill) attention over req_to_token, optionally with a tree mask over
-each request's last K keys (speculative verification), and the schedule mapping its grid to
-(request, query block). Interpreter and precision notes: ``gpu.attention.triton_common``."""
+"""Triton causal extend (prefill) attention over req_to_token, optionally with a sliding window
+or a tree mask over each request's last K keys (speculative verification), and the schedule
+mapping its grid to (request, query block). Interpreter and precision notes:
+``gpu.attention.triton_common``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ EXTEND_BLOCK_N = 64  # keys per inner step of the extend kernel
 def _extend_kernel(
     Q, KBuf, VBuf, Out, ReqToToken, Slots, SeqLens, PrefixLens, ExtendLens, QueryStart,
     BlockReq, BlockM, TreeMask,
-    sm_scale, batch_size, tree_k,
+    sm_scale, batch_size, tree_k, window,
     stride_q_tok, stride_q_head,
     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head,
     stride_o_tok, stride_o_head,
@@ -31,6 +32,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
     USE_TREE_MASK: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Program (query block, query head): BLOCK_M new tokens of one request attend to the
     request's cached prefix and, causally, to the new tokens (all read via req_to_token,
@@ -39,7 +41,8 @@ def _extend_kernel(
 
     With ``USE_TREE_MASK`` the last ``tree_k`` keys of each request are not causal but masked
     by ``TreeMask[req, query, key - (seq_len - tree_k)]``; keys before them are visible to all
-    queries (``PrefixLens`` is then unused)."""
+    queries (``PrefixLens`` is then unused). With ``SLIDING`` (causal only) a query at
+    position p sees keys p - window + 1 .. p."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     req = tl.load(BlockReq + block)
@@ -94,19 +97,28 @@ def _extend_kernel(
         else:
             prefix_len = tl.load(PrefixLens + req).to(tl.int32)
             query_pos = prefix_len + offs_m
-            # Keys past the block's last query are causally invisible to all of its rows.
+            # Keys past the block's last query are causally invisible to all of its rows, and
+            # with a window so are those before its first query's window.
             kv_end = prefix_len + tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
-            for n0 in range(0, kv_end, BLOCK_N):
+            kv_start = 0
+            if SLIDING:
+                kv_start = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
+            for n0 in range(kv_start, kv_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < kv_end
                 visible = mask_n[None, :] & (offs_n[None, :] <= query_pos[:, None])
-                # Key 0 is visible to every row (padding rows included), so after the first
-                # step m_i is finite and fully masked later steps contribute exp(-inf) = 0.
+                if SLIDING:
+                    visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
+                # Without a window key 0 is visible to every row (padding rows included), so
+                # after the first step m_i is finite and fully masked later steps contribute
+                # exp(-inf) = 0. With one a row may see nothing in a step, hence MAY_BE_EMPTY.
                 acc, m_i, l_i = online_softmax_step(
                     acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
                     visible, offs_d, mask_d, sm_scale,
                     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_r2t_slot,
-                    FP32_DOT, False)
+                    FP32_DOT, SLIDING)
+            if SLIDING:  # a padding row may have seen no key: 0 / 1, never stored
+                l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
         tl.store(Out + (query_start + offs_m[:, None]) * stride_o_tok + head * stride_o_head
                  + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -133,7 +145,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      query_start: torch.Tensor, block_req: torch.Tensor, block_m: torch.Tensor,
                      sm_scale: float, seq_lens: torch.Tensor | None = None,
-                     tree_mask: torch.Tensor | None = None) -> None:
+                     tree_mask: torch.Tensor | None = None, window: int | None = None) -> None:
     """New tokens of each request (token-major, request i owns rows
     ``query_start[i] : query_start[i] + extend_lens[i]`` of q and out) attend to positions
     ``0 .. prefix_lens[i] + j`` of their request. The new tokens' k/v must already be in the
@@ -141,8 +153,12 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
     With ``tree_mask`` ([bs, Q, K] bool, every extend_lens[i] == Q, needs ``seq_lens``):
     query j of request i sees keys ``0 .. seq_lens[i] - K - 1`` and key
-    ``seq_lens[i] - K + k`` iff ``tree_mask[i, j, k]``; ``prefix_lens`` is not read."""
+    ``seq_lens[i] - K + k`` iff ``tree_mask[i, j, k]``; ``prefix_lens`` is not read.
+
+    With ``window`` (causal only) a query sees only the last ``window`` keys up to its own."""
     check_inputs(q, k_buffer, v_buffer)
+    if window is not None and tree_mask is not None:
+        raise ValueError("extend_attention: a sliding window with a tree mask is not supported")
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
     use_tree = tree_mask is not None
@@ -161,7 +177,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     _extend_kernel[(block_req.shape[0], num_heads)](
         q, k_buffer, v_buffer, out, req_to_token, slots, seq_lens, prefix_lens, extend_lens,
         query_start, block_req, block_m, tree_args[0],
-        sm_scale, slots.shape[0], tree_args[1],
+        sm_scale, slots.shape[0], tree_args[1], window or 0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1),
@@ -169,6 +185,6 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         *tree_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N, FP32_DOT=use_fp32_dot(q, k_buffer),
-        USE_TREE_MASK=use_tree,
+        USE_TREE_MASK=use_tree, SLIDING=window is not None,
         num_warps=4, num_stages=1,
     )

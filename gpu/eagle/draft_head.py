@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.device import host_to_device
-from gpu.layers import apply_rope, rms_norm, rope_inv_freq
-from gpu.model_config import RopeScaling
+from gpu.layers import apply_rope, rms_norm
 from gpu.quantized_linear import quantize_int8_per_channel
+from gpu.rope_scaling import RopeScaling, rope_inv_freq
 
 ALGORITHMS = ("eagle3", "eagle")
 
@@ -268,6 +268,7 @@ class DraftHead(nn.Module):
                                                    device=device), persistent=False)
         # inv_freq stays fp32 whatever dtype the module is cast to: one copy per device.
         self._inv_freq_cpu = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self._rope_scale = cfg.rope_scaling.cos_sin_scale() if cfg.rope_scaling else 1.0
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def use_int8_for_small_forwards(self, max_rows: int) -> int:
@@ -293,8 +294,8 @@ class DraftHead(nn.Module):
             inv_freq = self._inv_freq[positions.device] = host_to_device(self._inv_freq_cpu,
                                                                          positions.device)
         freqs = positions.to(torch.float32)[:, None] * inv_freq  # [n, half]
-        sin = freqs.sin()
-        cos = freqs.cos().to(dtype)[:, None, None, :]
+        sin = freqs.sin() * self._rope_scale
+        cos = (freqs.cos() * self._rope_scale).to(dtype)[:, None, None, :]
         return cos, torch.stack([-sin, sin], dim=1).to(dtype)[:, None]
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

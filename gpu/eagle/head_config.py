@@ -86,8 +86,9 @@ def draft_head_config(raw: dict, target: ModelConfig, algorithm: str,
     rope_params = raw.get("rope_parameters") or {}
     try:
         from gpu.loader.errors import ModelLoadError
-        from gpu.loader.hf_loader import _rope_scaling
-        rope_scaling = _rope_scaling(raw.get("rope_scaling") or rope_params, Path(config_file))
+        from gpu.rope_scaling import rope_scaling_from_hf
+        rope_scaling = rope_scaling_from_hf(raw.get("rope_scaling") or rope_params,
+                                            raw.get("max_position_embeddings"), Path(config_file))
     except ModelLoadError as e:
         raise DraftHeadError(str(e)) from e
     draft_vocab = int(raw.get("draft_vocab_size") or vocab)

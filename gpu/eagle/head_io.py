@@ -85,12 +85,7 @@ def save_draft_head(head: DraftHead, path: str | Path, dtype: torch.dtype = torc
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        raw["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
-                               "low_freq_factor": s.low_freq_factor,
-                               "high_freq_factor": s.high_freq_factor,
-                               "original_max_position_embeddings":
-                                   s.original_max_position_embeddings}
+        raw["rope_scaling"] = cfg.rope_scaling.to_hf()
     if cfg.norm_before_residual:
         raw["norm_before_residual"] = True
     if cfg.algorithm == "eagle3":

@@ -3,8 +3,9 @@
 Two llama.cpp conventions are undone here:
 - GGUF lists a tensor's dims innermost first; numpy (and we) list them outermost first, so a
   weight stored as dims `[in, out]` is the HF `[out, in]` matrix.
-- llama.cpp's converter permutes the rows of q and k so that its rope can rotate adjacent pairs
-  (GPT-J style). The runtime uses rotate-half rope (HF style), so the permutation is inverted.
+- llama.cpp's converter permutes the rows of q and k of "llama" files (Llama, Mistral) so that
+  its rope can rotate adjacent pairs (GPT-J style). The runtime uses rotate-half rope (HF
+  style), so the permutation is inverted. Its Qwen2/Qwen3 converters leave q and k as they are.
 """
 
 from __future__ import annotations
@@ -18,22 +19,27 @@ from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks, q8_0_as_q4_pair
-from gpu.model_config import ModelConfig, RopeScaling
+from gpu.loader.families import gguf_family
+from gpu.model_config import ModelConfig
+from gpu.rope_scaling import ROPE_SCALING_KINDS, RopeScaling, rope_inv_freq
 from ipc.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-# GGUF per-block tensor name -> our unfused name (see load.py for the fused layout).
+# GGUF per-block tensor name (without "blk.{i}.") -> our unfused name (load.py: fused layout).
 _LAYER_TENSORS = {
-    "attn_norm": "input_norm",
-    "ffn_norm": "post_attn_norm",
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_output": "o_proj",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
+    "attn_norm.weight": "input_norm",
+    "ffn_norm.weight": "post_attn_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "embed_tokens",
@@ -68,16 +74,14 @@ def gguf_value(reader: GGUFFile, key: str, path: Path, default=_REQUIRED):
 
 def gguf_model_config(reader, path: Path) -> ModelConfig:
     arch = gguf_value(reader, "general.architecture", path)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"architecture '{arch}' in {path} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = gguf_family(arch, path)
 
     def meta(key: str, default=_REQUIRED):
         return gguf_value(reader, f"{arch}.{key}", path, default)
 
     if int(meta("expert_count", 0) or 0) > 0:
         raise ModelLoadError(f"{path} is a mixture-of-experts model ({arch}.expert_count > 0); "
-                             f"only dense Llama models are supported")
+                             f"only dense models are supported")
     hidden = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
     num_kv_heads = int(meta("attention.head_count_kv", num_heads))
@@ -98,6 +102,7 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     bos = gguf_value(reader, "tokenizer.ggml.bos_token_id", path, None)
     tensor_names = {t.name for t in reader.tensors}
+    window = meta("attention.sliding_window", None)
     return ModelConfig(
         architecture=arch,
         num_layers=int(meta("block_count")),
@@ -114,48 +119,43 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         rope_scaling=_rope_scaling(reader, arch, path, head_dim, rope_theta),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        sliding_window=None if window is None else int(window),
     )
 
 
 def _rope_scaling(reader, arch: str, path: Path, head_dim: int, theta: float) -> RopeScaling | None:
-    kind = gguf_value(reader, f"{arch}.rope.scaling.type", path, None)
+    def meta(key: str, default=None):
+        return gguf_value(reader, f"{arch}.rope.scaling.{key}", path, default)
+
+    kind = meta("type")
+    if kind in ("linear", "yarn"):
+        original = meta("original_context_length", None)
+        return RopeScaling(factor=float(meta("factor")), kind=kind,
+                           original_max_position_embeddings=int(
+                               original or gguf_value(reader, f"{arch}.context_length", path)),
+                           beta_fast=float(meta("yarn_beta_fast", 32.0)),
+                           beta_slow=float(meta("yarn_beta_slow", 1.0)))
     if kind not in (None, "none"):
-        raise ModelLoadError(f"{path}: rope scaling type '{kind}' is not supported (only Llama-3 "
-                             f"style scaling is)")
+        raise ModelLoadError(f"{path}: rope scaling type '{kind}' is not supported; supported: "
+                             f"{', '.join(ROPE_SCALING_KINDS)}")
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is None:
         return None
     factors = np.asarray(freqs.data, dtype=np.float64).reshape(-1)
-    # The file keeps only the per-frequency result of Llama-3 scaling. Recover the parameters by
-    # recomputing that vector for the published Llama 3.x settings and checking it matches.
+    # The file keeps only the per-frequency divisors of Llama-3 scaling. Recover the parameters
+    # by recomputing them for the published Llama 3.x settings and checking they match.
     factor = float(factors.max())
     candidate = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
                             original_max_position_embeddings=8192)
-    expected = llama3_rope_factors(candidate, head_dim, theta)
+    expected = (rope_inv_freq(head_dim, theta, None)
+                / rope_inv_freq(head_dim, theta, candidate)).double().numpy()
     if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-4, atol=1e-5):
         raise ModelLoadError(f"{path}: tensor {_ROPE_FREQS} holds rope factors that do not match "
                              f"Llama-3 scaling (factor {factor}, low 1, high 4, original context "
                              f"8192); this rope scaling is not supported")
     return candidate
-
-
-def llama3_rope_factors(s: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
-    """What llama.cpp's converter writes as rope_freqs for Llama-3 scaling (freq divisors)."""
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    out = []
-    for f in freqs:
-        wavelen = 2 * math.pi / f
-        if wavelen < high_wavelen:
-            out.append(1.0)
-        elif wavelen > low_wavelen:
-            out.append(s.factor)
-        else:
-            smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-                      / (s.high_freq_factor - s.low_freq_factor))
-            out.append(1.0 / ((1 - smooth) / s.factor + smooth))
-    return np.asarray(out)
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -168,9 +168,8 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _our_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
-    parts = gguf_name.split(".")
-    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight"
-            and parts[2] in _LAYER_TENSORS):
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
         return f"layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
     return None
 
@@ -208,6 +207,8 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bo
     Q8_0; the embedding's when the model ties them; empty for other types)."""
     reader = open_gguf(path)
     config = gguf_model_config(reader, path)
+    arch = config.architecture
+    permuted = gguf_family(arch, path).gguf_qk_permuted
     weights: dict[str, torch.Tensor] = {}
     q4: dict[str, Q4Blocks] = {}
     head_parts: dict[str, list[Q4Blocks]] = {}  # embed_tokens / lm_head -> 4-bit parts
@@ -217,14 +218,14 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bo
             continue  # consumed by gguf_model_config
         name = _our_name(tensor.name)
         if name is None:
-            raise ModelLoadError(f"{path}: tensor '{tensor.name}' is not part of a Llama model we "
-                                 f"can run (biases, extra heads and the like are not supported)")
+            raise ModelLoadError(f"{path}: tensor '{tensor.name}' is not part of a {arch} model "
+                                 f"we can run (extra heads and the like are not supported)")
         w = torch.from_numpy(_dequantize(tensor, path))
         blocks = None
         if keep_q4 and name.startswith("layers.") and w.dim() == 2 and is_q4(
                 tensor.tensor_type.name):
             blocks = q4_blocks(tensor.data, tensor.tensor_type.name, *w.shape)
-        if name.endswith(".q_proj") or name.endswith(".k_proj"):
+        if permuted and (name.endswith(".q_proj") or name.endswith(".k_proj")):
             heads = config.num_heads if name.endswith(".q_proj") else config.num_kv_heads
             w = unpermute_rope_rows(w, heads)
             if blocks is not None:

@@ -10,23 +10,28 @@ import torch
 from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
-from gpu.model_config import ModelConfig, RopeScaling
+from gpu.loader.families import hf_family
+from gpu.model_config import ModelConfig
+from gpu.rope_scaling import rope_scaling_from_hf
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
-# HF tensor name (without the "model." prefix and ".weight" suffix) -> our unfused name.
+# HF tensor name (without the "model.layers.{i}." prefix) -> our unfused name.
 _LAYER_TENSORS = {
-    "input_layernorm": "input_norm",
-    "post_attention_layernorm": "post_attn_norm",
-    "self_attn.q_proj": "q_proj",
-    "self_attn.k_proj": "k_proj",
-    "self_attn.v_proj": "v_proj",
-    "self_attn.o_proj": "o_proj",
-    "mlp.gate_proj": "gate_proj",
-    "mlp.up_proj": "up_proj",
-    "mlp.down_proj": "down_proj",
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
 }
+_QKV_BIAS = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+             "self_attn.v_proj.bias": "v_bias"}
+_QK_NORM = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
 
 
 def _read_json(file: Path) -> dict:
@@ -53,16 +58,11 @@ def hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
     except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong form
         raise ModelLoadError(f"{config_file}: a value has the wrong type or form "
                              f"({type(e).__name__}: {e}); compare it with the config.json "
-                             f"transformers writes for a Llama model") from e
+                             f"transformers writes for this model type") from e
 
 
 def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
-    model_type = raw.get("model_type")
-    architectures = raw.get("architectures") or []
-    if model_type != "llama" and not (model_type is None and "LlamaForCausalLM" in architectures):
-        raise ModelLoadError(f"{config_file}: model_type '{model_type}' (architectures "
-                             f"{architectures}) is not supported; supported: llama "
-                             f"(LlamaForCausalLM)")
+    family = hf_family(raw, config_file)
     for key in ("quantization_config", "rope_parameters", "rope_scaling"):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise ModelLoadError(f"{config_file}: '{key}' is {raw[key]!r}; it must be an "
@@ -71,6 +71,7 @@ def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
         method = raw["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{config_file}: the checkpoint is quantized ({method}); use an "
                              f"unquantized checkpoint or a GGUF file")
+    # Biases on o_proj or the MLP (Qwen2's q/k/v biases are no flag: the family has them).
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ModelLoadError(f"{config_file}: '{flag}: true' is not supported")
@@ -91,9 +92,11 @@ def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
     generation_config = config_file.parent / "generation_config.json"
     if generation_config.is_file():
         eos += _eos_ids(_read_json(generation_config).get("eos_token_id"))
+    num_layers = int(need("num_hidden_layers"))
+    max_positions = int(raw.get("max_position_embeddings", 2048))
     return ModelConfig(
-        architecture="llama",
-        num_layers=int(need("num_hidden_layers")),
+        architecture=family.name,
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
         num_heads=num_heads,
@@ -102,29 +105,34 @@ def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
         vocab_size=int(need("vocab_size")),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        max_context_len=int(raw.get("max_position_embeddings", 2048)),
+        max_context_len=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope_params, config_file),
+        rope_scaling=rope_scaling_from_hf(raw.get("rope_scaling") or rope_params, max_positions,
+                                          config_file),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        sliding_window=_sliding_window(raw, num_layers, config_file),
     )
 
 
-def _rope_scaling(params: dict, config_file: Path) -> RopeScaling | None:
-    kind = params.get("rope_type", params.get("type"))
-    if kind in (None, "default"):
+def _sliding_window(raw: dict, num_layers: int, config_file: Path) -> int | None:
+    """Mistral's window applies to every layer when set; Qwen's only with use_sliding_window,
+    from layer max_window_layers on (transformers' layer_types says the same, where written)."""
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window") is False:
         return None
-    if kind != "llama3":
-        raise ModelLoadError(f"{config_file}: rope scaling type '{kind}' is not supported (only "
-                             f"'llama3' is)")
-    try:
-        return RopeScaling(factor=float(params["factor"]),
-                           low_freq_factor=float(params["low_freq_factor"]),
-                           high_freq_factor=float(params["high_freq_factor"]),
-                           original_max_position_embeddings=int(
-                               params["original_max_position_embeddings"]))
-    except KeyError as e:
-        raise ModelLoadError(f"{config_file}: llama3 rope scaling lacks the key {e}") from e
+    first = int(raw.get("max_window_layers") or 0) if "use_sliding_window" in raw else 0
+    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                       for i in range(num_layers)]
+    sliding = {t == "sliding_attention" for t in types}
+    if sliding == {False}:
+        return None
+    if sliding != {True}:
+        raise ModelLoadError(f"{config_file}: a sliding window on some layers only "
+                             f"(layer_types {types}) is not supported; every layer or none")
+    return int(window)
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
@@ -161,9 +169,11 @@ def _wanted_tensors(cfg: ModelConfig) -> dict[str, str]:
     wanted = {"embed_tokens": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
     if not cfg.tie_word_embeddings:
         wanted["lm_head"] = "lm_head.weight"
+    per_layer = (_LAYER_TENSORS | (_QKV_BIAS if cfg.qkv_bias else {})
+                 | (_QK_NORM if cfg.qk_norm else {}))
     for i in range(cfg.num_layers):
-        for hf, ours in _LAYER_TENSORS.items():
-            wanted[f"layers.{i}.{ours}"] = f"model.layers.{i}.{hf}.weight"
+        for hf, ours in per_layer.items():
+            wanted[f"layers.{i}.{ours}"] = f"model.layers.{i}.{hf}"
     return wanted
 
 
@@ -184,7 +194,7 @@ def load_hf_dir(directory: Path, dtype: torch.dtype,
     for ours, hf in wanted.items():
         if hf not in files:
             raise ModelLoadError(f"{listing} has no tensor '{hf}' (needed for {ours}); the "
-                                 f"weights are incomplete or not a Llama model")
+                                 f"weights are incomplete or not a {config.architecture} model")
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for ours, hf in wanted.items():
         by_file.setdefault(files[hf], []).append((ours, hf))

@@ -1,6 +1,6 @@
 """Load a model from a path, whatever its format, into the one layout the runtime reads.
 
-Both loaders hand back *unfused* Llama tensors under short names (`layers.{i}.q_proj`, ...),
+Both loaders hand back *unfused* tensors under short names (`layers.{i}.q_proj`, ...),
 already in `[out_features, in_features]` layout, on CPU, in the requested dtype. Here they are
 checked against the config and fused, so a forward does one matmul for q/k/v and one for
 gate/up instead of five:
@@ -14,6 +14,9 @@ gate/up instead of five:
     layers.{i}.down_proj          [hidden, intermediate]
     final_norm                    [hidden]
     lm_head                       [vocab, hidden]                  only when embeddings are untied
+    layers.{i}.qkv_bias           [q_size + 2 * kv_size]           only with config.qkv_bias
+    layers.{i}.qk_norm            [num_heads + num_kv_heads, head_dim]  only with config.qk_norm:
+                                  q's norm repeated per head, then k's
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from pathlib import Path
 import torch
 
 from gpu.loader.errors import ModelLoadError
+from gpu.loader.families import SUPPORTED_GGUF, SUPPORTED_HF
 from gpu.loader.gguf_q4 import Q4Blocks
 from gpu.model_config import ModelConfig
 
-ACCEPTED = ("a .gguf file (Llama architecture), or a Hugging Face model directory holding "
-            "config.json and model.safetensors (or a sharded model.safetensors.index.json)")
+ACCEPTED = (f"a .gguf file (architecture {' / '.join(SUPPORTED_GGUF)}), or a Hugging Face model "
+            f"directory ({SUPPORTED_HF}) holding config.json and model.safetensors (or a "
+            f"sharded model.safetensors.index.json)")
 
 
 @dataclass
@@ -67,7 +72,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                              f"model directory{hint}; expected {ACCEPTED}")
     else:
         raise ModelLoadError(f"cannot load {source}: expected {ACCEPTED}")
-    weights = fuse_llama_weights(config, unfused, source)
+    weights = fuse_weights(config, unfused, source)
     return LoadedModel(config=config, weights=weights, source=source,
                        q4=fuse_q4_blocks(config, q4), lm_head_q4=lm_head_q4)
 
@@ -86,23 +91,32 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "o_proj": (h, cfg.q_size),
         "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter),
     }
+    if cfg.qkv_bias:
+        per_layer |= {"q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)}
+    if cfg.qk_norm:
+        per_layer |= {"q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
     for i in range(cfg.num_layers):
         for name, shape in per_layer.items():
             shapes[f"layers.{i}.{name}"] = shape
     return shapes
 
 
-def fuse_llama_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
-                       source: Path) -> dict[str, torch.Tensor]:
+def fuse_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
+                 source: Path) -> dict[str, torch.Tensor]:
     """Check every tensor's shape against the config, then fuse q/k/v and gate/up per layer.
 
     Tensors are popped from `unfused` as they are fused, so peak memory stays near one copy.
     """
-    for name, shape in _expected_shapes(cfg).items():
+    expected = _expected_shapes(cfg)
+    extra = sorted(set(unfused) - set(expected) - {"lm_head"})
+    if extra:
+        raise ModelLoadError(f"{source}: weights {extra} have no place in a {cfg.architecture} "
+                             f"model; the file's architecture and tensors disagree")
+    for name, shape in expected.items():
         if name not in unfused:
             raise ModelLoadError(f"{source}: weight '{name}' is missing (the loader produced no "
-                                 f"such tensor); the model file is incomplete or not a Llama "
-                                 f"model")
+                                 f"such tensor); the model file is incomplete or not a "
+                                 f"{cfg.architecture} model")
         if tuple(unfused[name].shape) != shape:
             raise ModelLoadError(f"{source}: weight '{name}' has shape "
                                  f"{tuple(unfused[name].shape)}, but the model config implies "
@@ -117,6 +131,11 @@ def fuse_llama_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
         take = lambda n: unfused.pop(p + n)  # noqa: E731
         fused[p + "input_norm"] = take("input_norm").contiguous()
         fused[p + "qkv_proj"] = torch.cat([take("q_proj"), take("k_proj"), take("v_proj")], dim=0)
+        if cfg.qkv_bias:
+            fused[p + "qkv_bias"] = torch.cat([take("q_bias"), take("k_bias"), take("v_bias")])
+        if cfg.qk_norm:
+            fused[p + "qk_norm"] = torch.cat([take("q_norm").expand(cfg.num_heads, -1),
+                                              take("k_norm").expand(cfg.num_kv_heads, -1)])
         fused[p + "o_proj"] = take("o_proj").contiguous()
         fused[p + "post_attn_norm"] = take("post_attn_norm").contiguous()
         fused[p + "gate_up_proj"] = torch.cat([take("gate_proj"), take("up_proj")], dim=0)
@@ -125,7 +144,7 @@ def fuse_llama_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
 
 
 def fuse_q4_blocks(cfg: ModelConfig, unfused: dict[str, Q4Blocks]) -> dict[str, Q4Blocks]:
-    """The fused projections (as in fuse_llama_weights) whose every part has 4-bit codes."""
+    """The fused projections (as in fuse_weights) whose every part has 4-bit codes."""
     groups = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
               "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
     fused: dict[str, Q4Blocks] = {}

@@ -26,7 +26,8 @@ class DeviceOnlyBatch(ForwardBatch):
 
 def build_case(backend_cls, *, seq_lens: list[int], prefix_lens: list[int], page_size: int,
                num_heads: int, num_kv_heads: int, head_dim: int, pool_dtype: torch.dtype,
-               q_dtype: torch.dtype, decode: bool, seed: int = 0):
+               q_dtype: torch.dtype, decode: bool, seed: int = 0,
+               sliding_window: int | None = None):
     """A pool with random contents, requests in non-consecutive slots on shuffled pages, and
     the inputs of one forward that appends ``seq - prefix`` tokens to each request. A backend
     that declares needs_cpu_seq_lens gets the host lengths; one that does not gets a batch
@@ -77,14 +78,15 @@ def build_case(backend_cls, *, seq_lens: list[int], prefix_lens: list[int], page
     else:
         batch = DeviceOnlyBatch(**fields)
     backend = backend_cls(pool, table, num_heads, num_kv_heads, head_dim,
-                          scale=head_dim ** -0.5)
+                          scale=head_dim ** -0.5, sliding_window=sliding_window)
     return backend, batch, q, k, v, layer_id
 
 
 def reference_attention(backend, batch: ForwardBatch, q, k, v,
                         layer_id: int, k_before: torch.Tensor, v_before: torch.Tensor):
     """Per request, in float64: prefix K/V from the pool as it was before the forward, new
-    K/V from the inputs (rounded to the pool dtype), kv heads repeated, causal softmax."""
+    K/V from the inputs (rounded to the pool dtype), kv heads repeated, causal softmax (over
+    the last `backend.sliding_window` keys where set)."""
     group = backend.num_heads // backend.num_kv_heads
     pool_dtype = backend.kv_pool.dtype
     outs, start = [], 0
@@ -101,7 +103,10 @@ def reference_attention(backend, batch: ForwardBatch, q, k, v,
         queries = q[new].double()  # [n_new, H, D]
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * backend.scale
         query_pos = torch.arange(prefix, seq, device=q.device)[:, None]
-        causal = torch.arange(seq, device=q.device)[None, :] <= query_pos
+        key_pos = torch.arange(seq, device=q.device)[None, :]
+        causal = key_pos <= query_pos
+        if backend.sliding_window is not None:
+            causal &= key_pos > query_pos - backend.sliding_window
         scores = scores.masked_fill(~causal, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
         start += n_new

@@ -8,7 +8,7 @@ import torch
 
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
-from ipc.worker_messages import ExtendEntry, NewRequest, PageGrant, StepPlan, pack_i32
+from tests.engine_runs import prompt_logits
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -30,20 +30,6 @@ def hf_model(model_path):
 def engine(model_path):
     return Engine(model=str(model_path), dtype="fp32", page_size=16, max_kv_tokens=4096,
                   max_running_requests=8, progress=False)
-
-
-def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt, through the worker's paged path."""
-    worker = engine.worker
-    page = worker.state.kv_pool.page_size
-    pages = list(range(1, 1 + -(-len(ids) // page)))
-    plan = StepPlan(step_id=0, new_requests=[NewRequest(1, SamplingParams())],
-                    grants=[PageGrant(1, 0, pack_i32(pages))],
-                    extends=[ExtendEntry(1, 0, pack_i32(ids), True)],
-                    decode_slots=b"", released_slots=b"")
-    _, hidden, _ = worker.step.forward(plan)
-    worker.run_step(StepPlan(1, [], [], [], b"", pack_i32([1])))  # forget slot 1 again
-    return worker.state.model.logits(hidden)
 
 
 def test_logits_match_transformers(engine, hf_model):

@@ -46,3 +46,13 @@ def test_a_mixed_extend_runs_decodes_apart_from_chunks():
                                       page_size=16, decode=False, **SMOL, **FP32)
     backend2.init_forward_metadata(batch2)
     assert len(backend2._groups) == 1 and backend2._groups[0].tokens is None
+
+
+@pytest.mark.parametrize("window", [1, 8, 100])
+def test_sliding_window(window):
+    # Decodes past the window, chunks on a prefix longer than it, a prompt shorter than it.
+    run_and_compare(TorchAttentionBackend, 1e-4, page_size=16, decode=False,
+                    sliding_window=window, **MIXED_STEP, **SMOL, **FP32)
+    run_and_compare(TorchAttentionBackend, 1e-4, seq_lens=MIXED_LENS,
+                    prefix_lens=[n - 1 for n in MIXED_LENS], page_size=16, decode=True,
+                    sliding_window=window, **SMOL, **FP32)

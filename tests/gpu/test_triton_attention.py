@@ -113,6 +113,16 @@ def test_head_dim_not_a_power_of_two():
                     decode=True, **shape, **FP32)
 
 
+@pytest.mark.parametrize("window", [1, 8, 100])
+def test_sliding_window(window):
+    # Decodes past the window (split over its keys only), extend blocks of 64 queries whose
+    # windows start mid-block, a prompt shorter than the window.
+    run_and_compare(1e-4, seq_lens=[301, 65, 140, 2, 33], prefix_lens=[300, 40, 0, 1, 32],
+                    page_size=16, decode=False, sliding_window=window, **SMOL, **FP32)
+    run_and_compare(1e-4, seq_lens=MIXED_LENS, prefix_lens=[n - 1 for n in MIXED_LENS],
+                    page_size=16, decode=True, sliding_window=window, **SMOL, **FP32)
+
+
 def test_idle_batch_returns_empty_without_launching():
     backend, _, _, _, _, layer_id = build_case(
         seq_lens=[4], prefix_lens=[0], page_size=16, decode=False, **SMOL, **FP32)
