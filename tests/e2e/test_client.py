@@ -153,7 +153,7 @@ def test_requests_in_flight_fail_when_the_service_restarts(model_path, monkeypat
         first.proc.kill()  # a crash: no terminal message for anyone
         first.proc.wait()
         os.kill(worker, signal.SIGKILL)
-        ports = iter([first.port, first.tport])
+        ports = iter([first.port, first.tport, first.http_port])
         monkeypatch.setattr(service_process, "free_port", lambda: next(ports))
         second = ServiceProcess(model_path)  # the same endpoint, a new service
         t.join(timeout=30)
