@@ -65,7 +65,8 @@ class WorkerState:
         self.model_name = Path(cfg.model.path).name
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
                                 weight_quant=cfg.weight_quant, q4=loaded.q4,
-                                q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4)
+                                q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4,
+                                deterministic=rt.deterministic)
         del loaded
         self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
         self.page_size = rt.page_size
@@ -79,7 +80,8 @@ class WorkerState:
                                            self.max_context_len + cfg.spec.reserve_tokens,
                                            rt.page_size, self.device)
         self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
-                                           mc.num_heads, mc.num_kv_heads, mc.head_dim)
+                                           mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                           rt.deterministic)
         self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device,
                                             eos_token_ids=mc.eos_token_ids)
         self.sampler = Sampler(self.sampling_state)
