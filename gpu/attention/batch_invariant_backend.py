@@ -6,9 +6,10 @@ a row's softmax sums over a padded length and its products run in a kernel shape
 batch: both change the bits with the batch. Here a query at position p multiplies the first
 p + 1 keys of its own request, in tensors whose shape and strides depend on p alone, so the
 same query gives the same output alone, in any batch, and in any split of its prompt into
-prefill chunks. A verify tree's rows see all of their request's keys, the tree's masked by
--inf (the tree is the request's own). One small product per query row and layer: slow for
-long prefills, which is the price of the mode.
+prefill chunks. A verify tree's row gathers just the keys it sees (its prefix, then its
+ancestors and itself, in key order), so it computes what a plain decode of the same tokens
+would. One small product per query row and layer: slow for long prefills, which is the price
+of the mode.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import torch
 
 from gpu.attention.base import AttentionBackend, check_tree_mask
 from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.sync_guard import expected_sync
 
 
 @dataclass
 class _Request:
     key_locs: torch.Tensor  # [seq_len] KV locations
     first_row: int  # its first new token in the batch
-    key_counts: list[int]  # per new token: how many keys it sees
-    bias: torch.Tensor | None  # [Q, seq_len] 0 / -inf under a tree mask, else None
+    key_counts: list[int]  # per new token: how many keys it sees (the first ones)
+    tree_locs: list[torch.Tensor] | None = None  # per new token of a verify tree: its keys
 
 
 class BatchInvariantAttentionBackend(AttentionBackend):
@@ -46,20 +48,21 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         extend_lens = ([1] * len(seq_lens) if batch.mode == ForwardMode.DECODE
                        else batch.extend_lens_cpu.tolist())
         locs = self.req_to_token.req_to_token[batch.slots, :batch.max_seq_len].long()
-        tree = batch.tree_mask if batch.mode == ForwardMode.EXTEND else None
-        if tree is not None:
+        tree = None
+        if batch.mode == ForwardMode.EXTEND and batch.tree_mask is not None:
             check_tree_mask(batch)
+            with expected_sync():  # the tree's rows are gathered by host indices
+                tree = batch.tree_mask.bool().cpu()
         first_row = 0
         for i, (seq_len, ext) in enumerate(zip(seq_lens, extend_lens)):
-            bias = None
-            if tree is None:
-                counts = list(range(seq_len - ext + 1, seq_len + 1))
-            else:
-                counts = [seq_len] * ext
-                num_k = tree.shape[2]
-                bias = torch.zeros(ext, seq_len, device=locs.device)
-                bias[:, seq_len - num_k:].masked_fill_(~tree[i].bool(), float("-inf"))
-            self._requests.append(_Request(locs[i, :seq_len], first_row, counts, bias))
+            r = _Request(locs[i, :seq_len], first_row, list(range(seq_len - ext + 1, seq_len + 1)))
+            if tree is not None:
+                prefix = seq_len - tree.shape[2]
+                r.tree_locs = [torch.cat([r.key_locs[:prefix],
+                                          r.key_locs[prefix:][row.to(locs.device)]])
+                               for row in tree[i]]
+                r.key_counts = [int(t.shape[0]) for t in r.tree_locs]
+            self._requests.append(r)
             first_row += ext
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -69,19 +72,24 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
         kv_heads, d = self.num_kv_heads, self.head_dim
         out = q.new_empty(q.shape[0], self.num_heads, d)
+        k_buffer, v_buffer = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         for r in self._requests:
-            # [kv_heads, D, L] and [kv_heads, L, D], views of [L, kv_heads, D]: a prefix of L
-            # keys has the same strides whatever L the request has.
-            keys = self.kv_pool.k_buffer[layer_id].index_select(0, r.key_locs).float(
-                ).permute(1, 2, 0)
-            values = self.kv_pool.v_buffer[layer_id].index_select(0, r.key_locs).float(
-                ).transpose(0, 1)
+            if r.tree_locs is None:
+                keys, values = self._gather(k_buffer, v_buffer, r.key_locs)
             for j, count in enumerate(r.key_counts):
+                if r.tree_locs is not None:
+                    keys, values = self._gather(k_buffer, v_buffer, r.tree_locs[j])
                 row = r.first_row + j
                 query = q[row].float().view(kv_heads, -1, d)  # [kv_heads, group, D]
                 scores = torch.bmm(query, keys[:, :, :count]).mul_(self.scale)
-                if r.bias is not None:
-                    scores.add_(r.bias[j])
                 probs = torch.softmax(scores, dim=-1)
                 out[row] = torch.bmm(probs, values[:, :count]).view(self.num_heads, d)
         return out
+
+    @staticmethod
+    def _gather(k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [kv_heads, D, L] and values [kv_heads, L, D] in fp32, views of [L, kv_heads,
+        D]: their first n keys have the same strides whatever L is."""
+        return (k_buffer.index_select(0, locs).float().permute(1, 2, 0),
+                v_buffer.index_select(0, locs).float().transpose(0, 1))
