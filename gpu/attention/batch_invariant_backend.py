@@ -20,7 +20,6 @@ import torch
 
 from gpu.attention.base import AttentionBackend, check_tree_mask
 from gpu.forward_batch import ForwardBatch, ForwardMode
-from gpu.sync_guard import expected_sync
 
 
 @dataclass
@@ -44,15 +43,14 @@ class BatchInvariantAttentionBackend(AttentionBackend):
             return
         assert batch.seq_lens_cpu is not None and batch.max_seq_len is not None, (
             "batch-invariant attention needs host sequence lengths (needs_cpu_seq_lens)")
-        seq_lens = batch.seq_lens_cpu.tolist()
+        seq_lens = batch.seq_lens_cpu.numpy().tolist()
         extend_lens = ([1] * len(seq_lens) if batch.mode == ForwardMode.DECODE
-                       else batch.extend_lens_cpu.tolist())
+                       else batch.extend_lens_cpu.numpy().tolist())
         locs = self.req_to_token.req_to_token[batch.slots, :batch.max_seq_len].long()
         tree = None
         if batch.mode == ForwardMode.EXTEND and batch.tree_mask is not None:
             check_tree_mask(batch)
-            with expected_sync():  # the tree's rows are gathered by host indices
-                tree = batch.tree_mask.bool().cpu()
+            tree = batch.tree_mask.bool().cpu()  # the tree's rows gather by host indices
         first_row = 0
         for i, (seq_len, ext) in enumerate(zip(seq_lens, extend_lens)):
             r = _Request(locs[i, :seq_len], first_row, list(range(seq_len - ext + 1, seq_len + 1)))

@@ -15,10 +15,10 @@ from tests.gpu.spec_runs import CHAIN
 TOPICS = ["a dragon", "the sea", "a robot", "rain", "a cat", "winter", "a city", "the moon",
           "a tree", "music", "a clock", "fire", "a river", "bread", "a map", "glass"]
 PROMPTS = [f"Write a short story about {t}." for t in TOPICS]
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, logprobs=0, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=12, logprobs=0,
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, logprobs=0, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=8, logprobs=0,
                         ignore_eos=True)
-FILLER = SamplingParams(temperature=0.0, max_new_tokens=8)
+FILLER = SamplingParams(temperature=0.0, max_new_tokens=4)
 
 
 def run(engine: Engine, overlap: bool, prompts: list[str], params: list[SamplingParams]):
