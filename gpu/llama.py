@@ -9,7 +9,8 @@ The model holds weights only; everything per-forward (token locations, lengths) 
 layer objects from `make_linear`: dense in the model dtype, or compressed (`weight_quant`);
 on a bf16 CPU model a GGUF's Q4_0/Q4_1 projections also keep their 4-bit codes for small
 forwards (`q4_max_tokens`, gpu/q4_linear.py), and so does a Q4_0/Q4_1/Q8_0 lm_head (as 4-bit
-parts) for forwards of up to 4 rows.
+parts) for forwards of up to 4 rows. `deterministic` wraps every projection in a RowwiseLinear
+(gpu/rowwise_linear.py), so a row's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -26,16 +27,24 @@ from gpu.loader.gguf_q4 import Q4Blocks
 from gpu.model_config import ModelConfig
 from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_applies, q4_shape_ok
 from gpu.quantized_linear import WEIGHT_QUANT_MODES, Linear, make_linear
+from gpu.rowwise_linear import RowwiseLinear
+
+
+Projection = Linear | Q4Linear | RowwiseLinear
+
+
+def unwrap(proj: Projection) -> Linear | Q4Linear:
+    return proj.inner if isinstance(proj, RowwiseLinear) else proj
 
 
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv_proj: Linear | Q4Linear
-    o_proj: Linear | Q4Linear
+    qkv_proj: Projection
+    o_proj: Projection
     post_attn_norm: torch.Tensor
-    gate_up_proj: Linear | Q4Linear
-    down_proj: Linear | Q4Linear
+    gate_up_proj: Projection
+    down_proj: Projection
     qkv_bias: torch.Tensor | None = None  # [q_size + 2 * kv_size]
     qk_norm: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]
 
@@ -44,7 +53,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, weight_quant: str = "none",
                  q4: dict[str, Q4Blocks] | None = None, q4_max_tokens: int = 0,
-                 lm_head_q4: list[Q4Blocks] | None = None) -> None:
+                 lm_head_q4: list[Q4Blocks] | None = None, deterministic: bool = False) -> None:
         if weight_quant not in WEIGHT_QUANT_MODES:
             raise ValueError(f"weight_quant '{weight_quant}' is unknown; choose one of "
                              f"{WEIGHT_QUANT_MODES}")
@@ -61,12 +70,15 @@ class LlamaModel:
         use_q4 = weight_quant == "none" and q4_applies(device, dtype, q4_max_tokens)
         self.q4_projections = 0
 
-        def linear(name: str) -> Linear | Q4Linear:
+        def linear(name: str) -> Projection:
             dense = make_linear(w(name), weight_quant)
             if not use_q4 or name not in q4 or not q4_shape_ok(q4[name]):
-                return dense
+                return rowwise(dense)
             self.q4_projections += 1
-            return Q4Linear(dense, q4[name], q4_max_tokens)
+            return rowwise(Q4Linear(dense, q4[name], q4_max_tokens))
+
+        def rowwise(layer: Linear | Q4Linear) -> Projection:
+            return RowwiseLinear(layer) if deterministic else layer
 
         self.embed_tokens = w("embed_tokens")
         self.lm_head = make_linear(w("lm_head") if "lm_head" in weights else self.embed_tokens,
@@ -74,6 +86,7 @@ class LlamaModel:
         if use_q4 and lm_head_q4 and q4_shape_ok(lm_head_q4):
             self.lm_head = Q4Linear(self.lm_head, lm_head_q4,
                                     min(q4_max_tokens, LM_HEAD_Q4_MAX_TOKENS))
+        self.lm_head = rowwise(self.lm_head)
         self.final_norm = w("final_norm")
         self.layers = [
             DecoderLayer(input_norm=w(f"layers.{i}.input_norm"),
@@ -93,10 +106,10 @@ class LlamaModel:
         on one loaded model."""
         for layer in self.layers:
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                if isinstance(proj, Q4Linear):
-                    proj.max_tokens = max_tokens
-        if isinstance(self.lm_head, Q4Linear):
-            self.lm_head.max_tokens = min(max_tokens, LM_HEAD_Q4_MAX_TOKENS)
+                if isinstance(q4 := unwrap(proj), Q4Linear):
+                    q4.max_tokens = max_tokens
+        if isinstance(q4 := unwrap(self.lm_head), Q4Linear):
+            q4.max_tokens = min(max_tokens, LM_HEAD_Q4_MAX_TOKENS)
 
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend,
                       capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -32,7 +32,8 @@ _GPU_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _THIS_FILE = os.path.abspath(__file__)
 # Works on the host lengths it declares it needs (needs_cpu_seq_lens): on a GPU, use Triton.
-_HOST_LENGTH_BACKENDS = (os.path.join(_GPU_DIR, "attention", "torch_backend.py"),)
+_HOST_LENGTH_BACKENDS = tuple(os.path.join(_GPU_DIR, "attention", name) for name in
+                              ("torch_backend.py", "batch_invariant_backend.py"))
 
 
 def sync_check_from_env() -> bool:

@@ -99,13 +99,16 @@ class Worker:
 
     def fast_paths(self) -> str:
         """The fast paths in use, for the worker's ready line in its log."""
+        from gpu.llama import unwrap
         from gpu.q4_linear import Q4Linear
 
         model, cfg = self.state.model, self.state.cfg
         note = (f", {model.q4_projections} projections on the file's 4-bit codes up to "
                 f"{cfg.runtime.q4_max_tokens} tokens" if model.q4_projections else "")
-        if isinstance(model.lm_head, Q4Linear):
-            note += f", the lm_head up to {model.lm_head.max_tokens}"
+        if isinstance(lm_head := unwrap(model.lm_head), Q4Linear):
+            note += f", the lm_head up to {lm_head.max_tokens}"
+        if cfg.runtime.deterministic:
+            note += ", batch-invariant (deterministic: one row at a time)"
         graphs = self.step.decode_graphs if isinstance(self.step, PlainStep) else None
         if graphs is not None:
             note += f", CUDA graphs for decode batches up to {graphs.max_batch}"

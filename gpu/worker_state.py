@@ -65,7 +65,8 @@ class WorkerState:
         self.model_name = Path(cfg.model.path).name
         self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
                                 weight_quant=cfg.weight_quant, q4=loaded.q4,
-                                q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4)
+                                q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4,
+                                deterministic=rt.deterministic)
         del loaded
         self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
         self.page_size = rt.page_size
@@ -78,13 +79,17 @@ class WorkerState:
         self.req_to_token = ReqToTokenPool(self.num_slots,
                                            self.max_context_len + cfg.spec.reserve_tokens,
                                            rt.page_size, self.device)
+        if mc.sliding_window is not None and rt.deterministic:
+            raise ValueError(f"runtime.deterministic is not supported with a sliding-window "
+                             f"model ({mc.architecture}, window {mc.sliding_window}) yet; turn "
+                             f"it off")
         if mc.sliding_window is not None and cfg.spec.enabled:
             raise ValueError(f"speculative decoding ({cfg.spec.algorithm}) is not supported with "
                              f"a sliding-window model ({mc.architecture}, window "
                              f"{mc.sliding_window}); turn speculation off")
         self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
                                            mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                           mc.sliding_window)
+                                           mc.sliding_window, deterministic=rt.deterministic)
         self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device,
                                             eos_token_ids=mc.eos_token_ids)
         self.sampler = Sampler(self.sampling_state)

@@ -57,6 +57,7 @@ class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_cpu_threads: Annotated[int, Meta(ge=0, le=1024)] = 0  # 0: auto (the service's rule)
     q4_max_tokens: Annotated[int, Meta(ge=0, le=4096)] = DEFAULT_Q4_MAX_TOKENS  # 0: never
     cuda_graph_max_batch: Annotated[int, Meta(ge=0, le=4096)] = 0  # 0: never
+    deterministic: bool = False  # batch-invariant forwards (gpu/rowwise_linear.py)
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -74,6 +75,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.runtime.max_kv_tokens < self.runtime.page_size:
             raise ValueError(f"runtime.max_kv_tokens = {self.runtime.max_kv_tokens} must be at "
                              f"least runtime.page_size = {self.runtime.page_size} (one page)")
+        if self.runtime.deterministic and self.runtime.attention_backend != "torch":
+            raise ValueError("runtime.deterministic = true needs runtime.attention_backend = "
+                             "\"torch\" (its batch-invariant attention is written in torch)")
         self.spec.validate()
         return self
 

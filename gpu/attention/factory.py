@@ -13,10 +13,16 @@ if TYPE_CHECKING:
 
 def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool",
                            num_heads: int, num_kv_heads: int, head_dim: int,
-                           sliding_window: int | None = None) -> "AttentionBackend":
+                           sliding_window: int | None = None,
+                           deterministic: bool = False) -> "AttentionBackend":
     """The backend `name` over `kv_pool`; imported here only when chosen (Triton is slow to
-    import and absent on some machines)."""
+    import and absent on some machines). `deterministic` (runtime.deterministic, torch only):
+    the batch-invariant torch backend."""
     scale = head_dim ** -0.5
+    if deterministic and name == "torch":
+        from gpu.attention.batch_invariant_backend import BatchInvariantAttentionBackend
+        return BatchInvariantAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads,
+                                              head_dim, scale)
     if name == "torch":
         from gpu.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,

@@ -27,6 +27,7 @@ from gpu.device import host_to_device
 from gpu.layers import apply_rope, rms_norm
 from gpu.quantized_linear import quantize_int8_per_channel
 from gpu.rope_scaling import RopeScaling, rope_inv_freq
+from gpu.rowwise_linear import RowwiseLinear
 
 ALGORITHMS = ("eagle3", "eagle")
 
@@ -281,6 +282,14 @@ class DraftHead(nn.Module):
                     setattr(module, name, SmallRowsInt8Linear(child, max_rows))
                     wrapped += 1
         return wrapped
+
+    def use_rowwise_linears(self) -> None:
+        """Multiply one row at a time in every linear (runtime.deterministic, see
+        gpu/rowwise_linear.py), after any int8 wrapping."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, (nn.Linear, SmallRowsInt8Linear)):
+                    setattr(module, name, RowwiseLinear(child))
 
     @property
     def weight_dtype(self) -> torch.dtype:

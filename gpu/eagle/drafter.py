@@ -71,6 +71,8 @@ class Drafter:
         q4_max_tokens = state.cfg.runtime.q4_max_tokens
         if q4_applies(state.device, state.dtype, q4_max_tokens):
             self.head.use_int8_for_small_forwards(q4_max_tokens)
+        if state.cfg.runtime.deterministic:
+            self.head.use_rowwise_linears()
         hc = self.head.config
         if hc.algorithm != settings.algorithm:
             raise ValueError(f"spec.algorithm is '{settings.algorithm}' but the head in "
@@ -79,7 +81,8 @@ class Drafter:
                                hc.head_dim, state.dtype, state.device)
         self.draft_attn = make_attention_backend(state.cfg.runtime.attention_backend,
                                                  self.draft_kv, state.req_to_token,
-                                                 hc.num_heads, hc.num_kv_heads, hc.head_dim)
+                                                 hc.num_heads, hc.num_kv_heads, hc.head_dim,
+                                                 deterministic=state.cfg.runtime.deterministic)
         self.max_position = min(state.max_context_len, hc.max_position_embeddings) - 1
         self.device = state.device
 
