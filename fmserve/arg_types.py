@@ -40,6 +40,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """0 (off) or a finite number above 0 (a period)."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return positive_float(text)
+
+
 def positive_int_list(text: str) -> str:
     """Comma-separated positive integers ("1,8,32"), handed on as the text: the commands split it
     themselves (and the reports print it as given)."""
