@@ -48,6 +48,7 @@ MALFORMED = [b"\xc1", b"", b"\x81\xa4type\xa5bogus", b"\x91" * 100_000 + b"\xc0"
                                      "params": {"temperature": -1.0}}),
              b"\x83\xa4type\xa8generate\xa2id\xa5bad-3\xa4text\xa3\xff\xfe\xfd"]
 PING = encode(Ping())
+PING_EVERY_S = 1.0  # the service drops a client that sends nothing for client_timeout_s
 STALL_S = 180.0  # a request with no reply for this long is lost
 IDLE_WAIT_S = 90.0  # for the requests of vanished clients to be aborted (client_timeout_s)
 
@@ -94,6 +95,7 @@ class Stream:
         self.ended: set[str] = set()  # ids that had their terminal message
         self.aborted: set[str] = set()  # ids this client asked to abort
         self.n = 0
+        self.last_send = 0.0
         # The first three streams start with a vanishing, a malformed frame and an abort, so
         # that even a short run has each.
         self.first = ("vanish", "malformed", "abort")[index] if index < 3 else None
@@ -106,33 +108,38 @@ class Stream:
                 self.sock.connect(self.endpoint)
             action = self.first or self.rng.choices(
                 ["run", "abort", "vanish", "malformed"], [0.78, 0.1, 0.08, 0.04])[0]
+            # chunks before the abort or the vanishing; none for the first three's
+            after = 0 if self.first else self.rng.randint(0, 3)
             self.first = None
-            await (self.malformed() if action == "malformed" else self.request(action))
+            await (self.malformed() if action == "malformed" else self.request(action, after))
         if self.sock is not None:  # late replies: a second terminal would show here
             while await self.sock.poll(500):
                 self.check_late(decode_service_reply((await self.sock.recv_multipart())[-1]))
             self.sock.close()
 
+    async def send(self, frame: bytes) -> None:
+        await self.sock.send(frame)
+        self.last_send = time.monotonic()
+
     async def next_reply(self, what: str):
-        """The next reply other than a pong or a late one, pinging while waiting (the service
-        drops silent clients); None after `stall_s` of nothing."""
-        waited = 0.0
-        while waited < self.stall_s:
-            if await self.sock.poll(1000):
-                msg = decode_service_reply((await self.sock.recv_multipart())[-1])
-                rid = getattr(msg, "id", None)
-                if isinstance(msg, Error) and (rid is None or rid.startswith("bad-")):
-                    self.tally.malformed_answered += 1
-                    if what == "malformed":
-                        return msg
-                elif rid is not None and rid in self.ended:
-                    self.check_late(msg)
-                elif rid is not None:
-                    return msg
-                waited = 0.0
+        """The next reply other than a pong or a late one, pinging while waiting; None after
+        `stall_s` without one (pongs keep coming from a service that lost the request)."""
+        start = time.monotonic()
+        while time.monotonic() - start < self.stall_s:
+            if time.monotonic() - self.last_send >= PING_EVERY_S:
+                await self.send(PING)
+            if not await self.sock.poll(int(PING_EVERY_S * 1000)):
                 continue
-            waited += 1.0
-            await self.sock.send(PING)
+            msg = decode_service_reply((await self.sock.recv_multipart())[-1])
+            rid = getattr(msg, "id", None)
+            if isinstance(msg, Error) and (rid is None or rid.startswith("bad-")):
+                self.tally.malformed_answered += 1
+                if what == "malformed":
+                    return msg
+            elif rid is not None and rid in self.ended:
+                self.check_late(msg)
+            elif rid is not None:
+                return msg
         return None
 
     def check_late(self, msg) -> None:
@@ -146,17 +153,16 @@ class Stream:
 
     async def malformed(self) -> None:
         self.tally.malformed_sent += 1
-        await self.sock.send(self.rng.choice(MALFORMED))
+        await self.send(self.rng.choice(MALFORMED))
         await self.next_reply("malformed")
 
-    async def request(self, action: str) -> None:
+    async def request(self, action: str, after: int = 0) -> None:
         self.n += 1
         rid = f"s{self.index}-{self.n}"
         rng = self.rng
         params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randint(0, 9),
                                 max_new_tokens=rng.randint(4, self.max_new_tokens))
-        after = rng.randint(0, 3)  # chunks before the abort or the vanishing
-        await self.sock.send(encode(Generate(id=rid, messages=[ChatMessage(
+        await self.send(encode(Generate(id=rid, messages=[ChatMessage(
             "user", rng.choice(PROMPTS))], params=params, stream=rng.random() < 0.9)))
         self.tally.sent += 1
         chunks = 0
@@ -166,6 +172,9 @@ class Stream:
                 self.sock = None
                 self.tally.vanished += 1
                 return
+            if action == "abort" and chunks >= after and rid not in self.aborted:
+                self.aborted.add(rid)
+                await self.send(encode(Abort(id=rid)))
             msg = await self.next_reply(rid)
             if msg is None:
                 self.tally.lost.append(f"{rid}: no terminal message after {self.stall_s:g} s")
@@ -176,9 +185,6 @@ class Stream:
             if isinstance(msg, Chunk):
                 chunks += 1
                 self.tally.tokens += len(msg.token_ids)
-                if action == "abort" and chunks >= after and rid not in self.aborted:
-                    self.aborted.add(rid)
-                    await self.sock.send(encode(Abort(id=rid)))
                 continue
             self.ended.add(rid)
             if isinstance(msg, Finished):

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from fmserve.bench.soak import Stream, Tally
 from fmserve.cli import main
-from ipc.client_messages import Finished, Usage
+from ipc.client_messages import Finished, Ping, Pong, Usage
 from ipc.codec import decode_client_request, encode
 
 
@@ -38,8 +38,8 @@ def test_a_short_soak_with_a_worker_kill_loses_nothing_and_ends_idle(model_path,
 
 
 async def soak_client_against(answer_twice: bool) -> Tally:
-    """One soak request against a ROUTER that answers it with two terminal messages, or with
-    none."""
+    """Two soak requests against a ROUTER that answers each with two terminal messages, or
+    with none (while it answers every ping)."""
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -52,7 +52,9 @@ async def soak_client_against(answer_twice: bool) -> Tally:
         while True:
             ident, frame = await router.recv_multipart()
             msg = decode_client_request(frame)
-            if answer_twice and hasattr(msg, "id"):
+            if isinstance(msg, Ping):
+                await router.send_multipart([ident, encode(Pong())])
+            elif answer_twice:
                 done = encode(Finished(msg.id, "stop", Usage(1, 0)))
                 await router.send_multipart([ident, done])
                 await router.send_multipart([ident, done])
