@@ -43,11 +43,10 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """0 (off) or a finite number above 0 (a period)."""
     try:
-        if float(text) == 0:
-            return 0.0
-    except ValueError:
-        pass
-    return positive_float(text)
+        return 0.0 if float(text) == 0 else positive_float(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 (off) or a finite number "
+                                         f"above 0") from None
 
 
 def positive_int_list(text: str) -> str:

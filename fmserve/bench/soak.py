@@ -65,6 +65,7 @@ class Tally:
     malformed_answered: int = 0
     tokens: int = 0
     kills: int = 0
+    last_served: float = 0.0  # when the latest request that ended with tokens was sent
 
 
 def add_bench_soak_args(p: argparse.ArgumentParser) -> None:
@@ -162,6 +163,7 @@ class Stream:
         rng = self.rng
         params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randint(0, 9),
                                 max_new_tokens=rng.randint(4, self.max_new_tokens))
+        sent_at = time.monotonic()
         await self.send(encode(Generate(id=rid, messages=[ChatMessage(
             "user", rng.choice(PROMPTS))], params=params, stream=rng.random() < 0.9)))
         self.tally.sent += 1
@@ -190,6 +192,8 @@ class Stream:
             if isinstance(msg, Finished):
                 self.tally.finished += 1
                 self.tally.aborted += msg.reason == "abort"
+                if msg.reason != "abort":
+                    self.tally.last_served = max(self.tally.last_served, sent_at)
             else:
                 self.tally.errored[msg.code] += 1
             return
@@ -202,8 +206,8 @@ def worker_pid(service_pid: int) -> int | None:
 
 async def kill_workers(service_pid: int, every_s: float, deadline: float, tally: Tally,
                        console: Console) -> None:
-    """SIGKILL the worker every `every_s`, each time once its replacement has finished a
-    request (a kill during a restart is another test: issue 33, item 5)."""
+    """SIGKILL the worker every `every_s`, each time once its replacement has served a request
+    sent after the kill (a kill during a restart is another test: issue 33, item 5)."""
     while True:
         await asyncio.sleep(every_s)
         pid = worker_pid(service_pid)
@@ -211,8 +215,8 @@ async def kill_workers(service_pid: int, every_s: float, deadline: float, tally:
             return
         os.kill(pid, signal.SIGKILL)
         tally.kills += 1
-        finished, since = tally.finished, time.monotonic()
-        while worker_pid(service_pid) in (None, pid) or tally.finished == finished:
+        since = time.monotonic()
+        while worker_pid(service_pid) in (None, pid) or tally.last_served < since:
             if time.monotonic() - since > STALL_S:
                 console.print(f"the worker did not come back {STALL_S:g} s after kill "
                               f"{tally.kills}: no more kills")
