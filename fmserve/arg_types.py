@@ -40,6 +40,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """0 (off) or a finite number above 0 (a period)."""
+    try:
+        return 0.0 if float(text) == 0 else positive_float(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 (off) or a finite number "
+                                         f"above 0") from None
+
+
 def positive_int_list(text: str) -> str:
     """Comma-separated positive integers ("1,8,32"), handed on as the text: the commands split it
     themselves (and the reports print it as given)."""

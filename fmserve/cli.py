@@ -13,6 +13,7 @@
     fmserve bench http                         the OpenAI HTTP API vs ZMQ, same load, one run
     fmserve bench peers [--quick]              fmserve vs transformers / llama.cpp, report + plots
     fmserve bench prefix                       the prefix cache off and on (system prompt, chat)
+    fmserve bench soak                         minutes of hostile load: nothing lost, back to idle
     fmserve train-eagle                        train an EAGLE-3 draft head (self-distilled)
 """
 
@@ -143,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     from fmserve.bench.prefix import add_bench_prefix_args, run_bench_prefix
     add_bench_prefix_args(prefix)
     prefix.set_defaults(func=run_bench_prefix)
+    soak = bench_sub.add_parser("soak", help="minutes of streams with aborts, vanishing "
+                                             "clients, malformed frames and worker kills")
+    from fmserve.bench.soak import add_bench_soak_args, run_bench_soak
+    add_bench_soak_args(soak)
+    soak.set_defaults(func=run_bench_soak)
 
     from fmserve.train_eagle.cli import add_parser as add_train_eagle_parser
     add_train_eagle_parser(sub)

@@ -21,6 +21,8 @@ def jsonl_rows(path: str) -> Iterator[tuple[int, object]]:
                     yield lineno, json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                except RecursionError:
+                    raise ValueError(f"{path}:{lineno}: JSON nested too deeply") from None
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); give a JSONL file") from None
 

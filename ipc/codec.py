@@ -37,7 +37,7 @@ _reply_decoder = msgspec.msgpack.Decoder(ServiceReply)
 _lenient_decoder = msgspec.msgpack.Decoder()  # any msgpack -> Python objects
 # What msgspec raises for a frame it cannot read: besides DecodeError, a str that is not UTF-8
 # gives UnicodeDecodeError and nesting too deep RecursionError (either crashed the service).
-_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 class ProtocolError(ValueError):
@@ -130,13 +130,13 @@ def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, valid_types: tuple[s
         return decoder.decode(frame)
     except msgspec.ValidationError as exc:  # first: it is a subclass of DecodeError
         error = exc
-    except _UNREADABLE as exc:
+    except UNREADABLE as exc:
         raise _not_msgpack(exc, frame) from None
     # The typed decoder may stop at the first type mismatch, before it has read the whole
     # frame: parse it untyped to tell bad msgpack from a bad message and to find the id.
     try:
         raw = _lenient_decoder.decode(frame)
-    except _UNREADABLE as exc:
+    except UNREADABLE as exc:
         raise _not_msgpack(exc, frame) from None
     raise _explain_invalid(raw, error, valid_types, what)
 

@@ -47,11 +47,18 @@ def ipc_path(endpoint: str) -> Path | None:
 
 
 class _PairCodec:
-    """msgpack out; in, only the message union the peer may send."""
+    """msgpack out; in, only the message union the peer may send. A frame that cannot be
+    decoded raises msgspec.DecodeError, and nothing else."""
 
     def __init__(self, receives: type) -> None:
         self.encode = msgspec.msgpack.Encoder().encode
-        self.decode = msgspec.msgpack.Decoder(receives).decode
+        self._decode = msgspec.msgpack.Decoder(receives).decode
+
+    def decode(self, frame: bytes):
+        try:
+            return self._decode(frame)
+        except (UnicodeDecodeError, RecursionError) as exc:  # msgspec lets these through
+            raise msgspec.DecodeError(f"not valid msgpack: {exc}") from None
 
 
 class SchedulerSideCodec(_PairCodec):

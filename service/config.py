@@ -266,8 +266,10 @@ def _allowed(annotation: Any) -> str:
 
 
 def _port_problem(endpoint: str) -> str | None:
-    # ZMQ takes a tcp port modulo 2^16 (":99999" binds 34463): refuse it instead.
-    if endpoint.startswith("tcp://") and int(endpoint.rpartition(":")[2]) > 65535:
+    # ZMQ takes a tcp port modulo 2^16 (":99999" binds 34463): refuse it instead. Too many
+    # digits for int() (4300) is out of range too.
+    port = endpoint.rpartition(":")[2].lstrip("0")
+    if endpoint.startswith("tcp://") and (len(port) > 5 or int(port or 0) > 65535):
         return "has a port out of range: the port must be in [0, 65535] (0: any free one)"
     return None
 

@@ -153,9 +153,10 @@ def offline_baseline(args, path: Path, prompts: list[str], params: SamplingParam
 
 
 def start_service(args, path: Path, overlap: bool, extra: list[str] = (),
-                  max_running_requests: int = 32) -> tuple[subprocess.Popen, str]:
+                  max_running_requests: int = 32, log=None) -> tuple[subprocess.Popen, str]:
     """Start `fmserve serve` on a free port and wait until it answers; `extra` are more flags
-    (speculation, KV size)."""
+    (speculation, KV size). Its stderr goes to `log` (a file), else to a pipe read only if it
+    fails to start: a long run that logs must have a file."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -166,11 +167,12 @@ def start_service(args, path: Path, overlap: bool, extra: list[str] = (),
            "--max-running-requests", str(max_running_requests), "--log-level", "WARNING",
            "--http-port", "0",
            "--overlap" if overlap else "--no-overlap", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log or subprocess.PIPE)
     with Client(endpoint) as c:
         for _ in range(300):
             if proc.poll() is not None:
-                raise RuntimeError(f"fmserve serve exited: {proc.stderr.read().decode()[-2000:]}")
+                why = (proc.stderr.read() if log is None else Path(log.name).read_bytes())
+                raise RuntimeError(f"fmserve serve exited: {why.decode()[-2000:]}")
             try:
                 c.health(timeout_s=1.0)
                 return proc, endpoint

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 from ipc.client_messages import Chunk, Error
 from service.http.errors import ApiError
 from service.http.local_requests import LocalRequests
-from service.http.openai_params import to_generates
+from service.http.openai_params import decode_body, to_generates
 from service.http.openai_responses import SSE_DONE, Answers, sse
 from service.http.openai_types import ChatCompletionRequest, CompletionRequest
 
@@ -121,15 +121,7 @@ class OpenAIApp:
             body += part
             if len(body) > self.max_body_bytes:
                 raise too_large
-        try:
-            return msgspec.json.decode(bytes(body), type=kind)
-        except msgspec.ValidationError as exc:
-            text, _, where = str(exc).partition(" - at `$.")
-            param = where.rstrip("`") or None
-            raise ApiError("invalid_params", f"{text}" + (f" (at {param})" if param else ""),
-                           param) from None
-        except msgspec.DecodeError as exc:
-            raise ApiError("invalid_json", f"the request body is not valid JSON: {exc}") from None
+        return decode_body(bytes(body), kind)
 
     # -- endpoints ------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""An OpenAI request body -> the service's own `Generate` messages, one per answer.
+"""An OpenAI request body -> the service's own `Generate` messages, one per answer
+(`decode_body`, then `to_generates`).
 
 `n` answers of each prompt are `n` ordinary requests (ids `<base>-<choice index>`); with a
 seed, answer i samples with seed + i, so the answers differ and each is reproducible.
@@ -13,6 +14,7 @@ from typing import Any
 import msgspec
 
 from ipc.client_messages import ChatMessage, Generate
+from ipc.codec import UNREADABLE
 from ipc.sampling import MAX_SEED, SamplingParams
 from service.http.errors import ApiError
 from service.http.openai_types import (NO_OP_VALUES, ChatCompletionRequest, ChatMessageIn,
@@ -22,6 +24,19 @@ MAX_CHOICES = 64  # n times the number of prompts: each answer is one request in
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # SamplingParams' field names as an OpenAI client knows them, for error messages.
 OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def decode_body(body: bytes, kind: type[SamplingFields]) -> SamplingFields:
+    """A request body as `kind`; anything wrong with it is an ApiError (a 400)."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text, _, where = str(exc).partition(" - at `$.")
+        param = where.rstrip("`") or None
+        raise ApiError("invalid_params", f"{text}" + (f" (at {param})" if param else ""),
+                       param) from None
+    except UNREADABLE as exc:  # invalid UTF-8 and deep nesting were 500s
+        raise ApiError("invalid_json", f"the request body is not valid JSON: {exc}") from None
 
 
 def refuse_unsupported(body: msgspec.Struct, where: str = "") -> None:
