@@ -34,6 +34,7 @@ class ClientRegistry:
         # In-process clients (the HTTP API): their replies go to these callables, not the
         # socket, and they are never timed out for silence (their connection is watched).
         self.local_sinks: dict[bytes, Callable[[object], None]] = {}
+        self.cut_off: set[bytes] = set()  # over their unread-reply bound: ignored (replies.py)
 
     @staticmethod
     def scheduler_id(identity: bytes, client_id: str) -> str:

@@ -47,6 +47,7 @@ class ServiceSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: Annotated[float, Meta(gt=0, le=600)] = 2.0
     max_message_bytes: Annotated[int, Meta(ge=1 << 10, le=1 << 30)] = MAX_MESSAGE_BYTES
     drain_timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 30.0
+    max_queued_replies: Annotated[int, Meta(ge=16, le=1 << 24)] = 100_000
 
     # Trust (config.toml says more): admin operations need this token; "" = none allowed.
     admin_token: str = ""

@@ -27,6 +27,7 @@ class ServiceCounters:
     worker_busy_ms: float = 0.0
     worker_idle_ms: float = 0.0
     worker_restarts: int = 0
+    clients_cut_off: int = 0  # over service.max_queued_replies unread (service/replies.py)
     recent_steps: deque[StepTelemetry] = field(
         default_factory=lambda: deque(maxlen=RECENT_STEPS))
 

@@ -43,6 +43,8 @@ class _CountersCollector:
         yield success
         yield CounterMetricFamily(P + "worker_restarts", "Worker processes restarted after "
                                   "dying", value=c.worker_restarts)
+        yield CounterMetricFamily(P + "clients_cut_off", "ZMQ clients cut off for leaving "
+                                  "service.max_queued_replies unread", value=c.clients_cut_off)
         yield GaugeMetricFamily(P + "worker_idle_share", "Share of step time the worker waited "
                                 "for the scheduler while work was queued (overlap hides it)",
                                 value=c.worker_idle_share)

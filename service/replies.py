@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -31,11 +32,13 @@ def usage_of(out: RequestOutput, arrival: float, first_token: float | None, now:
 
 class Replies:
     def __init__(self, router: zmq.asyncio.Socket, clients: ClientRegistry,
-                 counters: ServiceCounters, metrics: ServiceMetrics) -> None:
+                 counters: ServiceCounters, metrics: ServiceMetrics,
+                 abort: Callable[[str], RequestOutput | None]) -> None:
         self.router = router
         self.clients = clients
         self.counters = counters
         self.metrics = metrics
+        self.abort = abort  # Service._abort: ends a request of a client that is cut off
 
     async def send(self, identity: bytes, msg) -> None:
         await self.send_envelope([identity], msg)
@@ -45,10 +48,30 @@ class Replies:
         if local is not None:
             local(msg)
             return
+        if envelope[0] in self.clients.cut_off:
+            return
         try:
             await self.router.send_multipart([*envelope, encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the client is gone or its queue is full: drop
+        except zmq.Again:  # service.max_queued_replies unread (ROUTER_MANDATORY says so)
+            await self.cut_off(envelope[0])
+        except zmq.ZMQError as exc:  # the client is gone: drop
             log.debug("dropping a reply to %s: %s", envelope[0].hex(), exc)
+
+    async def cut_off(self, identity: bytes) -> None:
+        """A client that leaves too many replies unread: its requests end (their terminal
+        messages cannot reach it and are dropped) and its frames are ignored from now on, so
+        its queue never grows on and nobody else waits for it."""
+        self.clients.cut_off.add(identity)
+        rids = self.clients.requests_of(identity)
+        log.warning("client %s left too many replies unread (service.max_queued_replies): "
+                    "cutting it off and aborting its %d request(s)", identity.hex(), len(rids))
+        self.counters.clients_cut_off += 1
+        for rid in rids:
+            out = self.abort(rid)
+            if out is not None:
+                await self.terminal(out)
+            else:
+                self.clients.pop(rid)
 
     async def output(self, out: RequestOutput) -> None:
         """A step's output for one request: its tokens and text, and its end if it ended."""

@@ -65,9 +65,7 @@ class Service:
                                    step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
         self.security = EndpointSecurity(cfg.service)  # reads CURVE keys: refused before loading
-        # Made once the worker says what it holds; kept across worker restarts (fail_all
-        # empties it for the fresh worker).
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | None = None  # made at start; fail_all empties it on restarts
         self.info: WorkerInfo | None = None
         self.worker_state: WorkerState = "restarting"  # until the first worker is ready
         self.counters = ServiceCounters()
@@ -79,11 +77,12 @@ class Service:
         # Frames up to the limit get decoded; a bit over it gets Error(message_too_large); only a
         # frame far beyond it (4x, a memory guard) makes ZMQ drop that connection silently.
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.service.max_message_bytes)
-        # No send limit per client (as SGLang's): at ZMQ's default 1000 a slow reader loses replies.
-        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.SNDHWM, cfg.service.max_queued_replies)  # per client:
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, never drops
         self.metrics = ServiceMetrics(self.counters, lambda: self.scheduler,
                                       lambda: self.worker_state, cfg.spec)
-        self.replies = Replies(self.router, self.clients, self.counters, self.metrics)
+        self.replies = Replies(self.router, self.clients, self.counters, self.metrics,
+                               self._abort)
         self.admin = AdminOps(cfg.service.admin_token, self._abort, self.replies)
         self.draining = False  # from a signal (or the shutdown) on: new requests refused
         self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,
@@ -174,6 +173,8 @@ class Service:
             # (a client flooding pings) this loop would never let the step loop run. Yield.
             await anyio.lowlevel.checkpoint()
             frames = await self.router.recv_multipart()
+            if frames[0] in self.clients.cut_off:  # over its unread bound: ignored
+                continue
             self.clients.touch(frames[0])  # any message is a sign of life
             if len(frames) != 2:
                 # Answer rather than drop, or the client (often a REQ socket) waits forever. A
