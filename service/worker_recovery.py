@@ -9,6 +9,7 @@ the service down for good."""
 from __future__ import annotations
 
 import logging
+import time
 
 import anyio
 
@@ -35,8 +36,11 @@ async def restart_worker(worker: WorkerHandle, scheduler: Scheduler, replies: Re
     backoff = RESTART_BACKOFF_S
     while policy.restart_on_failure and counters.worker_restarts < policy.max_restarts:
         counters.worker_restarts += 1
+        started = time.monotonic()
         try:
-            return await worker.restart()
+            info = await worker.restart()
+            log.info("worker restarted in %.1f s", time.monotonic() - started)
+            return info
         except WorkerStartError as exc:
             log.error("worker restart %d of %d failed: %s", counters.worker_restarts,
                       policy.max_restarts, exc)
