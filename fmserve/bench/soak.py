@@ -33,6 +33,7 @@ from fmserve.bench.serve import start_service
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from ipc.client import Client
+from ipc.client_errors import ServiceUnavailable
 from ipc.client_messages import (Abort, ChatMessage, Chunk, Error, Finished, Generate, Ping,
                                  Stats)
 from ipc.codec import decode_service_reply, encode
@@ -242,7 +243,12 @@ async def soak(endpoint: str, service_pid: int, args, tally: Tally, console: Con
 def wait_idle(client: Client) -> tuple[bool, Stats]:
     deadline = time.monotonic() + IDLE_WAIT_S
     while True:
-        s = client.health()
+        try:
+            s = client.health(timeout_s=10)
+        except ServiceUnavailable:  # a busy machine: asked again until the deadline
+            if time.monotonic() > deadline:
+                raise
+            continue
         idle = (s.worker_alive and (s.free_pages, s.free_slots, s.running, s.waiting)
                 == (s.total_pages, s.total_slots, 0, 0))
         if idle or time.monotonic() > deadline:
@@ -267,13 +273,14 @@ def run_bench_soak(args: argparse.Namespace) -> int:
         with Client(endpoint) as client:  # a request first, so that the start RSS is a working one
             client.complete(messages=[{"role": "user", "content": PROMPTS[0]}],
                             params=SamplingParams(max_new_tokens=4))
-            rss_start = rss_mib(proc.pid), rss_mib(worker_pid(proc.pid))
-            tally = Tally()
-            start = time.monotonic()
-            asyncio.run(soak(endpoint, proc.pid, args, tally, console))
-            wall = time.monotonic() - start
+        rss_start = rss_mib(proc.pid), rss_mib(worker_pid(proc.pid))
+        tally = Tally()
+        start = time.monotonic()
+        asyncio.run(soak(endpoint, proc.pid, args, tally, console))
+        wall = time.monotonic() - start
+        with Client(endpoint) as client:
             idle, stats = wait_idle(client)
-            rss_end = rss_mib(proc.pid), rss_mib(worker_pid(proc.pid))
+        rss_end = rss_mib(proc.pid), rss_mib(worker_pid(proc.pid))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
