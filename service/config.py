@@ -261,8 +261,9 @@ def _allowed(annotation: Any) -> str:
         return "must be one of " + ", ".join(_show(v) for v in get_args(annotation))
     if isinstance(info, mi.IntType):
         return f"must be an integer in [{info.ge}, {info.le}]"
-    if isinstance(info, mi.FloatType):
-        return f"must be a number in ({info.gt:g}, {info.le:g}]"
+    if isinstance(info, mi.FloatType):  # (gt, le] or [ge, le]
+        low = f"({info.gt:g}" if info.gt is not None else f"[{info.ge:g}"
+        return f"must be a number in {low}, {info.le:g}]"
     return f"must be a {type(info).__name__.removesuffix('Type').lower()}"
 
 

@@ -333,3 +333,10 @@ def test_serve_refuses_a_plain_endpoint_beyond_loopback_at_start(capsys):
     err = capsys.readouterr().err
     assert 'service.client_endpoint = "tcp://0.0.0.0:5557" can be reached from other machines' \
         in err and "--curve-keys DIR" in err and "--insecure" in err
+
+
+def test_a_bad_drain_timeout_names_its_closed_range():
+    # A float range with ge (not gt) was a TypeError while building the message (fuzzing).
+    message = refused(None, {"service.drain_timeout_s": -1.0})
+    assert "service.drain_timeout_s = -1.0 is out of range: must be a number in [0, 3600]" in message
+    assert "has the wrong type" in refused(None, {"service.drain_timeout_s": [1]})
