@@ -20,9 +20,12 @@ from ipc.client_messages import (
     Generate,
     ServiceReply,
 )
-from ipc.frame_head import frame_head
+from ipc.frame_head import frame_head, nests_deeper_than
 
 MAX_REQUEST_ID_CHARS = 128
+# The deepest a frame may nest (a protocol message needs 4): checked before msgspec, whose own
+# limit depends on the caller's stack, so a frame is refused the same way in every process.
+MAX_NESTING = 32
 CHAT_ROLES = ("system", "user", "assistant")
 
 # Tags a frame may carry, in the order the docs list them.
@@ -126,6 +129,9 @@ def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, valid_types: tuple[s
         raise ProtocolError("message_too_large",
                             f"{what} frame is {len(frame)} bytes; the limit is {max_bytes} bytes",
                             _id_in(frame))
+    if nests_deeper_than(frame, MAX_NESTING):
+        raise _invalid(f"{what} frame nests containers more than {MAX_NESTING} deep; protocol "
+                       f"messages need 4 at most", _id_in(frame))
     try:
         return decoder.decode(frame)
     except msgspec.ValidationError as exc:  # first: it is a subclass of DecodeError

@@ -75,3 +75,33 @@ def frame_head(frame: bytes) -> dict[str, Any]:
     except (IndexError, KeyError, ValueError):
         pass  # cut short or unreadable from here on: what was read so far stands
     return head
+
+
+# Containers' type codes (fixmap, fixarray, array16/32, map16/32): a frame with fewer of these
+# bytes than the limit cannot nest that deep, so most frames skip the scan below.
+_NOT_CONTAINER_CODES = bytes(b for b in range(256)
+                             if not (0x80 <= b <= 0x9f or 0xdc <= b <= 0xdf))
+
+
+def nests_deeper_than(frame: bytes, limit: int) -> bool:
+    """Whether any item of `frame` sits more than `limit` containers deep. Scanned without
+    recursion, so the answer does not depend on how much stack the caller has left (msgspec's
+    own limit does: it is Python's recursion limit less the caller's depth)."""
+    if len(frame.translate(None, _NOT_CONTAINER_CODES)) <= limit:
+        return False
+    pending = [1]  # items still to read at each open level
+    pos = 0
+    try:
+        while pending:
+            start, size, children = _header(frame, pos)
+            pos = start + size
+            pending[-1] -= 1
+            if children:
+                if len(pending) > limit:
+                    return True
+                pending.append(children)
+            while pending and pending[-1] == 0:
+                pending.pop()
+    except (IndexError, KeyError):
+        return False  # cut short or unreadable: msgspec says what is wrong with it
+    return False

@@ -19,6 +19,7 @@ from ipc.client_messages import (
     Usage,
 )
 from ipc.codec import (
+    MAX_NESTING,
     MAX_REQUEST_ID_CHARS,
     ProtocolError,
     decode_client_request,
@@ -130,10 +131,6 @@ DEEP = b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text" + b"\x91" * 100_000 + b"\x
                  id="id-not-utf8"),
     pytest.param(b"\x81\xa4type\xa2\xff\xfe", None, id="type-not-utf8"),
     pytest.param(b"\x82\xa4type\xa4ping\xa2id\xa3\xed\xa0\x80", None, id="ping-has-no-id"),
-    pytest.param(DEEP, "x", id="deep-text"),
-    pytest.param(b"\x83\xa4type\xa8generate\xa4text" + b"\x91" * 100_000 + b"\xc0\xa2id\xa1x",
-                 "x", id="id-after-deep-text"),
-    pytest.param(b"\x91" * 100_000 + b"\xc0", None, id="deep"),
 ])
 def test_not_msgpack(frame, request_id):
     """The error carries the request id whenever the frame's top-level map shows one."""
@@ -141,6 +138,40 @@ def test_not_msgpack(frame, request_id):
     assert err.code == "invalid_message"
     assert "not valid msgpack" in err.message
     assert err.request_id == request_id
+
+
+@pytest.mark.parametrize("frame, request_id", [
+    pytest.param(DEEP, "x", id="deep-text"),
+    pytest.param(b"\x83\xa4type\xa8generate\xa4text" + b"\x91" * 100_000 + b"\xc0\xa2id\xa1x",
+                 "x", id="id-after-deep-text"),
+    pytest.param(b"\x91" * 100_000 + b"\xc0", None, id="deep"),
+])
+def test_nesting_too_deep_is_refused_with_the_request_id(frame, request_id):
+    err = error_of(frame)
+    assert err.code == "invalid_message"
+    assert f"more than {MAX_NESTING} deep" in err.message
+    assert err.request_id == request_id
+
+
+def nested_generate(depth: int) -> bytes:
+    """A Generate whose prompt sits `depth` containers deep (the map itself is the first)."""
+    return b"\x83\xa4type\xa8generate\xa2id\xa1x\xa4text" + b"\x91" * (depth - 1) + b"\xa1t"
+
+
+def recursing(levels: int, fn):
+    return fn() if levels == 0 else recursing(levels - 1, fn)
+
+
+def test_the_nesting_limit_is_the_same_at_any_stack_depth():
+    """msgspec's own limit shrinks as the caller's stack grows, which once made the service and
+    a test disagree about one frame: the codec's limit comes first and does not move."""
+    for stack in (0, 500):
+        ok = error_of(nested_generate(MAX_NESTING), lambda f: recursing(stack, lambda: (
+            decode_client_request(f))))
+        assert "more than" not in ok.message  # refused for its type, not its depth
+        deep = error_of(nested_generate(MAX_NESTING + 1), lambda f: recursing(stack, lambda: (
+            decode_client_request(f))))
+        assert f"more than {MAX_NESTING} deep" in deep.message
 
 
 def test_unknown_type_lists_valid_types():
