@@ -23,9 +23,9 @@ export FMSERVE_SYNC_CHECK="${FMSERVE_SYNC_CHECK:-1}"
 cd "$ROOT"
 # No path given -> testpaths from pyproject.toml (tests/). A hung test fails after 600 s rather
 # than eating CI's time (a 2-core machine under load is slow); --timeout=N overrides it.
-# The 20 slowest tests are listed, to keep the suite short.
+# The 40 slowest tests are listed, to keep the suite short.
 set +e
-"$PY" -m pytest -q --timeout=600 --durations=20 "$@"
+"$PY" -m pytest -q --timeout=600 --durations=40 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then  # pytest: no tests collected; not a failure of the code

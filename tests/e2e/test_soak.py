@@ -32,7 +32,7 @@ from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
 from tests.e2e.service_process import ServiceProcess, assert_idle
 
-SOAK_S = float(os.environ.get("FMSERVE_SOAK_S", "10"))
+SOAK_S = float(os.environ.get("FMSERVE_SOAK_S", "7"))
 PROMPTS = ["What is 2+2?", "Write a haiku about rain.", "Explain gravity to a child.",
            "List four animals, one per line."]
 CLIENTS = 5
@@ -217,7 +217,7 @@ def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache, l
             if any(r != runs[0] for r in runs[1:]):
                 problems.append(f"same prompt and parameters, different tokens: {key}: {runs}")
         assert not problems, "\n".join(problems[:20])
-        assert len(done) >= 20, f"only {len(done)} requests completed"
+        assert len(done) >= 2 * SOAK_S, f"only {len(done)} requests completed in {SOAK_S} s"
         with Client(svc.endpoint) as client:
             time.sleep(2.5)  # the vanished clients' requests are aborted after 2 s of silence
             assert_idle(client)

@@ -131,9 +131,9 @@ def test_triton_backend_tree(model_path, reference):
     assert engine.worker.step.needs_cpu_seq_lens is False  # neither backend asks for host lengths
     engine.overlap = True
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS[1:3]]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=6)] * 2
+    params = [SamplingParams(temperature=0.0, max_new_tokens=4)] * 2  # interpreted: keep it short
     out = engine.generate(chats, params)
-    assert [c.token_ids for c in out] == [r[0][:6] for r in reference[1:3]]
+    assert [c.token_ids for c in out] == [r[0][:4] for r in reference[1:3]]
     assert_accounting_empty(engine)
 
 
