@@ -22,20 +22,16 @@ import msgspec
 import numpy as np
 from rich.console import Console
 
-from fmserve.arg_types import add_runtime_args, positive_int, positive_int_list
-from fmserve.bench.serve import (RequestTiming, RunResult, dev_prompts, pct, pool_rounds,
-                                 run_closed_loop, start_service)
+from fmserve.arg_types import positive_int
+from fmserve.bench.serve import (RequestTiming, RunResult, add_load_args, dev_prompts, pct,
+                                 pool_rounds, run_closed_loop, start_service)
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from ipc.sampling import SamplingParams
 
 
 def add_bench_http_args(p: argparse.ArgumentParser) -> None:
-    add_runtime_args(p, dtype="fp32", checked=False, dtype_help=None)
-    p.add_argument("--concurrency", type=positive_int_list, default="1,32")
-    p.add_argument("--requests-per-level", type=positive_int, default=32,
-                   help="requests per concurrency level (at least the concurrency)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    add_load_args(p, concurrency="1,32")
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="each transport runs once a round, in alternating order")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")

@@ -67,12 +67,17 @@ def dev_prompts(n: int) -> list[str]:
     return [texts[i % len(texts)][:1500] for i in range(n)]
 
 
-def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+def add_load_args(p: argparse.ArgumentParser, concurrency: str) -> None:
+    """The model and the closed-loop load: shared by `bench serve` and `bench http`."""
     add_runtime_args(p, dtype="fp32", checked=False, dtype_help=None)
-    p.add_argument("--concurrency", type=positive_int_list, default="1,8,32")
+    p.add_argument("--concurrency", type=positive_int_list, default=concurrency)
     p.add_argument("--requests-per-level", type=positive_int, default=32,
                    help="requests per concurrency level (at least the concurrency)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    add_load_args(p, concurrency="1,8,32")
     p.add_argument("--rate", type=positive_float, default=2.0,
                    help="Poisson arrival rate, requests/s (> 0)")
     p.add_argument("--poisson-requests", type=non_negative_int, default=32,
