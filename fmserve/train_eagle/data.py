@@ -20,7 +20,6 @@ shards.py). A shard on disk is never redone, and the prompt order does not depen
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from fmserve.jsonl import jsonl_rows
 from fmserve.train_eagle.capture import capture_sequences, capture_tokens_for
 from fmserve.train_eagle.shards import (FORMAT_VERSION, MANIFEST, check_manifest, shard_done,
                                         shard_path, write_manifest)
@@ -64,21 +64,14 @@ def log(msg: str) -> None:
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """The "prompt" field of every JSONL row (plain strings per line are accepted too)."""
+    """The "prompt" field of every JSONL row (plain strings per line are accepted too); a line
+    that is not JSON, nests too deep or is not UTF-8 is named (fmserve/jsonl.py)."""
     out = []
-    with open(Path(path).expanduser(), encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            prompt = row.get("prompt") if isinstance(row, dict) else row
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{path}:{n}: no \"prompt\" string in this row")
-            out.append(prompt)
+    for n, row in jsonl_rows(str(Path(path).expanduser())):
+        prompt = row.get("prompt") if isinstance(row, dict) else row
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{path}:{n}: no \"prompt\" string in this row")
+        out.append(prompt)
     if not out:  # else a data run made a "complete" set of 0 shards, and that locked the work dir
         raise ValueError(f"{path}: no prompts (the file has no rows): give a JSONL file with a "
                          f"\"prompt\" string on each line")

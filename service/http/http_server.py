@@ -20,7 +20,7 @@ log = logging.getLogger("fmserve.service")
 class HttpServer:
     def __init__(self, app, host: str, port: int, graceful_s: float = 5.0) -> None:
         self.host, self.port = host, port
-        self.config = uvicorn.Config(app, lifespan="off", log_level="warning",
+        self.config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning",
                                      access_log=False, timeout_graceful_shutdown=graceful_s)
         self.server = uvicorn.Server(self.config)
         self.sock: socket.socket | None = None

@@ -726,7 +726,14 @@ def test_bad_numbers_and_prompt_files_are_refused_with_their_name(tmp_path, caps
     # A line that is not JSON was reported as json's own message, naming neither file nor line.
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "one"}\n{"prompt": "two"\n')
-    with pytest.raises(ValueError, match=r"prompts.jsonl:2: not JSON"):
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: not valid JSON"):
+        read_prompts(prompts)
+    # One nested past Python's recursion limit ended in a bare RecursionError.
+    prompts.write_text('{"prompt": "one"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: JSON nested too deeply"):
+        read_prompts(prompts)
+    prompts.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl: not UTF-8 text"):
         read_prompts(prompts)
 
 
