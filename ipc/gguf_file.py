@@ -31,6 +31,7 @@ _SCALARS: dict[GGUFValueType, tuple[str, np.dtype]] = {
     GGUFValueType.UINT64: ("<Q", np.dtype("<u8")), GGUFValueType.INT64: ("<q", np.dtype("<i8")),
     GGUFValueType.FLOAT64: ("<d", np.dtype("<f8")),
 }
+_U64 = struct.Struct("<Q")
 # Tensor types stored as plain numbers; every other type is blocks of bytes.
 _PLAIN_TENSORS = {
     GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
@@ -120,8 +121,27 @@ class GGUFFile:
                 items = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos)
                 self._pos += count * dtype.itemsize
                 return items.tolist()
+            if item_kind == GGUFValueType.STRING:
+                return self._strings(count)
             return [self._value(item_kind) for _ in range(count)]
         return self._unpack(_SCALARS[kind][0])[0]
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary, its merges) in one tight loop: a third of the
+        time of reading them one value at a time."""
+        data, pos, size = self._map, self._pos, len(self._map)
+        length_at = _U64.unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = length_at(data, pos)
+            pos += 8
+            if pos + n > size:
+                self._pos = pos
+                raise GGUFFormatError(f"a string of {n} bytes runs past the end of the file")
+            out.append(data[pos:pos + n].decode("utf-8"))
+            pos += n
+        self._pos = pos
+        return out
 
     def _tensor_info(self) -> tuple[str, list[int], GGMLQuantizationType, int]:
         name = self._string()
