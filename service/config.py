@@ -18,7 +18,7 @@ import os
 import ipaddress
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 import msgspec.inspect as mi
@@ -65,7 +65,8 @@ class HttpSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SchedulingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    overlap: bool = True
+    overlap: Annotated[bool | Literal["auto"], Meta(
+        description='must be true, false or "auto"')] = "auto"  # resolved by overlap_on()
     launch_ahead: LaunchAhead = "off"  # not WorkerConfig's "auto": config.toml says why
     prefix_cache: bool = False  # reuse KV pages of shared prompt prefixes
     max_queued_requests: Annotated[int, Meta(ge=0, le=1 << 20)] = 1024
@@ -92,6 +93,16 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                             launch_ahead=self.scheduling.launch_ahead)
 
 
+def overlap_on(cfg: ServiceConfig, device: str) -> bool:
+    """scheduling.overlap for a worker on `device` ("cpu", "cuda:0", ...). "auto" is on for a
+    GPU, where the worker's launches are asynchronous, and on a CPU only where the scheduler
+    has a core of its own (3+ cores): on 2 cores its planning during a step stalls the worker's
+    OpenMP threads, and overlap on measured 7-11% slower than off (docs/benchmarks.md)."""
+    if cfg.scheduling.overlap != "auto":
+        return cfg.scheduling.overlap
+    return device != "cpu" or len(os.sched_getaffinity(0)) >= 3
+
+
 def worker_cpu_threads(cfg: ServiceConfig) -> int:
     """Torch threads for a CPU worker. With overlap this process works while the worker runs,
     and a worker using every core has an OpenMP thread descheduled at some barriers; on 3-8
@@ -101,7 +112,7 @@ def worker_cpu_threads(cfg: ServiceConfig) -> int:
     if cfg.runtime.worker_cpu_threads:
         return cfg.runtime.worker_cpu_threads
     cores = len(os.sched_getaffinity(0))
-    return cores - 1 if cfg.scheduling.overlap and 3 <= cores <= 8 else 0
+    return cores - 1 if overlap_on(cfg, "cpu") and 3 <= cores <= 8 else 0
 
 
 def worker_config_for(cfg: ServiceConfig, model_path: str) -> WorkerConfig:

@@ -30,7 +30,7 @@ from ipc.codec import ProtocolError, decode_client_request
 from ipc.worker_messages import WorkerInfo
 from service.admin import AdminOps
 from service.client_registry import ClientRegistry
-from service.config import ServiceConfig, worker_config_for
+from service.config import ServiceConfig, overlap_on, worker_config_for
 from service.endpoint_security import EndpointSecurity, bind_endpoint
 from service.http.app import OpenAIApp
 from service.http.http_server import HttpServer
@@ -89,7 +89,7 @@ class Service:
                                cfg.http.host, cfg.http.port) if cfg.http.enabled else None
         self.telemetry = TelemetryPublisher(
             self._ctx, cfg.service.telemetry_endpoint, self.counters, cfg.spec,
-            cfg.scheduling.overlap, include_text=cfg.service.telemetry_include_text)
+            overlap_on(cfg, "cpu"), include_text=cfg.service.telemetry_include_text)
         for sock in (self.router, self.telemetry.socket):
             self.security.secure(sock)
         self.bound_endpoint: str | None = None
@@ -99,6 +99,7 @@ class Service:
     async def run(self, ready: anyio.Event | None = None) -> None:
         self.info = await self.worker.start()
         self.worker_state = "ready"
+        self.overlap = self.telemetry.overlap = overlap_on(self.cfg, self.info.device)
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
             prefix_cache=self.cfg.scheduling.prefix_cache))
@@ -326,7 +327,7 @@ class Service:
         """Keep the worker fed. With overlap, plan k+1 is sent before step k's result is read,
         so this process's planning, detokenising and streaming run while the worker computes;
         the worker reads step k's tokens for plan k+1 from its FutureMap."""
-        depth = 2 if self.cfg.scheduling.overlap else 1
+        depth = 2 if self.overlap else 1
         inflight: deque[tuple[object, float, bool]] = deque()  # (plan, sent at, idle counts)
         waited = True  # the worker's idle before a step that follows a wait for work is not ours
         while True:

@@ -57,7 +57,7 @@ class TelemetryPublisher:
         self.endpoint: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._history: deque[tuple[float, int]] = deque()
-        self._overlap = overlap
+        self.overlap = overlap  # the service sets it again once the worker's device is known
         self._speculation = spec.algorithm != "none"
         self._spec_config = spec_config_telemetry(spec)  # fixed for the service's life
         self._include_text = include_text
@@ -84,7 +84,7 @@ class TelemetryPublisher:
         spec = core.spec_stats
         return TelemetrySnapshot(
             time=time.time(), uptime_s=now_m - counters.started, model=info.model_name,
-            overlap=self._overlap, speculation=self._speculation,
+            overlap=self.overlap, speculation=self._speculation,
             running=running, waiting=waiting, free_pages=acc["free_pages"],
             total_pages=acc["total_pages"], page_size=info.page_size,
             free_slots=acc["free_slots"], total_slots=acc["total_slots"],

@@ -11,7 +11,9 @@ from service.config import (
     ServiceConfig,
     all_keys,
     load_config,
+    overlap_on,
     parse_set_flags,
+    worker_cpu_threads,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +41,7 @@ def test_shipped_config_lists_every_key_with_its_default():
     # the defaults the design and the brief fix
     assert cfg.service.client_endpoint == "tcp://127.0.0.1:5557"
     assert cfg.service.heartbeat_interval_s == 2.0 and cfg.service.client_timeout_s == 10.0
-    assert cfg.runtime.page_size == 16 and cfg.scheduling.overlap is True
+    assert cfg.runtime.page_size == 16 and cfg.scheduling.overlap == "auto"
 
 
 def test_no_file_gives_defaults():
@@ -67,7 +69,7 @@ def test_unknown_key(tmp_path):
 @pytest.mark.parametrize("line, key, allowed", [
     ('[runtime]\npage_size = "16"', "runtime.page_size", "[1, 1024]"),
     ("[runtime]\npage_size = 16.0", "runtime.page_size", "integer"),
-    ("[scheduling]\noverlap = 1", "scheduling.overlap", "true or false"),
+    ("[scheduling]\noverlap = 1", "scheduling.overlap", 'true, false or "auto"'),
     ("[service]\nclient_timeout_s = \"10\"", "service.client_timeout_s", "number"),
     ("[model]\ndtype = 16", "model.dtype", '"bf16"'),
 ])
@@ -340,3 +342,17 @@ def test_a_bad_drain_timeout_names_its_closed_range():
     message = refused(None, {"service.drain_timeout_s": -1.0})
     assert "service.drain_timeout_s = -1.0 is out of range: must be a number in [0, 3600]" in message
     assert "has the wrong type" in refused(None, {"service.drain_timeout_s": [1]})
+
+
+@pytest.mark.parametrize("cores, device, on, threads", [
+    (2, "cpu", False, 0), (4, "cpu", True, 3), (16, "cpu", True, 0), (2, "cuda:0", True, 0)])
+def test_overlap_auto_is_on_where_the_scheduler_does_not_take_the_workers_core(
+        monkeypatch, cores, device, on, threads):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    auto = load_config(None, {})
+    assert overlap_on(auto, device) is on
+    if device == "cpu":  # 3-8 cores: one is left to the scheduler while it overlaps
+        assert worker_cpu_threads(auto) == threads
+    for forced in (True, False):
+        cfg = load_config(None, {"scheduling.overlap": forced})
+        assert overlap_on(cfg, device) is forced
