@@ -6,7 +6,8 @@ Closed loop at each --concurrency level: dev prompts as chats, greedy, exactly
 other round (ZMQ HTTP, HTTP ZMQ, ...), so neither gains from the machine warming or drifting.
 The HTTP load generator (`run_closed_loop_http`) speaks plain OpenAI streaming chat, so it can
 drive any OpenAI-compatible server; it parses SSE with msgspec, so its own cost is close to the
-ZMQ client's.
+ZMQ client's. Given a llama-server binary (--llama-server, $FMSERVE_LLAMA_SERVER or PATH), it
+drives llama.cpp's server on the same GGUF with the same load, as a third transport.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx2 as httpx
 import msgspec
@@ -25,15 +27,24 @@ from rich.console import Console
 from fmserve.arg_types import positive_int
 from fmserve.bench.serve import (RequestTiming, RunResult, add_load_args, dev_prompts, pct,
                                  pool_rounds, run_closed_loop, start_service)
+from fmserve.bench.peer_types import LLAMA_SERVER_INSTALL
+from fmserve.bench.peers_llama_server import LlamaServerPeer, find_llama_server
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from ipc.sampling import SamplingParams
+
+
+LLAMA_SERVER_CONTEXT = 2048  # tokens of KV per slot: the dev prompts and their answers fit
 
 
 def add_bench_http_args(p: argparse.ArgumentParser) -> None:
     add_load_args(p, concurrency="1,32")
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="each transport runs once a round, in alternating order")
+    p.add_argument("--llama-server", default="",
+                   help="also drive llama.cpp's server (this binary, else $FMSERVE_LLAMA_SERVER, "
+                        "else PATH; scripts/build_llama_server.sh builds one) with the same "
+                        "OpenAI load on the same GGUF")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
 
 
@@ -58,6 +69,7 @@ async def one_http_request(client: httpx.AsyncClient, url: str, model: str, prom
                 tokens = event["usage"]["completion_tokens"]
     end = time.perf_counter()
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    tokens = tokens or len(stamps)  # a server that sends no usage: one token a chunk
     return RequestTiming(stamps[0] - start if stamps else end - start, itl, end - start, tokens,
                          [t - start for t in stamps], [1] * len(stamps))
 
@@ -92,25 +104,38 @@ def run_bench_http(args: argparse.Namespace) -> int:
     proc, endpoint = start_service(args, path, True, ["--http-port", str(port)],
                                    max_running_requests=max(levels))
     results: list[RunResult] = []
+    urls = {"HTTP": url}
+    llama = None
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        if binary := find_llama_server(args.llama_server):
+            console.print(f"starting {binary} ...")
+            llama = LlamaServerPeer(SimpleNamespace(
+                llama_server=binary, model_path=str(path), concurrency=levels, threads=0,
+                max_context=LLAMA_SERVER_CONTEXT, device=args.device))
+            urls["llama-server"] = f"http://127.0.0.1:{llama.port}"
+        else:
+            console.print(f"no llama-server: {LLAMA_SERVER_INSTALL}")
         asyncio.run(run_closed_loop(endpoint, prompts[:max(levels)], max(levels),
                                     SamplingParams(max_new_tokens=4)))  # warm-up
+        transports = ["ZMQ", *urls]
         for r in range(args.rounds):
-            order = ["ZMQ", "HTTP"] if r % 2 == 0 else ["HTTP", "ZMQ"]
+            order = transports if r % 2 == 0 else transports[::-1]
             for c in levels:
                 for transport in order:
                     console.print(f"round {r + 1}: {transport}, concurrency {c} ...")
                     run = asyncio.run(
                         run_closed_loop(endpoint, prompts[:max(n, c)], c, params)
                         if transport == "ZMQ" else
-                        run_closed_loop_http(url, model, prompts[:max(n, c)], c,
+                        run_closed_loop_http(urls[transport], model, prompts[:max(n, c)], c,
                                              args.max_new_tokens))
                     run.name = f"{transport}, concurrency {c}"
                     results.append(run)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if llama is not None:
+            llama.close()
     pooled = {r.name: r for r in pool_rounds(results)}
     rows = [[r.name, str(len(r.timings)), pct([t.ttft for t in r.timings], 50),
              pct([t.ttft for t in r.timings], 99),
@@ -122,13 +147,21 @@ def run_bench_http(args: argparse.Namespace) -> int:
                          "output tok/s"], rows)
     summary = []
     for c in levels:
-        h, z = pooled[f"HTTP, concurrency {c}"], pooled[f"ZMQ, concurrency {c}"]
-        ttft_ms = [1000 * np.median([t.ttft for t in run.timings]) for run in (h, z)]
-        summary.append(f"- concurrency {c}: HTTP/ZMQ throughput {h.output_tps / z.output_tps:.3f}x"
-                       f", TTFT p50 {ttft_ms[0] - ttft_ms[1]:+.1f} ms "
-                       f"(targets: >= 0.95x, <= +10 ms)")
+        z = pooled[f"ZMQ, concurrency {c}"]
+        summary.append(_versus(pooled[f"HTTP, concurrency {c}"], z, f"concurrency {c}: HTTP/ZMQ",
+                               "(targets: >= 0.95x, <= +10 ms)"))
+        if llama is not None:
+            summary.append(_versus(pooled[f"HTTP, concurrency {c}"],
+                                   pooled[f"llama-server, concurrency {c}"],
+                                   f"concurrency {c}: fmserve HTTP/llama-server", ""))
     for line in summary:
         console.print(line)
     if args.markdown:
         Path(args.markdown).write_text("\n".join(lines + [""] + summary) + "\n")
     return 0
+
+
+def _versus(a: RunResult, b: RunResult, what: str, targets: str) -> str:
+    ttft_ms = [1000 * np.median([t.ttft for t in run.timings]) for run in (a, b)]
+    return (f"- {what} throughput {a.output_tps / b.output_tps:.3f}x, TTFT p50 "
+            f"{ttft_ms[0] - ttft_ms[1]:+.1f} ms {targets}").rstrip()
