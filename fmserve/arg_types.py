@@ -29,6 +29,11 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def batch_limit(text: str) -> int | str:
+    """spec.disable_above_batch_size on a command line: "auto" or an integer >= 0."""
+    return "auto" if text.strip() == "auto" else _int_at_least(text, 0)
+
+
 def positive_float(text: str) -> float:
     """A finite number above 0 (a rate, a duration)."""
     try:

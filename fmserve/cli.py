@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fmserve.arg_types import add_runtime_args, positive_int, positive_int_list
+from fmserve.arg_types import add_runtime_args, batch_limit, positive_int, positive_int_list
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -41,8 +41,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-num-steps", type=int, default=4)
     s.add_argument("--spec-topk", type=int, default=1)
     s.add_argument("--spec-num-draft-tokens", type=int, default=5)
-    s.add_argument("--spec-disable-above-batch-size", type=int, default=0,
-                   help="decode batches larger than this run without drafting (0: never)")
+    s.add_argument("--spec-disable-above-batch-size", type=batch_limit, default="auto",
+                   help="decode batches larger than this run without drafting (0: never; "
+                        "auto: where measured faster)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

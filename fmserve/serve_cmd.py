@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from fmserve.arg_types import batch_limit
 from fmserve.default_model import resolve_draft_model, resolve_model_path
 from ipc.client_messages import ADMIN_TOKEN_ENV
 from service.config import ConfigError, ServiceConfig, load_config, parse_set_flags
@@ -44,7 +45,8 @@ OVERRIDE_FLAGS = {
     "--spec-topk": ("spec.topk", dict(type=int)),
     "--spec-num-draft-tokens": ("spec.num_draft_tokens", dict(type=int)),
     "--spec-disable-above-batch-size": ("spec.disable_above_batch_size", dict(
-        type=int, help="decode batches larger than this run without drafting (0: never)")),
+        type=batch_limit, help="decode batches larger than this run without drafting (0: "
+                               "never; auto: where measured faster)")),
 }
 
 

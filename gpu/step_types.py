@@ -36,3 +36,4 @@ class PendingStep:
     span: ForwardSpan | None = None  # device timing (GPU)
     parts: Any = None  # what the step class needs to pack its result (EagleStep: its parts)
     n_top: int = 0  # top logprobs per token (PlainStep)
+    decode_s: float = 0.0  # host time of the decode part's forwards (EagleStep's gate)

@@ -34,7 +34,10 @@ class SpecSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_draft_tokens: Annotated[int, Meta(ge=2, le=64)] = 4
     # Decode batches with more requests than this run without drafting (0: never): on a busy
     # device verifying num_draft_tokens per request costs more than the accepted drafts save.
-    disable_above_batch_size: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    # "auto": drafts per batch size where measured faster (gpu/eagle/spec_gate.py).
+    disable_above_batch_size: Annotated[
+        Annotated[int, Meta(ge=0, le=1 << 16)] | Literal["auto"],
+        Meta(description='must be "auto" or an integer in [0, 65536]')] = "auto"
 
     @property
     def enabled(self) -> bool:

@@ -48,7 +48,8 @@ class SpecConfigTelemetry(msgspec.Struct, frozen=True):
     num_steps: int  # draft depth
     topk: int  # children per draft node; 1 = a chain
     num_draft_tokens: int  # tree nodes verified per step, the root included
-    disable_above_batch_size: int = 0  # decode batches above it run without drafting; 0: never
+    # decode batches above it run without drafting; 0: never; "auto": where measured faster
+    disable_above_batch_size: int | str = 0
 
 
 class WorkerTelemetry(msgspec.Struct, frozen=True):

@@ -21,9 +21,9 @@ MODES = {
     "plain": dict(overlap=False),
     "overlap": dict(overlap=True),
     "chain": dict(overlap=True, spec=SpecSettings("eagle3", num_steps=3, topk=1,
-                                                  num_draft_tokens=4)),
+                                                  num_draft_tokens=4, disable_above_batch_size=0)),
     "tree": dict(overlap=False, spec=SpecSettings("eagle3", num_steps=3, topk=2,
-                                                  num_draft_tokens=6)),
+                                                  num_draft_tokens=6, disable_above_batch_size=0)),
 }
 
 

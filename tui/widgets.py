@@ -74,9 +74,10 @@ def _fmt_duration(seconds: float) -> str:
 def spec_settings_text(cfg: SpecConfigTelemetry) -> str:
     """The published `[spec]` settings, short: "eagle3 (steps 4, topk 1, draft 5)": draft depth,
     children per draft node, tree nodes verified per step; ", off above batch 4" when larger
-    decode batches run without drafting."""
-    off = (f", off above batch {cfg.disable_above_batch_size}"
-           if cfg.disable_above_batch_size else "")
+    decode batches run without drafting, ", drafts where measured faster" under "auto"."""
+    limit = cfg.disable_above_batch_size
+    off = (", drafts where measured faster" if limit == "auto" else
+           f", off above batch {limit}" if limit else "")
     return (f"{cfg.algorithm} (steps {cfg.num_steps}, topk {cfg.topk}, "
             f"draft {cfg.num_draft_tokens}{off})")
 

@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from fmserve.arg_types import positive_int
+from fmserve.arg_types import batch_limit, positive_int
 from fmserve.bench import DEV_PROMPTS
 from fmserve.bench.tables import print_table
 from fmserve.engine import Engine
@@ -58,8 +58,9 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-num-steps", type=int, default=4)
     g.add_argument("--tree-topk", type=int, default=4)
     g.add_argument("--tree-draft-tokens", type=int, default=8)
-    g.add_argument("--spec-disable-above-batch-size", type=int, default=0,
-                   help="decode batches larger than this run without drafting (0: never)")
+    g.add_argument("--spec-disable-above-batch-size", type=batch_limit, default="auto",
+                   help="decode batches larger than this run without drafting (0: never; "
+                        "auto: where measured faster)")
     g.add_argument("--num-prompts", type=positive_int, default=16,
                    help="dev prompts per batch size")
     g.add_argument("--max-new-tokens", type=positive_int, default=128)

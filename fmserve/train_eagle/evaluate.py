@@ -65,7 +65,8 @@ def evaluate_spec(model: str, head_dir: Path, prompts_file: str, num_prompts: in
     from ipc.spec_settings import SpecSettings
 
     spec = SpecSettings(algorithm="eagle3", draft_model=str(head_dir), num_steps=num_steps,
-                        topk=topk, num_draft_tokens=num_draft_tokens or num_steps + 1).validate()
+                        topk=topk, num_draft_tokens=num_draft_tokens or num_steps + 1,
+                        disable_above_batch_size=0).validate()
     engine = Engine(model=model, device=device, dtype=dtype, progress=progress, spec=spec,
                     max_running_requests=batch)
     prompts = eval_prompt_ids(engine.tokenizer, prompts_file, num_prompts)

@@ -18,6 +18,7 @@ except the result message itself.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ import torch
 from gpu.device import host_to_device
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.drafter import Drafter, SpecBatches
+from gpu.eagle.spec_gate import SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
 from gpu.eagle.tree import DraftTree
@@ -58,6 +60,9 @@ class EagleStep:
         self.batches = SpecBatches(state, self.needs_cpu_seq_lens)
         state.future_map.enable_spec(settings.topk, self.head.config.hidden_size, state.dtype)
         self.max_position = drafter.max_position
+        # Deterministic mode must not choose by timing: there "auto" always drafts.
+        timed = state.device.type == "cpu" and not state.cfg.runtime.deterministic
+        self.gate = SpecGate(settings.disable_above_batch_size, measured=timed)
 
     # -- the interface the Worker calls ------------------------------------------------------
 
@@ -73,13 +78,19 @@ class EagleStep:
             parts.append(self._prefill(plan.extends))
         decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
         if len(decode_host) or not plan.extends:  # an empty plan runs the decode path idle
+            start = time.perf_counter()
             parts.append(self._decode(decode_host))
+            pending.decode_s = time.perf_counter() - start  # on a CPU: the forwards themselves
         pending.parts = parts
         pending.copy = self.state.streams.copy_to_host(outputs_of(parts))
 
     def finish(self, pending: PendingStep, host: dict[str, torch.Tensor]) -> StepResult:
         """The step's result from its parts' outputs, landed on the host (timings left 0)."""
         rows = rows_of(pending.parts, host)
+        decode = pending.parts[-1]
+        if len(decode.slots) and pending.decode_s:
+            self.gate.record(len(decode.slots), decode.verify, pending.decode_s,
+                             rows[-1].num_tokens)
         tokens = [t for r in rows for t in r.tokens]
         logprobs, n_top, top_ids, top_lps = merge_logprobs(rows)
         return StepResult(
@@ -145,7 +156,7 @@ class EagleStep:
         fm, batches = st.future_map, self.batches
         seq_lens = fm.resolve_seq_lens(slots)  # L: tokens in the target's cache
         root = fm.resolve_future(slots)  # the last bonus token, at position L
-        if s.disable_above_batch_size and bs > s.disable_above_batch_size:
+        if bs and not self.gate.drafts(bs):
             return self._decode_plain(slots, slots_host, seq_lens, root)
         topk_p, topk_ids, draft_hidden = fm.resolve_spec(slots)
         tree = self.drafter.tree(batches, slots, seq_lens, root, topk_p, topk_ids, draft_hidden)
@@ -201,8 +212,8 @@ class EagleStep:
 
     def _decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray, seq_lens: torch.Tensor,
                       root: torch.Tensor) -> StepPart:
-        """A decode step without drafting, for a batch above spec.disable_above_batch_size
-        (there the cores are busy already and a verify costs num_draft_tokens per request):
+        """A decode step without drafting, for a batch the gate keeps from drafting (above
+        spec.disable_above_batch_size, or measured faster without: gpu/eagle/spec_gate.py):
         the target decodes the root and samples the next token exactly as the plain step
         does, then the draft extends over that one token, so its KV and the relayed top-k stay
         complete and a later, smaller batch speculates from where this one left off. Rows

@@ -10,8 +10,10 @@ from ipc.spec_settings import SpecSettings
 QUESTIONS = ["What is 2+2?", "Name three colors.", "Write a haiku about rain.",
              "Explain gravity to a child in two sentences.", "Say hi.",
              "List the planets of the solar system in order, with one fact about each."]
-CHAIN = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
-TREE = SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6)
+CHAIN = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                     disable_above_batch_size=0)
+TREE = SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6,
+                    disable_above_batch_size=0)
 
 
 def make_engine(model_path, spec: SpecSettings | None = None, **kw) -> Engine:

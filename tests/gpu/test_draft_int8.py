@@ -48,7 +48,8 @@ def test_small_forwards_are_the_int8_product_and_larger_ones_the_linear():
 @needs_int8_kernel
 @pytest.mark.skipif(not q4_kernel_available(), reason="no CPU int4 matmul in this torch")
 def test_a_bf16_engine_drafts_on_int8_and_its_drafts_are_accepted(model_path):
-    spec = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
+    spec = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                        disable_above_batch_size=0)
     engine = Engine(model=str(model_path), dtype="bf16", max_running_requests=2, progress=False,
                     spec=spec)  # q4_max_tokens: the default
     head = engine.worker.step.head
@@ -70,7 +71,8 @@ def test_a_bf16_engine_drafts_on_int8_and_its_drafts_are_accepted(model_path):
 
 
 def test_fp32_engines_keep_the_heads_linears(model_path):
-    spec = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
+    spec = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                        disable_above_batch_size=0)
     engine = Engine(model=str(model_path), dtype="fp32", max_running_requests=1, progress=False,
                     spec=spec)
     assert not any(isinstance(m, SmallRowsInt8Linear) for m in engine.worker.step.head.modules())

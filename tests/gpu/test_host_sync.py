@@ -32,8 +32,10 @@ PARAMS = [SamplingParams(temperature=0, max_new_tokens=6),
           SamplingParams(temperature=0, min_p=0.1, max_new_tokens=5, logprobs=0)]
 SPECS = {
     "plain": None,
-    "chain": SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4),
-    "tree": SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6),
+    "chain": SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                          disable_above_batch_size=0),
+    "tree": SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6,
+                         disable_above_batch_size=0),
     # Above 2 requests the EAGLE step decodes without drafting (_decode_plain).
     "tree, off above 2": SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6,
                                       disable_above_batch_size=2),

@@ -107,7 +107,8 @@ def test_greedy_identical_with_shipped_head(request, reference, shape, overlap):
 def test_greedy_identical_with_random_head(request, model_path, reference, random_heads, head):
     algorithm = head.split("-")[0]
     spec = SpecSettings(algorithm, random_heads[head], num_steps=TREE.num_steps,
-                        topk=TREE.topk, num_draft_tokens=TREE.num_draft_tokens)
+                        topk=TREE.topk, num_draft_tokens=TREE.num_draft_tokens,
+                        disable_above_batch_size=0)
     engine = make_engine(model_path, spec)
     if head == "eagle3-wide":
         assert engine.worker.step.head.config.intermediate_size == 2048
@@ -352,7 +353,8 @@ def spec_runner(tiny_llama, tmp_path_factory):
                              base.model.embed_tokens, "eagle", seed=1)
     path = tmp_path_factory.mktemp("tiny-head")
     save_draft_head(head, path)
-    spec = SpecSettings("eagle", str(path), num_steps=3, topk=1, num_draft_tokens=4)
+    spec = SpecSettings("eagle", str(path), num_steps=3, topk=1, num_draft_tokens=4,
+                        disable_above_batch_size=0)
     return Worker(worker_config(**tiny, spec=spec))
 
 

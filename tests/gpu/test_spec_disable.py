@@ -11,17 +11,20 @@ import numpy as np
 import pytest
 import torch
 
+from gpu.eagle.spec_gate import TRIALS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
 from tests.engine_runs import assert_accounting_empty, run_requests
 from tests.gpu.spec_runs import QUESTIONS, make_engine, scenario
 
-CHAIN = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4)
-TREE = SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6)
+CHAIN = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                     disable_above_batch_size=0)
+TREE = SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6,
+                    disable_above_batch_size=0)
 LONG_QUESTION = "List the planets of the solar system in order, with one fact about each."
 
 
-def _with_limit(spec: SpecSettings, limit: int) -> SpecSettings:
+def _with_limit(spec: SpecSettings, limit: int | str) -> SpecSettings:
     return SpecSettings(spec.algorithm, spec.draft_model, spec.num_steps, spec.topk,
                         spec.num_draft_tokens, disable_above_batch_size=limit)
 
@@ -59,6 +62,19 @@ def test_greedy_identical_as_the_batch_crosses_the_limit(model_path, reference, 
     # plain step. (Tokens past a stop string are dropped, which only lowers the left side.)
     emitted_by_verify = verify_steps + sum(r.accepted_drafts for r in runs)
     assert sum(len(r.token_ids) for r in runs) - len(runs) - emitted_by_verify > 4
+
+
+def test_auto_switches_by_measured_speed_and_changes_no_token(model_path, reference):
+    """Under "auto" the gate tries drafting, then plain steps, per batch size class, and keeps
+    what measures faster: the tokens are the plain engine's whichever way each step went."""
+    engine = make_engine(model_path, _with_limit(CHAIN, "auto"))
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    runs = run_requests(engine, chats, scenario(), overlap=True)
+    assert [r.visible for r in runs] == reference
+    gate = engine.worker.step.gate
+    assert gate.auto and sum(r.verify_steps for r in runs) > 0
+    both = [c for c in gate.classes.values() if c.drafting.steps >= TRIALS and c.plain.steps]
+    assert both, {k: (c.drafting.steps, c.plain.steps) for k, c in gate.classes.items()}
 
 
 def test_seeded_sampling_above_the_limit_is_the_plain_engines(plain, limited_chain):

@@ -196,7 +196,7 @@ def test_speculative_decoding_from_cached_prefixes(model_path):
 
     opts = dict(dtype="fp32", page_size=8, max_kv_tokens=4096, max_running_requests=4,
                 progress=False, spec=SpecSettings("eagle3", "", num_steps=3, topk=1,
-                                                  num_draft_tokens=4))
+                                                  num_draft_tokens=4, disable_above_batch_size=0))
     plain, cached = Engine(str(model_path), **opts), Engine(str(model_path), prefix_cache=True,
                                                             **opts)
     chats = chats_with_history(plain)

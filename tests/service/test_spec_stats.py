@@ -53,7 +53,7 @@ def step(core: Scheduler, accepts: dict[str, int]) -> list:
 
 def snapshot_of(core: Scheduler) -> TelemetrySnapshot:
     spec = SpecSettings(algorithm="eagle3", num_steps=NUM_STEPS, topk=1,
-                        num_draft_tokens=NUM_STEPS + 1)
+                        num_draft_tokens=NUM_STEPS + 1, disable_above_batch_size=0)
     ctx = zmq.Context()
     try:
         publisher = TelemetryPublisher(ctx, "tcp://127.0.0.1:0", ServiceCounters(started=0.0),
@@ -160,7 +160,8 @@ def test_engine_counts_acceptance_by_the_tokens_it_emits(model_path):
 
     engine = Engine(model=str(model_path), dtype="fp32", page_size=4, max_kv_tokens=2048,
                     max_running_requests=8, progress=False,
-                    spec=SpecSettings("eagle3", "", NUM_STEPS, 1, NUM_STEPS + 1))
+                    spec=SpecSettings("eagle3", "", NUM_STEPS, 1, NUM_STEPS + 1,
+                                      disable_above_batch_size=0))
     chats = [[{"role": "user", "content": q}] for q in ("What is 2+2?", "Name three colors.")]
     limits = range(5, 13)
     done = engine.generate([c for c in chats for _ in limits], [

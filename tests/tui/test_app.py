@@ -393,7 +393,8 @@ async def test_header_shows_the_speculation_settings(pub):
         async with app.run_test(size=SIZE) as pilot:
             # The service's publisher takes them from its config's [spec] section.
             await show(pilot, app, pub, sched.snapshot())
-            assert "spec eagle3 (steps 3, topk 2, draft 6)" in header()
+            assert ("spec eagle3 (steps 3, topk 2, draft 6, drafts where measured faster)"
+                    in header())  # spec.disable_above_batch_size = "auto", the default
             limited = SchedulerTelemetry(SpecSettings(algorithm="eagle3", num_steps=3, topk=2,
                                                       num_draft_tokens=6,
                                                       disable_above_batch_size=4))

@@ -1,0 +1,88 @@
+"""Whether a decode batch drafts: spec.disable_above_batch_size, fixed or measured ("auto").
+
+Speculation trades one verify forward of num_draft_tokens rows per request (plus the draft
+head's forwards) for the drafts it accepts. At batch 1 a CPU streams the weights once either
+way, so verifying 4 rows costs little more than decoding 1; at batch 8 the matmuls are no
+longer bound by reading the weights, a verify costs ~4x a decode, and speculation loses (on 2
+cores it measured 0.79-0.85x of plain decoding at batch 4). Where that point lies depends on
+the CPU, the model, the head and the prompts, so "auto" measures it while serving: per batch
+size class (1, 2, 3-4, 5-8, ...) it keeps the recent seconds per emitted token of drafting
+steps and of plain steps (both run from the same state: EagleStep's plain decode keeps the
+head following along), and drafts where drafting is the faster. A class tries drafting first,
+then plain for a few steps, then keeps the winner and re-measures the loser now and then, so a
+change (longer contexts, a different acceptance) is noticed.
+
+Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
+the launch returns before the device is done, so "auto" drafts at every size there (a verify
+of a small model on a GPU costs about what a decode does: it is launch-bound).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+TRIALS = 4  # steps each way before a class decides
+REPROBE_EVERY = 64  # steps of a class between two measurements of the losing way
+SMOOTHING = 0.25  # weight of the newest step in a way's running seconds per token
+
+
+@dataclass
+class _Way:
+    seconds_per_token: float = math.nan
+    steps: int = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        value = seconds / max(tokens, 1)
+        self.seconds_per_token = value if self.steps == 0 else (
+            (1 - SMOOTHING) * self.seconds_per_token + SMOOTHING * value)
+        self.steps += 1
+
+
+@dataclass
+class _SizeClass:
+    drafting: _Way
+    plain: _Way
+    since_probe: int = 0
+
+
+def size_class(batch_size: int) -> int:
+    """1, 2, 4, 8, ...: the power of two at or above the batch size."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+class SpecGate:
+    def __init__(self, limit: int | str, measured: bool) -> None:
+        """`limit`: spec.disable_above_batch_size (an int, 0 = always draft, or "auto");
+        `measured`: whether host time measures a step (a CPU device)."""
+        self.limit = limit
+        self.auto = limit == "auto" and measured
+        self.classes: dict[int, _SizeClass] = {}
+
+    def drafts(self, batch_size: int) -> bool:
+        if not self.auto:
+            return self.limit in (0, "auto") or batch_size <= int(self.limit)
+        c = self._class(batch_size)
+        if c.drafting.steps < TRIALS:
+            return True
+        if c.plain.steps < TRIALS:
+            return False
+        faster = c.drafting.seconds_per_token <= c.plain.seconds_per_token
+        if c.since_probe >= REPROBE_EVERY:  # the loser once more, then back to the winner
+            c.since_probe = 0
+            return not faster
+        c.since_probe += 1
+        return faster
+
+    def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """One decode step: its host seconds and the tokens it emitted (accepted drafts plus
+        one per request when drafting, one per request otherwise)."""
+        if self.auto:
+            c = self._class(batch_size)
+            (c.drafting if drafted else c.plain).add(seconds, tokens)
+
+    def _class(self, batch_size: int) -> _SizeClass:
+        key = size_class(batch_size)
+        if key not in self.classes:
+            self.classes[key] = _SizeClass(_Way(), _Way())
+        return self.classes[key]

@@ -1,0 +1,54 @@
+"""gpu/eagle/spec_gate.py: which decode batches draft, by a fixed limit or by measured speed."""
+
+import pytest
+
+from gpu.eagle.spec_gate import REPROBE_EVERY, TRIALS, SpecGate, size_class
+
+
+def test_size_classes_are_powers_of_two():
+    assert [size_class(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
+
+
+@pytest.mark.parametrize("limit, drafting", [(0, [1, 2, 3, 64]), (2, [1, 2]), (1, [1])])
+def test_a_fixed_limit_drafts_up_to_it(limit, drafting):
+    gate = SpecGate(limit, measured=True)
+    assert [b for b in (1, 2, 3, 64) if gate.drafts(b)] == drafting
+
+
+def test_auto_without_a_host_clock_that_measures_always_drafts():
+    gate = SpecGate("auto", measured=False)  # a GPU, or deterministic mode
+    assert all(gate.drafts(b) for b in (1, 8, 256))
+
+
+def run(gate: SpecGate, batch: int, steps: int, draft_s: float, plain_s: float) -> list[bool]:
+    """`steps` decode steps of `batch` requests: drafting emits 2 tokens a request in
+    `draft_s`, plain decoding 1 a request in `plain_s`. Returns which drafted."""
+    chosen = []
+    for _ in range(steps):
+        drafted = gate.drafts(batch)
+        chosen.append(drafted)
+        gate.record(batch, drafted, draft_s if drafted else plain_s, batch * (2 if drafted else 1))
+    return chosen
+
+
+def test_auto_drafts_where_drafting_is_faster_per_token_and_not_elsewhere():
+    gate = SpecGate("auto", measured=True)
+    # batch 1: a verify of 2 tokens costs 1.2x a decode -> 0.6 a token against 1.0
+    small = run(gate, 1, 2 * TRIALS + 20, draft_s=1.2, plain_s=1.0)
+    # batch 8: a verify costs 3x a decode -> 1.5 a token against 1.0
+    large = run(gate, 8, 2 * TRIALS + 20, draft_s=3.0, plain_s=1.0)
+    assert small[:TRIALS] == [True] * TRIALS and small[TRIALS:2 * TRIALS] == [False] * TRIALS
+    assert all(small[2 * TRIALS:]) and not any(large[2 * TRIALS:])
+    assert gate.drafts(5) is False  # 5-8 is one class: measured once for all of it
+    assert gate.drafts(2) is True  # a class not measured yet tries drafting first
+
+
+def test_auto_measures_the_losing_way_again_and_follows_a_change():
+    gate = SpecGate("auto", measured=True)
+    run(gate, 4, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # plain wins
+    # Drafting becomes far cheaper (longer contexts, better acceptance): the periodic probes
+    # of drafting see it, and the class turns to drafting.
+    chosen = run(gate, 4, 6 * (REPROBE_EVERY + 1), draft_s=0.5, plain_s=1.0)
+    period = REPROBE_EVERY + 1
+    assert sum(chosen[:period]) == 1  # plain, but for one probe of drafting
+    assert sum(chosen[-period:]) == period - 1  # drafting, but for one probe of plain
