@@ -307,7 +307,8 @@ def test_hf_config_of_other_model_type(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"config.json.*'gpt2'.*supported: llama .*mistral.*gemma3_text"):
+    with pytest.raises(ModelLoadError,
+                       match=r"config.json.*'gpt2'.*supported: llama .*mistral.*gemma3_text"):
         load_model(tmp_path, progress=False)
 
 
