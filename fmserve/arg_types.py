@@ -72,8 +72,10 @@ DTYPES = ["auto", "bf16", "fp32", "fp16"]
 
 
 def add_runtime_args(p, dtype: str | None = "auto", attention: bool = True, checked: bool = True,
-                     model_help: str = "a .gguf file, a Hugging Face model directory, or "
-                                       "'default' (SmolLM2-135M-Instruct, fetched on first use)",
+                     model_help: str = "a .gguf file, a Hugging Face model directory, "
+                                       "'default' (SmolLM2-135M-Instruct) or 'gemma3-270m' "
+                                       "(Google's Gemma 3 270M base model, Gemma terms); both "
+                                       "fetched on first use",
                      device_help: str = "auto, cpu, cuda or cuda:N",
                      dtype_help: str = "auto: bf16 on a GPU or a CPU with native bf16 (AMX, "
                                        "AVX512-BF16), else fp32") -> None:

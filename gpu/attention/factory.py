@@ -14,11 +14,13 @@ if TYPE_CHECKING:
 def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool",
                            num_heads: int, num_kv_heads: int, head_dim: int,
                            sliding_window: int | None = None,
-                           deterministic: bool = False) -> "AttentionBackend":
+                           deterministic: bool = False, scale: float | None = None,
+                           window_layers: tuple[int, ...] | None = None) -> "AttentionBackend":
     """The backend `name` over `kv_pool`; imported here only when chosen (Triton is slow to
     import and absent on some machines). `deterministic` (runtime.deterministic, torch only):
-    the batch-invariant torch backend."""
-    scale = head_dim ** -0.5
+    the batch-invariant torch backend. `scale`: of the scores (None: head_dim ** -0.5);
+    `window_layers`: the layers `sliding_window` applies to (None: all)."""
+    scale = head_dim ** -0.5 if scale is None else scale
     if deterministic and name == "torch":
         from gpu.attention.batch_invariant_backend import BatchInvariantAttentionBackend
         return BatchInvariantAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads,
@@ -26,9 +28,9 @@ def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTok
     if name == "torch":
         from gpu.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,
-                                     scale, sliding_window)
+                                     scale, sliding_window, window_layers)
     if name == "triton":
         from gpu.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,
-                                      scale, sliding_window)
+                                      scale, sliding_window, window_layers)
     raise ValueError(f"attention backend '{name}' is unknown; choose one of {ATTENTION_BACKENDS}")

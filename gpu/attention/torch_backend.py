@@ -7,6 +7,7 @@ Building the gather indices and masks needs the longest lengths on the host, hen
 A continuous-batching step mixes decodes (one new token) with prefill chunks (hundreds). Padded
 together, every decode would run as many query rows as the longest chunk, so a mixed EXTEND
 batch runs as two groups: its decodes as one batched decode, its chunks padded among themselves.
+A model whose layers mix windowed and full attention (Gemma 3) gets the groups once per window.
 
 Decode in fp32 on the CPU skips SDPA: with one query per request, two batched products per
 kv head over the gathered (strided, uncopied) keys and values are 2-3x faster than the CPU
@@ -51,40 +52,45 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 window_layers: tuple[int, ...] | None = None) -> None:
         super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale,
-                         sliding_window)
-        self._groups: list[_Group] = []
+                         sliding_window, window_layers)
+        self._groups: list[_Group] = []  # the forward's groups under the first window
+        self._groups_by_window: dict[int | None, list[_Group]] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self._groups = []
+        self._groups, self._groups_by_window = [], {}
         if batch.mode == ForwardMode.IDLE or batch.batch_size == 0:
             return
         assert batch.seq_lens_cpu is not None and batch.max_seq_len is not None, (
             "the torch attention backend needs host sequence lengths (needs_cpu_seq_lens)")
+        self._groups_by_window = {w: self._build_groups(batch, w) for w in self.windows}
+        self._groups = self._groups_by_window[self.windows[0]]
+
+    def _build_groups(self, batch: ForwardBatch, window: int | None) -> list[_Group]:
         if batch.mode == ForwardMode.DECODE:
-            self._groups = [self._decode_group(batch.slots, batch.seq_lens, batch.max_seq_len)]
-            return
+            return [self._decode_group(batch.slots, batch.seq_lens, batch.max_seq_len, window)]
         ext = batch.extend_lens_cpu.numpy().astype(np.int64)
         starts = np.cumsum(ext) - ext  # each request's first token row
         single = ext == 1
         if batch.tree_mask is not None or single.all() or not single.any():
-            self._groups = [self._extend_group(batch, ext, starts, None)]
-            return
+            return [self._extend_group(batch, ext, starts, None, window)]
         device = batch.seq_lens.device
         lens = batch.seq_lens_cpu.numpy()
         rows = np.flatnonzero(single)
         index = host_to_device(rows, device)
         group = self._decode_group(batch.slots[index], batch.seq_lens[index],
-                                   int(lens[rows].max()))
+                                   int(lens[rows].max()), window)
         group.tokens = host_to_device(starts[rows], device)
-        self._groups = [group, self._extend_group(batch, ext, starts, np.flatnonzero(~single))]
+        return [group, self._extend_group(batch, ext, starts, np.flatnonzero(~single), window)]
 
-    def _decode_group(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> _Group:
+    def _decode_group(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                      window: int | None) -> _Group:
         key_pos = torch.arange(max_len, device=seq_lens.device)[None, :]
         in_seq = key_pos < seq_lens[:, None]
-        if self.sliding_window is not None:
-            in_seq &= key_pos >= seq_lens[:, None] - self.sliding_window
+        if window is not None:
+            in_seq &= key_pos >= seq_lens[:, None] - window
         bias = torch.zeros(in_seq.shape, dtype=torch.float32, device=seq_lens.device
                            ).masked_fill_(~in_seq, float("-inf"))[:, None, :]
         # Flat, so each layer gathers with index_select (4-5x faster than advanced indexing).
@@ -92,7 +98,7 @@ class TorchAttentionBackend(AttentionBackend):
         return _Group(int(slots.shape[0]), max_len, locs, in_seq[:, None, None, :], bias)
 
     def _extend_group(self, batch: ForwardBatch, ext_host: np.ndarray, starts_host: np.ndarray,
-                      rows: np.ndarray | None) -> _Group:
+                      rows: np.ndarray | None, window: int | None) -> _Group:
         """The extend requests `rows` (host indices into the batch; None: all of them), given
         every request's extend length and first token row on the host."""
         device = batch.seq_lens.device
@@ -125,8 +131,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             query_pos = prefix_lens[:, None] + j[None, :]  # [n, Lq]
             mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
-            if self.sliding_window is not None:
-                mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.sliding_window
+            if window is not None:
+                mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
         # Padded query rows attend to key 0 only, so softmax never sees an all-masked row.
         mask[:, :, 0] |= ~valid
         # The valid (request, query) rows, from the host lengths: a boolean-mask gather would
@@ -154,10 +160,11 @@ class TorchAttentionBackend(AttentionBackend):
         if batch.batch_size == 0:
             return q.new_empty(0, self.num_heads, self.head_dim)
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
-        if len(self._groups) == 1:
-            return self._attend(q, layer_id, self._groups[0])
+        groups = self._groups_by_window[self.layer_window(layer_id)]
+        if len(groups) == 1:
+            return self._attend(q, layer_id, groups[0])
         out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)
-        for group in self._groups:
+        for group in groups:
             out.index_copy_(0, group.tokens, self._attend(q.index_select(0, group.tokens),
                                                           layer_id, group))
         return out

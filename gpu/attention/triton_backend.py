@@ -40,9 +40,10 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
+                 window_layers: tuple[int, ...] | None = None,
                  num_kv_splits: int = triton_decode.DEFAULT_NUM_KV_SPLITS) -> None:
         super().__init__(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim, scale,
-                         sliding_window)
+                         sliding_window, window_layers)
         if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
             raise ValueError(f"num_kv_splits must be a power of two (got {num_kv_splits})")
         self.num_kv_splits = num_kv_splits
@@ -82,15 +83,16 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype,
                           device=q.device)
         table = self.req_to_token.req_to_token
+        window = self.layer_window(layer_id)
         if batch.mode == ForwardMode.DECODE:
             triton_decode.decode_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.seq_lens, meta.mid_out, meta.mid_lse,
-                                            self.scale, self.sliding_window)
+                                            self.scale, window)
         else:
             triton_extend.extend_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.prefix_lens, batch.extend_lens,
                                             meta.query_start, meta.block_req, meta.block_m,
                                             self.scale, seq_lens=batch.seq_lens,
                                             tree_mask=batch.tree_mask,
-                                            window=self.sliding_window)
+                                            window=window)
         return out

@@ -1,6 +1,7 @@
 """The model families we run, and what sets them apart. All are one decoder (gpu/llama.py); a
 family is the names it goes by in config.json and GGUF, and the flags of gpu/model_config.py
-it sets. Sliding windows come from each file's own settings (hf_loader, gguf_loader).
+it sets. Sliding windows, which layers they apply to, and each layer's RoPE base come from each
+file's own settings (hf_loader, gguf_loader).
 """
 
 from __future__ import annotations
@@ -21,6 +22,30 @@ class Family:
     # llama.cpp's converter permutes the q/k rows of "llama" files (for its GPT-J style rope);
     # its Qwen2/Qwen3 converters do not (transformers' GGUF loader agrees).
     gguf_qk_permuted: bool = False
+    # Gemma 3: GELU-tanh gate, (1 + w) norms around attention and MLP, scaled embeddings.
+    mlp_activation: str = "silu"
+    norm_adds_one: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    # Windowed layers rotate with their own RoPE base (Gemma 3's rope_local_base_freq, 10000
+    # where a file leaves it out), and every `window_pattern`-th layer is a full one where a
+    # file does not list its layer types (transformers' and llama.cpp's default, 6).
+    local_rope: bool = False
+    window_pattern: int | None = None
+
+    def config_flags(self) -> dict:
+        """The ModelConfig fields the family sets (the same from either file format)."""
+        return dict(qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
+                    mlp_activation=self.mlp_activation, norm_adds_one=self.norm_adds_one,
+                    sandwich_norms=self.sandwich_norms, scale_embeddings=self.scale_embeddings)
+
+
+DEFAULT_LOCAL_ROPE_THETA = 10000.0
+
+
+def pattern_window_layers(pattern: int, num_layers: int) -> tuple[int, ...]:
+    """The windowed layers of a pattern: all but every `pattern`-th (Gemma 3: 5 local, 1 global)."""
+    return tuple(i for i in range(num_layers) if (i + 1) % pattern)
 
 
 FAMILIES = (
@@ -28,6 +53,9 @@ FAMILIES = (
     Family("mistral", "mistral", "MistralForCausalLM", None),
     Family("qwen2", "qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
     Family("qwen3", "qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True),
+    Family("gemma3", "gemma3_text", "Gemma3ForCausalLM", "gemma3", qk_norm=True,
+           mlp_activation="gelu_tanh", norm_adds_one=True, sandwich_norms=True,
+           scale_embeddings=True, local_rope=True, window_pattern=6),
 )
 SUPPORTED_HF = ", ".join(f"{f.hf_model_type} ({f.hf_architecture})" for f in FAMILIES)
 SUPPORTED_GGUF = tuple(f.gguf_arch for f in FAMILIES if f.gguf_arch)

@@ -5,7 +5,11 @@ Two llama.cpp conventions are undone here:
   weight stored as dims `[in, out]` is the HF `[out, in]` matrix.
 - llama.cpp's converter permutes the rows of q and k of "llama" files (Llama, Mistral) so that
   its rope can rotate adjacent pairs (GPT-J style). The runtime uses rotate-half rope (HF
-  style), so the permutation is inverted. Its Qwen2/Qwen3 converters leave q and k as they are.
+  style), so the permutation is inverted. Its Qwen2/Qwen3/Gemma 3 converters leave q and k as
+  they are.
+- Its Gemma converter stores every RMSNorm weight as 1 + w (llama.cpp scales by the weight
+  alone); the model adds the 1 itself (config.norm_adds_one), so 1 is taken off here, as
+  transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks, q8_0_as_q4_pair
-from gpu.loader.families import gguf_family
+from gpu.loader.families import DEFAULT_LOCAL_ROPE_THETA, gguf_family, pattern_window_layers
 from gpu.model_config import ModelConfig
 from gpu.rope_scaling import ROPE_SCALING_KINDS, RopeScaling, rope_inv_freq
 from ipc.gguf_file import GGUFFile
@@ -40,6 +44,8 @@ _LAYER_TENSORS = {
     "attn_v.bias": "v_bias",
     "attn_q_norm.weight": "q_norm",
     "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "attn_out_norm",  # Gemma's norms on the attention and MLP
+    "post_ffw_norm.weight": "mlp_out_norm",  # outputs (its ffn_norm is the one before the MLP)
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "embed_tokens",
@@ -102,10 +108,22 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     bos = gguf_value(reader, "tokenizer.ggml.bos_token_id", path, None)
     tensor_names = {t.name for t in reader.tensors}
+    num_layers = int(meta("block_count"))
     window = meta("attention.sliding_window", None)
+    window_layers = None
+    if window is not None and family.window_pattern is not None:
+        # llama.cpp's Gemma 3 has a fixed pattern of 6 where the file states none; newer files
+        # may state it as a number or as a flag per layer.
+        pattern = meta("attention.sliding_window_pattern", family.window_pattern)
+        window_layers = (tuple(i for i, swa in enumerate(pattern) if swa)
+                         if isinstance(pattern, list)
+                         else pattern_window_layers(int(pattern), num_layers))
+    if meta("attn_logit_softcapping", None) is not None:
+        raise ModelLoadError(f"{path}: attention logit softcapping (Gemma 2's) is not supported")
+    softcap = meta("final_logit_softcapping", None)
     return ModelConfig(
         architecture=arch,
-        num_layers=int(meta("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_heads=num_heads,
@@ -119,10 +137,23 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         rope_scaling=_rope_scaling(reader, arch, path, head_dim, rope_theta),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
-        qkv_bias=family.qkv_bias,
-        qk_norm=family.qk_norm,
         sliding_window=None if window is None else int(window),
+        window_layers=window_layers or None,
+        local_rope_theta=(float(meta("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_THETA))
+                          if family.local_rope else None),
+        query_pre_attn_scalar=_query_pre_attn_scalar(arch, num_layers, hidden, num_heads),
+        final_logit_softcap=None if softcap is None else float(softcap),
+        **family.config_flags(),
     )
+
+
+def _query_pre_attn_scalar(arch: str, num_layers: int, hidden: int, num_heads: int
+                           ) -> float | None:
+    """What llama.cpp scales Gemma 3's scores by (its files do not say): 1/sqrt(hidden / heads)
+    for the 27B (62 layers), 1/sqrt(head_dim) for the others, as their configs state."""
+    if arch == "gemma3" and num_layers == 62:
+        return hidden / num_heads
+    return None
 
 
 def _rope_scaling(reader, arch: str, path: Path, head_dim: int, theta: float) -> RopeScaling | None:
@@ -230,6 +261,8 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bo
             w = unpermute_rope_rows(w, heads)
             if blocks is not None:
                 blocks = blocks.map_rows(lambda t: unpermute_rope_rows(t, heads).contiguous())
+        if config.norm_adds_one and name.endswith("norm"):
+            w = w - 1  # the converter's 1 + w back to w
         weights[name] = w.to(dtype).contiguous()
         if blocks is not None:
             q4[name] = blocks

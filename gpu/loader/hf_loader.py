@@ -10,7 +10,8 @@ import torch
 from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
-from gpu.loader.families import hf_family
+from gpu.loader.families import (DEFAULT_LOCAL_ROPE_THETA, Family, hf_family,
+                                  pattern_window_layers)
 from gpu.model_config import ModelConfig
 from gpu.rope_scaling import rope_scaling_from_hf
 
@@ -32,6 +33,13 @@ _LAYER_TENSORS = {
 _QKV_BIAS = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
              "self_attn.v_proj.bias": "v_bias"}
 _QK_NORM = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
+# Gemma's four norms: its post_attention_layernorm is on the attention output, and the norm
+# before the MLP (Llama's post_attention_layernorm, our post_attn_norm) is pre_feedforward's.
+_SANDWICH_NORMS = {"post_attention_layernorm.weight": "attn_out_norm",
+                   "pre_feedforward_layernorm.weight": "post_attn_norm",
+                   "post_feedforward_layernorm.weight": "mlp_out_norm"}
+# transformers' names of the MLP activations we run (gpu/model_config.py MLP_ACTIVATIONS).
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def _read_json(file: Path) -> dict:
@@ -86,7 +94,13 @@ def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
 
     hidden = int(need("hidden_size"))
     num_heads = int(need("num_attention_heads"))
+    _check_family_settings(raw, family, config_file)
     rope_params = raw.get("rope_parameters") or {}  # transformers >= 5 writes this form
+    local_params: dict = {}
+    if "full_attention" in rope_params or "sliding_attention" in rope_params:
+        # Gemma 3 under transformers 5: a rope object per layer type.
+        local_params = rope_params.get("sliding_attention") or {}
+        rope_params = rope_params.get("full_attention") or {}
     rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     eos = _eos_ids(raw.get("eos_token_id"))
     generation_config = config_file.parent / "generation_config.json"
@@ -94,6 +108,16 @@ def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
         eos += _eos_ids(_read_json(generation_config).get("eos_token_id"))
     num_layers = int(need("num_hidden_layers"))
     max_positions = int(raw.get("max_position_embeddings", 2048))
+    window, window_layers = _sliding_window(raw, family, num_layers, config_file)
+    local_theta = None
+    if family.local_rope:
+        if rope_scaling_from_hf(local_params, max_positions, config_file) is not None:
+            raise ModelLoadError(f"{config_file}: rope scaling on the sliding-window layers is "
+                                 f"not supported (only on the full-attention ones)")
+        local_theta = float(raw.get("rope_local_base_freq",
+                                    local_params.get("rope_theta", DEFAULT_LOCAL_ROPE_THETA)))
+    scalar = raw.get("query_pre_attn_scalar")
+    softcap = raw.get("final_logit_softcapping")
     return ModelConfig(
         architecture=family.name,
         num_layers=num_layers,
@@ -111,28 +135,55 @@ def _hf_model_config(raw: dict, config_file: Path) -> ModelConfig:
                                           config_file),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
-        qkv_bias=family.qkv_bias,
-        qk_norm=family.qk_norm,
-        sliding_window=_sliding_window(raw, num_layers, config_file),
+        sliding_window=window,
+        window_layers=window_layers,
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=None if scalar is None else float(scalar),
+        final_logit_softcap=None if softcap is None else float(softcap),
+        **family.config_flags(),
     )
 
 
-def _sliding_window(raw: dict, num_layers: int, config_file: Path) -> int | None:
-    """Mistral's window applies to every layer when set; Qwen's only with use_sliding_window,
-    from layer max_window_layers on (transformers' layer_types says the same, where written)."""
+def _check_family_settings(raw: dict, family: Family, config_file: Path) -> None:
+    """Settings that change the math in ways the decoder does not run, refused by name."""
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if _HF_ACTIVATIONS.get(activation) != family.mlp_activation:
+        raise ModelLoadError(f"{config_file}: activation '{activation}' is not supported for "
+                             f"{family.name}; it runs {family.mlp_activation}")
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{config_file}: attention logit softcapping (Gemma 2's) is not "
+                             f"supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{config_file}: bidirectional attention is not supported")
+
+
+def _sliding_window(raw: dict, family: Family, num_layers: int,
+                    config_file: Path) -> tuple[int | None, tuple[int, ...] | None]:
+    """(the window, the layers it applies to; None: all). Mistral's applies to every layer
+    when set; Qwen's only with use_sliding_window, from layer max_window_layers on; Gemma's
+    to all but every sliding_window_pattern-th layer. transformers' layer_types, where
+    written, says the same and wins."""
     window = raw.get("sliding_window")
     if window is None or raw.get("use_sliding_window") is False:
-        return None
-    first = int(raw.get("max_window_layers") or 0) if "use_sliding_window" in raw else 0
-    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                       for i in range(num_layers)]
-    sliding = {t == "sliding_attention" for t in types}
-    if sliding == {False}:
-        return None
-    if sliding != {True}:
-        raise ModelLoadError(f"{config_file}: a sliding window on some layers only "
-                             f"(layer_types {types}) is not supported; every layer or none")
-    return int(window)
+        return None, None
+    types = raw.get("layer_types")
+    if types is None:
+        if family.window_pattern is not None:
+            pattern = int(raw.get("sliding_window_pattern") or family.window_pattern)
+            windowed = pattern_window_layers(pattern, num_layers)
+        else:
+            first = int(raw.get("max_window_layers") or 0) if "use_sliding_window" in raw else 0
+            windowed = tuple(range(first, num_layers))
+    else:
+        if len(types) != num_layers or not set(types) <= {"sliding_attention",
+                                                           "full_attention"}:
+            raise ModelLoadError(f"{config_file}: layer_types {types} is not one of "
+                                 f"'sliding_attention' / 'full_attention' per layer "
+                                 f"({num_layers} layers)")
+        windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not windowed:
+        return None, None
+    return int(window), None if len(windowed) == num_layers else windowed
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
@@ -170,7 +221,8 @@ def _wanted_tensors(cfg: ModelConfig) -> dict[str, str]:
     if not cfg.tie_word_embeddings:
         wanted["lm_head"] = "lm_head.weight"
     per_layer = (_LAYER_TENSORS | (_QKV_BIAS if cfg.qkv_bias else {})
-                 | (_QK_NORM if cfg.qk_norm else {}))
+                 | (_QK_NORM if cfg.qk_norm else {}) | (_SANDWICH_NORMS if cfg.sandwich_norms
+                                                        else {}))
     for i in range(cfg.num_layers):
         for hf, ours in per_layer.items():
             wanted[f"layers.{i}.{ours}"] = f"model.layers.{i}.{hf}"

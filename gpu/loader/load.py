@@ -17,6 +17,12 @@ gate/up instead of five:
     layers.{i}.qkv_bias           [q_size + 2 * kv_size]           only with config.qkv_bias
     layers.{i}.qk_norm            [num_heads + num_kv_heads, head_dim]  only with config.qk_norm:
                                   q's norm repeated per head, then k's
+    layers.{i}.attn_out_norm      [hidden]    only with config.sandwich_norms (Gemma 3): the norm
+    layers.{i}.mlp_out_norm       [hidden]    of o_proj's / down_proj's output
+
+`post_attn_norm` is the norm before the MLP, whatever the file calls it (Gemma's
+pre_feedforward_layernorm). Norm weights are as stored: with config.norm_adds_one the model
+scales by 1 + w (gpu/llama.py).
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         per_layer |= {"q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)}
     if cfg.qk_norm:
         per_layer |= {"q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+    if cfg.sandwich_norms:
+        per_layer |= {"attn_out_norm": (h,), "mlp_out_norm": (h,)}
     for i in range(cfg.num_layers):
         for name, shape in per_layer.items():
             shapes[f"layers.{i}.{name}"] = shape
@@ -138,6 +146,9 @@ def fuse_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
                                               take("k_norm").expand(cfg.num_kv_heads, -1)])
         fused[p + "o_proj"] = take("o_proj").contiguous()
         fused[p + "post_attn_norm"] = take("post_attn_norm").contiguous()
+        if cfg.sandwich_norms:
+            fused[p + "attn_out_norm"] = take("attn_out_norm").contiguous()
+            fused[p + "mlp_out_norm"] = take("mlp_out_norm").contiguous()
         fused[p + "gate_up_proj"] = torch.cat([take("gate_proj"), take("up_proj")], dim=0)
         fused[p + "down_proj"] = take("down_proj").contiguous()
     return fused

@@ -1,6 +1,6 @@
 """A family beside Llama through the whole service, with overlap on: `fmserve serve` on a tiny
-Qwen3 and a tiny Mistral (its sliding window shorter than the prompts), three concurrent
-clients, each getting transformers' greedy tokens."""
+Qwen3, a tiny Mistral and a tiny Gemma 3 (their sliding windows shorter than the prompts), three
+concurrent clients, each getting transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ PROMPTS = [[fm.BOS] + [(5 * i + 11 * j) % 300 for i in range(n)]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3"])
 def test_concurrent_greedy_streams_match_transformers(tmp_path, family):
     model = fm.random_model(family)
     svc = ServiceProcess(fm.save_hf_dir(model, tmp_path), "--overlap")

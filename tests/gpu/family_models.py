@@ -33,6 +33,12 @@ FAMILIES = {
                 "llama"),
     "qwen2": ("Qwen2Config", dict(rope_parameters=YARN_ROPE, tie_word_embeddings=True), "qwen2"),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True), "qwen3"),
+    # Six layers: llama.cpp's fixed pattern (and transformers' default) makes the last global
+    # and the others windowed; local layers rotate with their own base.
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, num_hidden_layers=6, sliding_window=8,
+                                        query_pre_attn_scalar=16, rope_theta=10000.0,
+                                        rope_local_base_freq=100.0, tie_word_embeddings=True),
+               "gemma3"),
 }
 # HF per-layer tensor name -> GGUF's (llama.cpp's tensor names)
 _GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
@@ -47,6 +53,10 @@ _GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
                "self_attn.k_norm.weight": "attn_k_norm.weight",
                "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                "mlp.down_proj.weight": "ffn_down.weight"}
+# Gemma's four norms (llama.cpp's ffn_norm is the one before the MLP, as for Llama).
+_GGUF_GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 
 def tiny_vocab() -> tuple[list[str], list[str]]:
@@ -69,10 +79,13 @@ def random_model(family: str, **changes) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family, **changes),
                                                           attn_implementation="eager")
-    with torch.no_grad():  # norms start at exactly 1 and biases at 0: make them count
+    # Norms start at exactly 1 (Gemma's at 0, it scales by 1 + w) and biases at 0: make them
+    # count.
+    low = -0.5 if family == "gemma3" else 0.5
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(low, low + 1)
             elif name.endswith("bias"):
                 p.normal_(0, 0.5)
     return model.eval()
@@ -139,12 +152,14 @@ def write_gguf(model: transformers.PreTrainedModel, family: str, path: Path,
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    rope = cfg.rope_parameters
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    if getattr(cfg, "sliding_window", None) and family == "mistral":
+    if getattr(cfg, "sliding_window", None) and family in ("mistral", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
+    if family == "gemma3":
+        writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -159,7 +174,7 @@ def write_gguf(model: transformers.PreTrainedModel, family: str, path: Path,
     writer.add_eos_token_id(EOS)
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     tensors = {"token_embd.weight": sd["model.embed_tokens.weight"],
-               "output_norm.weight": sd["model.norm.weight"]}
+               "output_norm.weight": sd["model.norm.weight"] + (arch == "gemma3")}
     if not cfg.tie_word_embeddings:
         tensors["output.weight"] = sd["lm_head.weight"]
     if rope.get("rope_type") == "llama3":
@@ -173,7 +188,10 @@ def write_gguf(model: transformers.PreTrainedModel, family: str, path: Path,
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and hf == "self_attn.k_proj.weight":
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        tensors[f"blk.{i}.{_GGUF_LAYER[hf]}"] = w
+        if arch == "gemma3" and "norm" in hf:
+            w = w + 1  # llama.cpp's Gemma converter stores 1 + w
+        layer_names = _GGUF_LAYER | (_GGUF_GEMMA_NORMS if arch == "gemma3" else {})
+        tensors[f"blk.{i}.{layer_names[hf]}"] = w
     for name, w in tensors.items():
         if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))

@@ -35,7 +35,7 @@ def prompt_hidden(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     table = ReqToTokenPool(2, cfg.max_context_len, page, "cpu")
     table.grant_pages(1, 0, torch.arange(1, pool.num_pages))
     attn = TorchAttentionBackend(pool, table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                 cfg.head_dim ** -0.5, cfg.sliding_window)
+                                 cfg.attn_scale, cfg.sliding_window, cfg.window_layers)
     lens = torch.tensor([n])
     batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(ids), torch.arange(n),
                          torch.tensor([1]), lens, torch.tensor([0]), lens,

