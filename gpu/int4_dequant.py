@@ -67,7 +67,8 @@ def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat buffer reused by every weight's large forwards on this thread."""
     buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of the mode
+            buf = torch.empty(numel, dtype=dtype)
         setattr(_scratch, name, buf)
     return buf[:numel]
 

@@ -7,11 +7,14 @@ zero`) takes a GGUF's Q4_0 / Q4_1 / Q4_K codes as they are, and Q5_K, Q6_K and Q
 int4 matrix over a widened input (gpu/loader/gguf_q4.py, gpu/loader/gguf_kquants.py). Only
 that packed form is resident; the file's weights are not copied to bf16.
 
-A forward of at most `max_tokens` rows (`runtime.q4_max_tokens`) runs the int4 kernel. A
-larger one (a prefill chunk, a wide decode batch) dequantizes the weight a chunk of outputs at
-a time into a reused bf16 scratch buffer and multiplies with the dense kernel
-(gpu/int4_dequant.py): measured on a contended 2-core AVX512-BF16 Xeon (no AMX) over the 30
-layers of SmolLM2-135M, the int4 kernel against dequantize + bf16 takes ... (docs/benchmarks.md).
+Every forward of fewer than DEQUANTIZE_FROM_ROWS rows runs the int4 kernel. A larger one (a
+long prefill chunk) dequantizes the weight a chunk of outputs at a time into a reused bf16
+scratch buffer and multiplies with the dense kernel (gpu/int4_dequant.py). Measured on a
+heavily contended 2-core AVX512-BF16 Xeon (no AMX), SmolLM2-135M's 120 projections: int4 kernel
+14 ms at 1 row, 309 at 32 and 1,067 at 256; dequantize + bf16 1,120 at 32 and 4,593 at 256
+(docs/benchmarks.md). So the scratch path is kept for very large forwards only, where the
+dense kernel's better compute can pay for the dequantization; `runtime.q4_max_tokens` (0:
+keep nothing quantized) still bounds the tied lm_head's forwards on its int4 parts.
 The lm_head of a model that ties it to its embedding keeps the embedding's bf16 table (the
 token lookup reads it anyway) for forwards above LM_HEAD_Q4_MAX_TOKENS rows.
 
@@ -30,8 +33,11 @@ from gpu.int4_dequant import dequantized_chunks_t, dequantized_matmul, pack_code
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 from gpu.quantized_linear import Linear
 
-# Forwards of up to this many tokens run the int4 kernel; larger ones dequantize into scratch.
+# 0 turns keeping quantized weights off; otherwise see LM_HEAD_Q4_MAX_TOKENS.
 DEFAULT_Q4_MAX_TOKENS = 12
+# Forwards of at least this many rows dequantize into scratch; smaller ones run the int4 kernel
+# (measured above: the kernel 4.3x faster at 256 rows; the crossover is above that).
+DEQUANTIZE_FROM_ROWS = 1024
 # A tied lm_head runs on its 4-bit parts up to 4 rows and on the embedding's bf16 table above:
 # measured on the 49152x576 lm_head with weights from DRAM, 2.3 ms at 1 row and 3.9 ms at 4
 # against 4-5 ms in bf16, and 5.1-6.2 ms at 5-8 rows, where bf16 stays at 4-5 ms.
@@ -72,6 +78,7 @@ class Q4Linear:
         self.out_features = sum(s.out_features for s in self.segments)
         self.max_tokens = max_tokens
         self.dense = dense
+        self.dequantize_from = DEQUANTIZE_FROM_ROWS
         self.block = packed_block()
         # Per segment: the packed codes and [width / 32, out, 2] (scale, zero) in bf16.
         self.packed = [(pack_codes(w.blocks.codes),
@@ -99,7 +106,7 @@ class Q4Linear:
         rows = x.shape[0]
         if self.dense is not None and (rows > self.max_tokens or x.dtype != torch.bfloat16):
             return self.dense(x)
-        small = rows <= self.max_tokens or self.block is None
+        small = rows <= self.max_tokens or rows < self.dequantize_from or self.block is None
         xb = x.to(torch.bfloat16).contiguous()
         outs = [_int4_mm(w.widen(xb), *p) if small else dequantized_matmul(xb, w, *p, self.block)
                 for w, p in zip(self.segments, self.packed)]

@@ -62,6 +62,7 @@ def int4(raw, type_name: str, shape) -> Int4Weight:
 def test_small_forwards_run_the_kernel_and_larger_ones_a_dequantized_scratch_copy(type_name):
     raw, exact = quantized(type_name, rows=144)  # two packed blocks of 64 outputs and a tail
     layer = Q4Linear(int4(raw, type_name, exact.shape), max_tokens=4)
+    layer.dequantize_from = 5  # the scratch path from 5 rows (1024 in a model)
     # What the kernel multiplies by: the file's weights with scale and zero rounded to bf16.
     represented = layer.dequantized_t(0).t().double()
     x = torch.randn(6, exact.shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -75,7 +76,7 @@ def test_small_forwards_run_the_kernel_and_larger_ones_a_dequantized_scratch_cop
     torch.testing.assert_close(layer(x[4:6]), torch.mm(x[4:6], layer.dequantized_t(0)),
                                rtol=8e-3, atol=8e-3 * reference.abs().max().item())
     # Both forms agree with each other as closely as with the float64 product.
-    layer.max_tokens = 0
+    layer.max_tokens = layer.dequantize_from = 0
     assert (layer(x[:1]).double() - reference[:1]).abs().max().item() <= tolerance
     # An fp32 input is multiplied in bf16 and handed back in fp32.
     assert layer(x[:1].float()).dtype == torch.float32
@@ -146,6 +147,9 @@ def test_the_bf16_model_on_int4_tracks_the_dequantized_and_fp32_models(loaded_q4
     assert on_int4.q4_projections == 4 * loaded_q4.config.num_layers
     q4_logits = prompt_logits(on_int4, ids)
     on_int4.set_q4_max_tokens(0)
+    for proj in on_int4.layers:
+        for p in (proj.qkv_proj, proj.o_proj, proj.gate_up_proj, proj.down_proj):
+            p.dequantize_from = 0
     dequantized_logits = prompt_logits(on_int4, ids)
     # Measured: top-1 0.96 (int4) and 0.95 (dequantized) of fp32's; mean |error| 0.094 against
     # 0.079; int4 and dequantized agree with each other at 0.95. That is bf16's own noise
