@@ -11,9 +11,9 @@ and windowed layers with their own RoPE base between full ones. The config's fla
 The model holds weights only; everything per-forward (token locations, lengths) arrives in a
 `ForwardBatch` and the attention backend reads and writes the KV pool. Projections are linear
 layer objects from `make_linear`: dense in the model dtype, or compressed (`weight_quant`);
-on a bf16 CPU model a GGUF's Q4_0/Q4_1 projections also keep their 4-bit codes for small
-forwards (`q4_max_tokens`, gpu/q4_linear.py), and so does a Q4_0/Q4_1/Q8_0 lm_head (as 4-bit
-parts) for forwards of up to 4 rows. `deterministic` wraps every projection in a RowwiseLinear
+on a bf16 CPU model a GGUF's quantized projections and lm_head (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K)
+stay in that form, with no dense copy, as `Q4Linear`s on torch's int4 kernel
+(`q4_max_tokens`, gpu/q4_linear.py); a tied lm_head uses its embedding's table above 4 rows. `deterministic` wraps every projection in a RowwiseLinear
 (gpu/rowwise_linear.py), so a row's result does not depend on its batch.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, head_rms_norm, rms_norm
-from gpu.loader.gguf_q4 import Q4Blocks
+from gpu.loader.gguf_q4 import Int4Weight
 from gpu.model_config import ModelConfig
 from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_applies, q4_shape_ok
 from gpu.quantized_linear import WEIGHT_QUANT_MODES, Linear, make_linear
@@ -58,8 +58,8 @@ class DecoderLayer:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, weight_quant: str = "none",
-                 q4: dict[str, Q4Blocks] | None = None, q4_max_tokens: int = 0,
-                 lm_head_q4: list[Q4Blocks] | None = None, deterministic: bool = False) -> None:
+                 q4: dict[str, list[Int4Weight]] | None = None, q4_max_tokens: int = 0,
+                 lm_head_q4: Int4Weight | None = None, deterministic: bool = False) -> None:
         if weight_quant not in WEIGHT_QUANT_MODES:
             raise ValueError(f"weight_quant '{weight_quant}' is unknown; choose one of "
                              f"{WEIGHT_QUANT_MODES}")
@@ -68,8 +68,13 @@ class LlamaModel:
         self.dtype = dtype
         self.weight_quant = weight_quant
 
+        q4 = q4 or {}
+
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            # A weight the loader kept as int4 only, where this model cannot use that form.
+            weight = weights[name] if name in weights else torch.cat(
+                [part.dequantize() for part in q4[name]])
+            return weight.to(device=device, dtype=dtype).contiguous()
 
         def norm(name: str) -> torch.Tensor | None:
             if name not in weights:
@@ -78,27 +83,31 @@ class LlamaModel:
                 return (weights[name].to(device=device, dtype=torch.float32) + 1).contiguous()
             return w(name)
 
-        # Small forwards on the file's 4-bit codes where it has them (gpu/q4_linear.py).
-        q4 = q4 or {}
+        # The file's quantized weights as they are, where it has them (gpu/q4_linear.py).
         use_q4 = weight_quant == "none" and q4_applies(device, dtype, q4_max_tokens)
         self.q4_projections = 0
 
         def linear(name: str) -> Projection:
-            dense = make_linear(w(name), weight_quant)
             if not use_q4 or name not in q4 or not q4_shape_ok(q4[name]):
-                return rowwise(dense)
+                return rowwise(make_linear(w(name), weight_quant))
             self.q4_projections += 1
-            return rowwise(Q4Linear(dense, q4[name], q4_max_tokens))
+            return rowwise(Q4Linear(q4[name], q4_max_tokens))
 
         def rowwise(layer: Linear | Q4Linear) -> Projection:
             return RowwiseLinear(layer) if deterministic else layer
 
         self.embed_tokens = w("embed_tokens")
-        self.lm_head = make_linear(w("lm_head") if "lm_head" in weights else self.embed_tokens,
-                                   weight_quant, both_layouts=True)
-        if use_q4 and lm_head_q4 and q4_shape_ok(lm_head_q4):
-            self.lm_head = Q4Linear(self.lm_head, lm_head_q4,
-                                    min(q4_max_tokens, LM_HEAD_Q4_MAX_TOKENS))
+        if config.tie_word_embeddings:
+            self.lm_head = make_linear(self.embed_tokens, weight_quant, both_layouts=True)
+            if use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4):
+                self.lm_head = Q4Linear(lm_head_q4, min(q4_max_tokens, LM_HEAD_Q4_MAX_TOKENS),
+                                        dense=self.lm_head)
+        elif use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4):
+            self.lm_head = Q4Linear(lm_head_q4, q4_max_tokens)
+        else:
+            head = weights["lm_head"] if "lm_head" in weights else lm_head_q4.dequantize()
+            self.lm_head = make_linear(head.to(device=device, dtype=dtype).contiguous(),
+                                       weight_quant, both_layouts=True)
         self.lm_head = rowwise(self.lm_head)
         self.final_norm = norm("final_norm")
         self.layers = [
@@ -129,14 +138,15 @@ class LlamaModel:
                                   for i in range(config.num_layers)]
 
     def set_q4_max_tokens(self, max_tokens: int) -> None:
-        """Change which forwards use the 4-bit codes (0: none); benchmarks compare both ways
-        on one loaded model."""
+        """Change which forwards run the int4 kernel (0: none, every forward dequantizes);
+        benchmarks compare both ways on one loaded model."""
         for layer in self.layers:
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 if isinstance(q4 := unwrap(proj), Q4Linear):
                     q4.max_tokens = max_tokens
         if isinstance(q4 := unwrap(self.lm_head), Q4Linear):
-            q4.max_tokens = min(max_tokens, LM_HEAD_Q4_MAX_TOKENS)
+            tied = q4.dense is not None
+            q4.max_tokens = min(max_tokens, LM_HEAD_Q4_MAX_TOKENS) if tied else max_tokens
 
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend,
                       capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

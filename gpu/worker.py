@@ -103,8 +103,8 @@ class Worker:
         from gpu.q4_linear import Q4Linear
 
         model, cfg = self.state.model, self.state.cfg
-        note = (f", {model.q4_projections} projections on the file's 4-bit codes up to "
-                f"{cfg.runtime.q4_max_tokens} tokens" if model.q4_projections else "")
+        note = (f", {model.q4_projections} projections kept quantized (int4 kernel)"
+                if model.q4_projections else "")
         if isinstance(lm_head := unwrap(model.lm_head), Q4Linear):
             note += f", the lm_head up to {lm_head.max_tokens}"
         if cfg.runtime.deterministic:

@@ -22,8 +22,9 @@ import torch
 from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
-from gpu.loader.gguf_q4 import Q4Blocks, is_q4, q4_blocks, q8_0_as_q4_pair
 from gpu.loader.families import DEFAULT_LOCAL_ROPE_THETA, gguf_family, pattern_window_layers
+from gpu.loader.gguf_kquants import is_kquant, kquant_weight
+from gpu.loader.gguf_q4 import Int4Weight, is_q4, q4_blocks, q8_0_as_q4_pair
 from gpu.model_config import ModelConfig
 from gpu.rope_scaling import ROPE_SCALING_KINDS, RopeScaling, rope_inv_freq
 from ipc.gguf_file import GGUFFile
@@ -229,20 +230,32 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
+def int4_weight(tensor, rows: int, cols: int) -> Int4Weight | None:
+    """A Q4_0/Q4_1/Q8_0/K-quant tensor as an Int4Weight (no dense copy); None for other types."""
+    type_name = tensor.tensor_type.name
+    if is_q4(type_name):
+        return Int4Weight.from_parts([q4_blocks(tensor.data, type_name, rows, cols)])
+    if type_name == "Q8_0":
+        return Int4Weight.from_parts(q8_0_as_q4_pair(tensor.data, rows, cols))
+    if is_kquant(type_name):
+        return kquant_weight(tensor.data, type_name, rows, cols)
+    return None
+
+
 def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bool = False
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Q4Blocks],
-                         list[Q4Blocks]]:
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Int4Weight],
+                         Int4Weight | None]:
     """ModelConfig, unfused tensors (our short names, HF [out, in] layout, `dtype`, CPU) and,
-    with `keep_q4`, the 4-bit codes of the layer projections stored as Q4_0/Q4_1 (same names
-    and row order) and the lm_head's as 4-bit parts whose sum it is (one for Q4_0/Q4_1, two for
-    Q8_0; the embedding's when the model ties them; empty for other types)."""
+    with `keep_q4`, the layer projections stored as Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K as
+    Int4Weights (same names and row order) *instead of* dense tensors, and the lm_head's (the
+    embedding's when the model ties them; the dense embedding stays, the lookup reads it)."""
     reader = open_gguf(path)
     config = gguf_model_config(reader, path)
     arch = config.architecture
     permuted = gguf_family(arch, path).gguf_qk_permuted
     weights: dict[str, torch.Tensor] = {}
-    q4: dict[str, Q4Blocks] = {}
-    head_parts: dict[str, list[Q4Blocks]] = {}  # embed_tokens / lm_head -> 4-bit parts
+    q4: dict[str, Int4Weight] = {}
+    head: dict[str, Int4Weight] = {}  # embed_tokens / lm_head
     tensors = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
@@ -251,26 +264,25 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bo
         if name is None:
             raise ModelLoadError(f"{path}: tensor '{tensor.name}' is not part of a {arch} model "
                                  f"we can run (extra heads and the like are not supported)")
-        w = torch.from_numpy(_dequantize(tensor, path))
-        blocks = None
-        if keep_q4 and name.startswith("layers.") and w.dim() == 2 and is_q4(
-                tensor.tensor_type.name):
-            blocks = q4_blocks(tensor.data, tensor.tensor_type.name, *w.shape)
+        shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF dims are innermost first
+        quantized = int4_weight(tensor, *shape) if keep_q4 and len(shape) == 2 else None
+        heads = None
         if permuted and (name.endswith(".q_proj") or name.endswith(".k_proj")):
             heads = config.num_heads if name.endswith(".q_proj") else config.num_kv_heads
+        if quantized is not None and name.startswith("layers."):
+            if heads is not None:
+                quantized = quantized.map_rows(lambda t: unpermute_rope_rows(t, heads).contiguous())
+            q4[name] = quantized
+            continue  # no dense copy
+        if quantized is not None:
+            head[name] = quantized
+            if name == "lm_head":
+                continue  # the embedding is looked up; an untied lm_head only multiplies
+        w = torch.from_numpy(_dequantize(tensor, path))
+        if heads is not None:
             w = unpermute_rope_rows(w, heads)
-            if blocks is not None:
-                blocks = blocks.map_rows(lambda t: unpermute_rope_rows(t, heads).contiguous())
         if config.norm_adds_one and name.endswith("norm"):
             w = w - 1  # the converter's 1 + w back to w
         weights[name] = w.to(dtype).contiguous()
-        if blocks is not None:
-            q4[name] = blocks
-        if keep_q4 and name in ("embed_tokens", "lm_head"):
-            type_name = tensor.tensor_type.name
-            if is_q4(type_name):
-                head_parts[name] = [q4_blocks(tensor.data, type_name, *w.shape)]
-            elif type_name == "Q8_0":
-                head_parts[name] = q8_0_as_q4_pair(tensor.data, *w.shape)
-    lm_head_parts = head_parts.get("lm_head" if "lm_head" in weights else "embed_tokens", [])
-    return config, weights, q4, lm_head_parts
+    untied = "lm_head" in weights or "lm_head" in head
+    return config, weights, q4, head.get("lm_head" if untied else "embed_tokens")

@@ -15,6 +15,9 @@ type) is the exact sum of two such 4-bit weights: with q + 128 = 16 hi + lo (hi,
 q d = 16 d (hi - 8) + d (lo - 8) + 8 d, i.e. hi with scale 16 d and zero 0, lo with scale d and
 zero 8 d. The pair is 1.25 bytes a weight (codes, bf16 scales and zeros) against 2 for the bf16
 copy, so the lm_head of a small decode forward can run on it too (gpu/q4_linear.py).
+
+`Int4Weight` is the one form every kept type takes (K-quants: gpu/loader/gguf_kquants.py): an
+int4 matrix in this layout over a widened input x', so that one kernel call multiplies it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,86 @@ class Q4Blocks:
         """Row-wise concatenation (the fused q/k/v and gate/up projections)."""
         return Q4Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                         torch.cat([p.zero for p in parts]))
+
+
+# How an [rows, in] input becomes the [rows, width] input of an Int4Weight's int4 matrix:
+#   "none":     x' = x
+#   "repeat":   x' = [x, x, ...]: the weight is the sum of parts laid side by side along the input
+#   "digits16": every 16 inputs x16 become [x16, 16 * x16]: a weight w = s * (a - 8 + 16 (b - 8))
+#               with two 4-bit digits a, b per weight (Q6_K; 16 * x is exact in bf16)
+WIDENINGS = ("none", "repeat", "digits16")
+
+
+@dataclass(frozen=True)
+class Int4Shape:
+    """What a matmul needs to know of an Int4Weight besides its packed codes."""
+
+    out_features: int
+    in_features: int
+    width: int  # of the int4 matrix: in_features widened
+    widening: str = "none"
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        """x' [rows, width] for x [rows, in_features]."""
+        if self.widening == "none":
+            return x
+        if self.widening == "repeat":
+            return x.repeat(1, self.width // self.in_features)
+        sixteens = x.reshape(x.shape[0], -1, 1, 16)
+        return torch.cat([sixteens, sixteens * 16], dim=2).view(x.shape[0], -1)
+
+    def fold(self, wide: torch.Tensor) -> torch.Tensor:
+        """The [.., in_features] weight of a [.., width] one (the transpose of `widen`)."""
+        if self.widening == "none":
+            return wide
+        if self.widening == "repeat":
+            return wide.reshape(*wide.shape[:-1], -1, self.in_features).sum(-2)
+        digits = wide.reshape(*wide.shape[:-1], -1, 2, 16)
+        return (digits[..., 0, :] + 16 * digits[..., 1, :]).flatten(-2)
+
+
+@dataclass
+class Int4Weight:
+    """An [out, in_features] weight as one int4 matrix `blocks` [out, width] over x' (above)."""
+
+    blocks: Q4Blocks
+    in_features: int
+    widening: str = "none"
+
+    @staticmethod
+    def from_parts(parts: list[Q4Blocks]) -> "Int4Weight":
+        """Parts [out, in] whose sum is the weight (a Q8_0 pair, Q5_K's two digits)."""
+        if len(parts) == 1:
+            return Int4Weight(parts[0], parts[0].codes.shape[1])
+        side_by_side = Q4Blocks(*(torch.cat([getattr(p, f) for p in parts], dim=1)
+                                  for f in ("codes", "scale", "zero")))
+        return Int4Weight(side_by_side, parts[0].codes.shape[1], "repeat")
+
+    @property
+    def shape(self) -> Int4Shape:
+        out, width = self.blocks.codes.shape
+        return Int4Shape(out, self.in_features, width, self.widening)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight (tests, checks, and the rare projection kept dense)."""
+        return self.shape.fold(self.blocks.dequantize())
+
+    def map_rows(self, fn) -> "Int4Weight":
+        return Int4Weight(self.blocks.map_rows(fn), self.in_features, self.widening)
+
+    @staticmethod
+    def cat(weights: list["Int4Weight"]) -> "Int4Weight":
+        """Row-wise concatenation of weights that widen their input alike."""
+        first = weights[0].shape
+        if any((w.shape.widening, w.shape.width) != (first.widening, first.width) for w in weights):
+            raise ValueError("only weights that widen their input alike concatenate")
+        return Int4Weight(Q4Blocks.cat([w.blocks for w in weights]), first.in_features,
+                          first.widening)
+
+    def kernel_shape_ok(self) -> bool:
+        """The kernel packs outputs in tiles of 16 (and inputs in groups of 32)."""
+        shape = self.shape
+        return shape.out_features % 16 == 0 and shape.width % Q4_GROUP == 0
 
 
 def is_q4(type_name: str) -> bool:

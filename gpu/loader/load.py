@@ -34,7 +34,7 @@ import torch
 
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.families import SUPPORTED_GGUF, SUPPORTED_HF
-from gpu.loader.gguf_q4 import Q4Blocks
+from gpu.loader.gguf_q4 import Int4Weight
 from gpu.model_config import ModelConfig
 
 ACCEPTED = (f"a .gguf file (architecture {' / '.join(SUPPORTED_GGUF)}), or a Hugging Face model "
@@ -47,21 +47,22 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     source: Path
-    # Fused projections whose every part the file stores as Q4_0/Q4_1 (`keep_q4` only):
-    # their 4-bit codes, for small-batch matmuls on the file's own weights.
-    q4: dict[str, Q4Blocks] = field(default_factory=dict)
-    # The lm_head (or the tied embedding) as 4-bit parts that sum to it, when the file stores
-    # it as Q4_0/Q4_1/Q8_0 (`keep_q4` only; see gpu/loader/gguf_q4.py).
-    lm_head_q4: list[Q4Blocks] = field(default_factory=list)
+    # Fused projections whose every part the file stores in a type kept quantized (`keep_q4`
+    # only): row segments of int4 weights (gpu/loader/gguf_q4.py). These have no entry in
+    # `weights`: no dense copy is made.
+    q4: dict[str, list[Int4Weight]] = field(default_factory=dict)
+    # The lm_head (or the tied embedding) as an int4 weight when the file stores it in such a
+    # type (`keep_q4` only). An untied one has no entry in `weights` then.
+    lm_head_q4: Int4Weight | None = None
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                progress: bool = True, keep_q4: bool = False) -> LoadedModel:
     """Read a GGUF file or an HF directory; raises ModelLoadError with a readable message.
-    `keep_q4`: also keep a GGUF's Q4_0/Q4_1 projection codes (LoadedModel.q4) and its
-    lm_head's 4-bit parts (LoadedModel.lm_head_q4)."""
-    q4: dict[str, Q4Blocks] = {}
-    lm_head_q4: list[Q4Blocks] = []
+    `keep_q4`: keep a GGUF's quantized projections and lm_head as int4 weights
+    (LoadedModel.q4, LoadedModel.lm_head_q4) instead of dequantizing them."""
+    q4: dict[str, Int4Weight] = {}
+    lm_head_q4: Int4Weight | None = None
     source = Path(path).expanduser()
     if not source.exists():
         raise ModelLoadError(f"model path {source} does not exist; expected {ACCEPTED}")
@@ -78,9 +79,22 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                              f"model directory{hint}; expected {ACCEPTED}")
     else:
         raise ModelLoadError(f"cannot load {source}: expected {ACCEPTED}")
-    weights = fuse_weights(config, unfused, source)
-    return LoadedModel(config=config, weights=weights, source=source,
-                       q4=fuse_q4_blocks(config, q4), lm_head_q4=lm_head_q4)
+    expected = _expected_shapes(config)
+    for name, w in q4.items():
+        shape = (w.shape.out_features, w.shape.in_features)
+        if expected.get(name, shape) != shape:
+            raise ModelLoadError(f"{source}: weight '{name}' has shape {shape}, but the model "
+                                 f"config implies {expected[name]}; the file and its config "
+                                 f"disagree")
+    fused_q4 = fuse_q4_weights(config, q4, unfused, dtype)
+    if lm_head_q4 is not None and not lm_head_q4.kernel_shape_ok():
+        if "lm_head" not in unfused and not config.tie_word_embeddings:
+            unfused["lm_head"] = lm_head_q4.dequantize().to(dtype)
+        lm_head_q4 = None
+    untied_head = {"lm_head"} if lm_head_q4 is not None and "lm_head" not in unfused else set()
+    weights = fuse_weights(config, unfused, source, set(fused_q4) | untied_head)
+    return LoadedModel(config=config, weights=weights, source=source, q4=fused_q4,
+                       lm_head_q4=lm_head_q4)
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -109,13 +123,25 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
 def fuse_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
-                 source: Path) -> dict[str, torch.Tensor]:
+                 source: Path, quantized: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Check every tensor's shape against the config, then fuse q/k/v and gate/up per layer.
+    `quantized`: fused projections (and an lm_head) kept as int4 weights, absent here.
 
     Tensors are popped from `unfused` as they are fused, so peak memory stays near one copy.
     """
     expected = _expected_shapes(cfg)
+    for name in quantized:
+        if name == "lm_head":
+            expected.pop(name, None)
+            continue
+        layer, fused_name = name.rsplit(".", 1)
+        for part in _FUSED[fused_name]:
+            expected.pop(f"{layer}.{part}")
     extra = sorted(set(unfused) - set(expected) - {"lm_head"})
     if extra:
         raise ModelLoadError(f"{source}: weights {extra} have no place in a {cfg.architecture} "
@@ -138,30 +164,51 @@ def fuse_weights(cfg: ModelConfig, unfused: dict[str, torch.Tensor],
         p = f"layers.{i}."
         take = lambda n: unfused.pop(p + n)  # noqa: E731
         fused[p + "input_norm"] = take("input_norm").contiguous()
-        fused[p + "qkv_proj"] = torch.cat([take("q_proj"), take("k_proj"), take("v_proj")], dim=0)
+        if p + "qkv_proj" not in quantized:
+            fused[p + "qkv_proj"] = torch.cat([take("q_proj"), take("k_proj"), take("v_proj")])
         if cfg.qkv_bias:
             fused[p + "qkv_bias"] = torch.cat([take("q_bias"), take("k_bias"), take("v_bias")])
         if cfg.qk_norm:
             fused[p + "qk_norm"] = torch.cat([take("q_norm").expand(cfg.num_heads, -1),
                                               take("k_norm").expand(cfg.num_kv_heads, -1)])
-        fused[p + "o_proj"] = take("o_proj").contiguous()
+        if p + "o_proj" not in quantized:
+            fused[p + "o_proj"] = take("o_proj").contiguous()
         fused[p + "post_attn_norm"] = take("post_attn_norm").contiguous()
         if cfg.sandwich_norms:
             fused[p + "attn_out_norm"] = take("attn_out_norm").contiguous()
             fused[p + "mlp_out_norm"] = take("mlp_out_norm").contiguous()
-        fused[p + "gate_up_proj"] = torch.cat([take("gate_proj"), take("up_proj")], dim=0)
-        fused[p + "down_proj"] = take("down_proj").contiguous()
+        if p + "gate_up_proj" not in quantized:
+            fused[p + "gate_up_proj"] = torch.cat([take("gate_proj"), take("up_proj")], dim=0)
+        if p + "down_proj" not in quantized:
+            fused[p + "down_proj"] = take("down_proj").contiguous()
     return fused
 
 
-def fuse_q4_blocks(cfg: ModelConfig, unfused: dict[str, Q4Blocks]) -> dict[str, Q4Blocks]:
-    """The fused projections (as in fuse_weights) whose every part has 4-bit codes."""
-    groups = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-              "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
-    fused: dict[str, Q4Blocks] = {}
+def fuse_q4_weights(cfg: ModelConfig, unfused_q4: dict[str, Int4Weight],
+                    unfused: dict[str, torch.Tensor], dtype: torch.dtype
+                    ) -> dict[str, list[Int4Weight]]:
+    """The fused projections (as in fuse_weights) whose every part is an int4 weight the kernel
+    can take, as row segments (parts that widen their input alike are concatenated). A part of
+    any other projection is dequantized into `unfused`, to be fused densely."""
+    fused: dict[str, list[Int4Weight]] = {}
     for i in range(cfg.num_layers):
-        for name, parts in groups.items():
-            blocks = [unfused.get(f"layers.{i}.{p}") for p in parts]
-            if all(b is not None for b in blocks):
-                fused[f"layers.{i}.{name}"] = Q4Blocks.cat(blocks)
+        for name, parts in _FUSED.items():
+            names = [f"layers.{i}.{p}" for p in parts]
+            weights = [unfused_q4.pop(n, None) for n in names]
+            segments: list[Int4Weight] = []
+            for w in weights:
+                if w is None or not w.kernel_shape_ok():
+                    segments = []
+                    break
+                if segments and segments[-1].shape.width == w.shape.width and \
+                        segments[-1].widening == w.widening:
+                    segments[-1] = Int4Weight.cat([segments[-1], w])
+                else:
+                    segments.append(w)
+            if segments:
+                fused[f"layers.{i}.{name}"] = segments
+                continue
+            for n, w in zip(names, weights):
+                if w is not None:
+                    unfused[n] = w.dequantize().to(dtype)
     return fused
