@@ -1,5 +1,6 @@
-"""The worker's settings, declared once: config.toml's [model] and [runtime] sections are these
-structs, [spec] is `SpecSettings`, and `WorkerConfig` gathers them for one worker.
+"""The worker's settings, declared once: config.toml's [model], [runtime] and [parallel]
+sections are these structs, [spec] is `SpecSettings`, and `WorkerConfig` gathers them for one
+worker.
 
 The service builds a WorkerConfig from config.toml (service/config.py), sends it to the worker
 process as msgpack (gpu/worker_main.py decodes it), and the offline `Engine` takes one too.
@@ -60,12 +61,26 @@ class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     deterministic: bool = False  # batch-invariant forwards (gpu/rowwise_linear.py)
 
 
+class ParallelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """config.toml [parallel]: worker ranks over torch.distributed (gpu/tp_ranks.py)."""
+
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks of one worker group
+    dp: Annotated[int, Meta(ge=1, le=64)] = 1  # data-parallel replicas: only 1 is built
+
+    def validate(self) -> "ParallelSettings":
+        if self.dp != 1:
+            raise ValueError(f"parallel.dp = {self.dp}: data parallelism (several worker "
+                             f"replicas) is not built yet; only parallel.dp = 1 is accepted")
+        return self
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything one worker (or the offline engine's in-process worker) is built from."""
 
     model: ModelSettings = ModelSettings()
     runtime: RuntimeSettings = RuntimeSettings()
     spec: SpecSettings = SpecSettings()
+    parallel: ParallelSettings = ParallelSettings()
     launch_ahead: LaunchAhead = "auto"
     weight_quant: Literal["none", "int8", "fp16"] = "none"  # opt-in compressed dense weights
     progress: bool = True  # a load progress bar (off in a worker process: stderr is a log)
@@ -79,10 +94,20 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("runtime.deterministic = true needs runtime.attention_backend = "
                              "\"torch\" (its batch-invariant attention is written in torch)")
         self.spec.validate()
+        tp = self.parallel.validate().tp
+        if tp > 1 and self.spec.enabled:
+            raise ValueError(f"parallel.tp = {tp} with speculative decoding "
+                             f"({self.spec.algorithm}) is not built yet: the EAGLE step does "
+                             f"not run on several ranks; set parallel.tp = 1 or spec.algorithm "
+                             f"= \"none\"")
+        if tp > 1 and self.runtime.cuda_graph_max_batch:
+            raise ValueError(f"parallel.tp = {tp} with runtime.cuda_graph_max_batch > 0 is not "
+                             f"built yet (the decode graphs hold no collectives); set it to 0")
         return self
 
 
-_SECTIONS = {"model": ModelSettings, "runtime": RuntimeSettings, "spec": SpecSettings}
+_SECTIONS = {"model": ModelSettings, "runtime": RuntimeSettings, "spec": SpecSettings,
+             "parallel": ParallelSettings}
 _TOP = {f for f in WorkerConfig.__struct_fields__ if f not in _SECTIONS}
 # Flat names for the offline engine's keyword arguments: model_path is [model] path.
 _ALIASES = {"model_path": ("model", "path")}
@@ -99,7 +124,7 @@ def _section_of(name: str) -> tuple[str, str]:
 
 
 def known_settings() -> list[str]:
-    return ([*_ALIASES] + [f for s in ("model", "runtime") for f in
+    return ([*_ALIASES] + [f for s in ("model", "runtime", "parallel") for f in
                            _SECTIONS[s].__struct_fields__ if f != "path"] + sorted(_TOP) + ["spec"])
 
 

@@ -3,8 +3,9 @@
     cfg = load_config(Path("config.toml"), {"runtime.page_size": args.page_size})
 
 `ServiceConfig` is config.toml: one msgspec Struct per section, each key with its default and
-its type, range or choices (msgspec `Meta`, `Literal`). [model], [runtime] and [spec] are the
-worker's own structs (ipc/worker_config.py, ipc/spec_settings.py), declared once there.
+its type, range or choices (msgspec `Meta`, `Literal`). [model], [runtime], [spec] and
+[parallel] are the worker's own structs (ipc/worker_config.py, ipc/spec_settings.py), declared
+once there.
 Unknown sections and keys are refused rather than ignored (a typo would otherwise silently
 leave a default in place), and every error names the file, the dotted key and what is allowed:
 
@@ -26,7 +27,8 @@ from msgspec import Meta
 
 from ipc.client_messages import MAX_MESSAGE_BYTES
 from ipc.spec_settings import SpecSettings
-from ipc.worker_config import LaunchAhead, ModelSettings, RuntimeSettings, WorkerConfig
+from ipc.worker_config import (LaunchAhead, ModelSettings, ParallelSettings, RuntimeSettings,
+                               WorkerConfig)
 
 
 class ConfigError(ValueError):
@@ -86,11 +88,12 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     runtime: RuntimeSettings = RuntimeSettings()
     scheduling: SchedulingSection = SchedulingSection()
     spec: SpecSettings = SpecSettings()
+    parallel: ParallelSettings = ParallelSettings()
     worker: WorkerSection = WorkerSection()
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(model=self.model, runtime=self.runtime, spec=self.spec,
-                            launch_ahead=self.scheduling.launch_ahead)
+                            parallel=self.parallel, launch_ahead=self.scheduling.launch_ahead)
 
 
 def overlap_on(cfg: ServiceConfig, device: str) -> bool:
@@ -112,6 +115,8 @@ def worker_cpu_threads(cfg: ServiceConfig) -> int:
     if cfg.runtime.worker_cpu_threads:
         return cfg.runtime.worker_cpu_threads
     cores = len(os.sched_getaffinity(0))
+    if cfg.parallel.tp > 1:  # tensor-parallel ranks share the cores: one team each, no overlap
+        return max(1, cores // cfg.parallel.tp)
     return cores - 1 if overlap_on(cfg, "cpu") and 3 <= cores <= 8 else 0
 
 
