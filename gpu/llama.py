@@ -20,6 +20,7 @@ stay in that form, with no dense copy, as `Q4Linear`s on torch's int4 kernel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,10 @@ Projection = Linear | Q4Linear | RowwiseLinear
 
 
 def unwrap(proj: Projection) -> Linear | Q4Linear:
-    return proj.inner if isinstance(proj, RowwiseLinear) else proj
+    """The projection under its wrappers (RowwiseLinear, tensor parallelism's layers)."""
+    while hasattr(proj, "inner"):
+        proj = proj.inner
+    return proj
 
 
 @dataclass
@@ -97,6 +101,8 @@ class LlamaModel:
             return RowwiseLinear(layer) if deterministic else layer
 
         self.embed_tokens = w("embed_tokens")
+        # The token lookup; tensor parallelism swaps in its vocabulary-parallel one.
+        self.embed = partial(F.embedding, weight=self.embed_tokens)
         if config.tie_word_embeddings:
             self.lm_head = make_linear(self.embed_tokens, weight_quant, both_layouts=True)
             if use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4):
@@ -158,7 +164,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         n = batch.num_tokens
         qk_heads = cfg.num_heads + cfg.num_kv_heads
-        h = F.embedding(batch.input_ids, self.embed_tokens)
+        h = self.embed(batch.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         rope_tables = [rope.cos_sin(batch.positions) for rope in self.ropes]

@@ -6,6 +6,7 @@ penalties and min_new_tokens ban computed from them. The sampler (gpu/sampler.py
 from __future__ import annotations
 
 import math
+import random
 import secrets
 from dataclasses import dataclass
 from typing import Sequence
@@ -75,8 +76,11 @@ class SamplingState:
 
     @torch.inference_mode(False)  # normal tensors, updatable in and out of inference mode
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device | str,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), unseeded: random.Random | None = None):
+        """`unseeded`: where a request without a seed gets one (default: the OS's entropy);
+        tensor-parallel ranks share one seeded generator, so they draw the same seeds."""
         self.num_slots = num_slots
+        self._unseeded = unseeded
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         # min_new_tokens bans these (unless ignore_eos) together with the request's stop ids.
@@ -122,7 +126,8 @@ class SamplingState:
         outputs it generated before a retraction (add_prefill_chunk)."""
         self._check_slot(slot)
         params.validate(self.vocab_size)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seed = params.seed if params.seed is not None else (
+            secrets.randbits(63) if self._unseeded is None else self._unseeded.getrandbits(63))
         greedy = params.greedy
         # Greedy rows take the argmax; their filters are dropped so they never cost a filter pass.
         top_k = params.top_k if 0 < params.top_k < self.vocab_size and not greedy else 0

@@ -3,6 +3,9 @@
     python -m gpu.worker_main --endpoint ipc:///tmp/fmserve-x/worker.sock \
         --config '{"model": {"path": "...", "dtype": "fp32"}}' [--parent-pid N] [--cleanup-dir D]
 
+With parallel.tp = N > 1 this process is rank 0 of N and starts the others with --rank R
+--world-size N --master-addr A --master-port P instead of --endpoint (gpu/tp_ranks.py).
+
 The scheduler binds the endpoint and spawns this module (service/worker_supervisor.py); the worker
 connects (PAIR: one peer, ordered, both ways; see ipc/zmq_util.py). Conversation:
 
@@ -97,18 +100,35 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
         sock.send(codec.encode(WorkerFailed(step_id, message)))
         return EXIT_FAILED
 
+    ranks = None
     try:
         from gpu.worker import Worker  # imports torch: after the parent watch is up
 
-        worker = Worker(parse_worker_config(config_json))
+        cfg = parse_worker_config(config_json)
+        if cfg.parallel.tp > 1:  # rank 0 of a tensor-parallel group: start the others
+            from gpu.tp_ranks import RankDied, RelaySocket, start_ranks
+
+            ranks = start_ranks(cfg, config_json)
+        worker = Worker(cfg)
         info = worker.info()
     except Exception as exc:
-        return fail(None, describe_exception(exc))
+        code = fail(None, describe_exception(exc))
+        if ranks is not None:
+            ranks.stop(grace_s=1.0)  # the others fail alike, or wait in a collective
+        return code
     sock.send(codec.encode(WorkerReady(info)))
+    tp = f", {ranks.size} tensor-parallel ranks" if ranks is not None else ""
     print(f"fmserve worker {os.getpid()}: ready ({info.model_name}, {info.device}, "
-          f"{info.dtype}, {info.attention_backend}{worker.fast_paths()})", file=sys.stderr, flush=True)
-
-    return answer_plans(sock, codec, worker, fail)
+          f"{info.dtype}, {info.attention_backend}{worker.fast_paths()}{tp})", file=sys.stderr,
+          flush=True)
+    if ranks is None:
+        return answer_plans(sock, codec, worker, fail)
+    try:  # every message also reaches the other ranks
+        return answer_plans(RelaySocket(sock, ranks), codec, worker, fail)
+    except RankDied as exc:
+        return fail(None, f"the tensor-parallel group is down: {exc}", exc)
+    finally:
+        ranks.stop()
 
 
 def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, worker, fail) -> int:
@@ -173,16 +193,30 @@ def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, worker, fail) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu.worker_main",
                                      description="fmserve worker process (spawned by the service)")
-    parser.add_argument("--endpoint", required=True, help="ZMQ endpoint the scheduler bound")
+    parser.add_argument("--endpoint", default=None,
+                        help="ZMQ endpoint the scheduler bound (rank 0, the default)")
     parser.add_argument("--config", required=True, help="a WorkerConfig as JSON")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (default: the parent at start)")
     parser.add_argument("--cleanup-dir", default=None,
                         help="directory to remove when exiting because the parent is gone")
+    # A tensor-parallel rank other than 0 (rank 0 starts them: gpu/tp_ranks.py); the names
+    # are torchrun's.
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--master-addr", default=None)
+    parser.add_argument("--master-port", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.rank == 0 and args.endpoint is None:
+        parser.error("--endpoint is required (rank 0 talks to the service)")
 
     parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
     watch_parent(parent_pid, args.cleanup_dir)
+    if args.rank > 0:
+        from gpu.tp_ranks import follow_plans
+
+        return follow_plans(parse_worker_config(args.config), args.rank, args.world_size,
+                            args.master_addr, args.master_port)
     ctx = zmq.Context()
     sock = configure_socket(ctx.socket(zmq.PAIR))
     try:

@@ -13,6 +13,7 @@ and EAGLE's relay of its draft state are the step classes' own.
 from __future__ import annotations
 
 import contextlib
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from gpu.sampler import Sampler
 from gpu.sampling_state import SamplingState
 from gpu.step_streams import StepStreams
 from gpu.sync_guard import no_host_sync, sync_check_from_env
+from gpu.tensor_parallel import TensorShard
 from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, ExtendEntry, StepPlan, WorkerInfo,
                                  unpack_i32)
@@ -57,22 +59,32 @@ class WorkerState:
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         if self.device.type == "cpu" and rt.worker_cpu_threads > 0:
             torch.set_num_threads(rt.worker_cpu_threads)
+        # Tensor parallelism (parallel.tp > 1): this rank's part of the model, over the group
+        # gpu/tp_ranks.py started; None on one rank.
+        self.shard = TensorShard.join(cfg.parallel.tp, self.device) if cfg.parallel.tp > 1 else None
+        if self.shard is not None and self.device.type == "cuda":  # one GPU per rank
+            self.device = torch.device("cuda", self.shard.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         keep_q4 = cfg.weight_quant == "none" and q4_applies(self.device, self.dtype,
                                                              rt.q4_max_tokens)
         loaded = load_model(cfg.model.path, dtype=self.dtype, progress=cfg.progress,
                             keep_q4=keep_q4)
         self.model_config = mc = loaded.config
         self.model_name = Path(cfg.model.path).name
-        self.model = LlamaModel(mc, loaded.weights, self.device, self.dtype,
+        # The rank's heads and MLP slice (the whole model on one rank); vocab_size is the model's.
+        local = self.shard.shard_weights(loaded) if self.shard is not None else mc
+        self.model = LlamaModel(local, loaded.weights, self.device, self.dtype,
                                 weight_quant=cfg.weight_quant, q4=loaded.q4,
                                 q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4,
                                 deterministic=rt.deterministic)
+        if self.shard is not None:
+            self.shard.parallelize(self.model)
         del loaded
         self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
         self.page_size = rt.page_size
         self.num_slots = rt.max_running_requests + 1  # slot 0 is padding
         num_pages = -(-rt.max_kv_tokens // rt.page_size) + 1  # page 0 is padding
-        self.kv_pool = KVPool(mc.num_layers, num_pages, rt.page_size, mc.num_kv_heads,
+        self.kv_pool = KVPool(mc.num_layers, num_pages, rt.page_size, local.num_kv_heads,
                               mc.head_dim, self.dtype, self.device)
         # Under speculation a request near the context limit still drafts and verifies a few
         # positions past it (the scheduler discards those tokens): its row has room for them.
@@ -88,11 +100,13 @@ class WorkerState:
                              f"a sliding-window model ({mc.architecture}, window "
                              f"{mc.sliding_window}); turn speculation off")
         self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
-                                           mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                           local.num_heads, local.num_kv_heads, mc.head_dim,
                                            mc.sliding_window, deterministic=rt.deterministic,
                                            scale=mc.attn_scale, window_layers=mc.window_layers)
+        unseeded = (None if self.shard is None
+                    else random.Random(self.shard.shared_seed(self.device)))
         self.sampling_state = SamplingState(self.num_slots, mc.vocab_size, self.device,
-                                            eos_token_ids=mc.eos_token_ids)
+                                            eos_token_ids=mc.eos_token_ids, unseeded=unseeded)
         self.sampler = Sampler(self.sampling_state)
         # The env variables turn the debug checks on in workers the tests start.
         self.future_map = FutureMap(self.num_slots, self.device, rt.wrwr_check or None)
