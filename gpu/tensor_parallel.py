@@ -33,6 +33,7 @@ from gpu.int4_split import input_columns, output_rows
 from gpu.loader.gguf_q4 import Int4Weight
 from gpu.model_config import ModelConfig
 from gpu.parallel_layers import RowParallel, VocabParallelEmbedding, VocabParallelHead
+from gpu.sync_guard import expected_sync
 
 
 def even_part(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -87,6 +88,20 @@ class TensorShard:
         seed = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], device=device)
         dist.broadcast(seed, 0, group=self.group)
         return int(seed.item())
+
+    def check_same_tokens(self, tokens: torch.Tensor) -> None:
+        """Debug (the WRWR check's companion): every rank sampled the same tokens, so their
+        FutureMaps stay identical. One all-gather of the step's tokens."""
+        parts = [torch.empty_like(tokens) for _ in range(self.size)]
+        dist.all_gather(parts, tokens.contiguous(), group=self.group)
+        same = (torch.stack(parts) == tokens).all()
+        if tokens.device.type != "cpu":
+            torch._assert_async(same, "tensor-parallel ranks sampled different tokens")
+            return
+        with expected_sync():
+            if not bool(same):
+                raise RuntimeError(f"tensor-parallel ranks sampled different tokens: "
+                                   f"{[p.tolist() for p in parts]}")
 
     # -- cutting the weights -------------------------------------------------------------------
 

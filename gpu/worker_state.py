@@ -61,7 +61,8 @@ class WorkerState:
             torch.set_num_threads(rt.worker_cpu_threads)
         # Tensor parallelism (parallel.tp > 1): this rank's part of the model, over the group
         # gpu/tp_ranks.py started; None on one rank.
-        self.shard = TensorShard.join(cfg.parallel.tp, self.device) if cfg.parallel.tp > 1 else None
+        self.shard = (TensorShard.join(cfg.parallel.tp, self.device) if cfg.parallel.tp > 1
+                      else None)
         if self.shard is not None and self.device.type == "cuda":  # one GPU per rank
             self.device = torch.device("cuda", self.shard.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
@@ -157,6 +158,8 @@ class WorkerState:
         weighted by whether each was accepted)."""
         if seq_lens is not None:
             self.future_map.publish(slots, seq_lens)
+        if self.shard is not None and self.future_map.wrwr_check:
+            self.shard.check_same_tokens(next_tokens)
         self.future_map.stash(slots, next_tokens)
         if emitted is None:
             self.sampling_state.record_outputs(slots, next_tokens)
