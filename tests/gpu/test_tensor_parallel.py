@@ -113,3 +113,12 @@ def test_two_ranks_keep_the_k_quants_as_int4(tmp_path):
         assert r["q4_projections"] == 8
         scale = one["logits"].abs().max().item()
         torch.testing.assert_close(r["logits"], one["logits"], rtol=0, atol=0.03 * scale)
+
+
+def test_one_process_with_tp_above_one_says_where_ranks_come_from(tiny_llama):
+    from gpu.worker import Worker
+    from ipc.worker_config import worker_config
+
+    with pytest.raises(ValueError, match=r"parallel.tp = 2 needs 2 ranks.*fmserve serve --tp 2"
+                                         r".*offline engine"):
+        Worker(worker_config(model_path=str(tiny_llama), tp=2, progress=False))
