@@ -70,11 +70,18 @@ class RankGroup:
         dist.broadcast(buf, 0, group=self.relay_group)
         return data if self.rank == 0 else buf.numpy().tobytes()
 
-    def dead_follower(self) -> str | None:
-        for r, proc in enumerate(self.followers, start=1):
-            if proc.poll() is not None:
-                return f"tensor-parallel rank {r} (pid {proc.pid}) exited with code {proc.returncode}"
-        return None
+    def dead_follower(self, wait_s: float = 0.0) -> str | None:
+        """Which rank exited, if one did; `wait_s`: look again for that long (a killed rank's
+        sockets close, failing our collective, a moment before its exit can be seen)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, proc in enumerate(self.followers, start=1):
+                if proc.poll() is not None:
+                    return (f"tensor-parallel rank {r} (pid {proc.pid}) exited with code "
+                            f"{proc.returncode}")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Rank 0, leaving: wait for the ranks (they exit on the Shutdown they were sent, or as
@@ -141,7 +148,7 @@ class RelaySocket:
         try:
             self.ranks.broadcast(data)
         except Exception as exc:  # a peer gone mid-broadcast
-            raise RankDied(self.ranks.dead_follower() or f"relaying a plan to the "
+            raise RankDied(self.ranks.dead_follower(wait_s=0.5) or f"relaying a plan to the "
                            f"tensor-parallel ranks failed: {exc}") from exc
 
     def __getattr__(self, name):  # poll, send, setsockopt: the socket's own

@@ -89,8 +89,13 @@ def describe_exception(exc: BaseException) -> str:
 def serve(sock: zmq.Socket, config_json: str) -> int:
     """Load, announce, then answer plans until Shutdown. Returns the exit code."""
     codec = WorkerSideCodec()
+    ranks = None
 
     def fail(step_id: int | None, message: str, exc: BaseException | None = None) -> int:
+        # A collective that failed mid-step says only "connection reset": name the dead rank.
+        dead = ranks.dead_follower(wait_s=0.5) if ranks is not None else None
+        if dead is not None and dead not in message:
+            message = f"the tensor-parallel group is down: {dead}; {message}"
         if exc is not None:  # the full traceback goes to the log file
             traceback.print_exception(exc)
         else:
@@ -100,7 +105,6 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
         sock.send(codec.encode(WorkerFailed(step_id, message)))
         return EXIT_FAILED
 
-    ranks = None
     try:
         from gpu.worker import Worker  # imports torch: after the parent watch is up
 

@@ -130,6 +130,8 @@ def test_a_rank_that_dies_takes_the_group_down_and_the_service_restarts_it(tp_mo
                 time.sleep(0.05)
             assert client.complete(token_ids=PROMPTS[1], params=GREEDY).token_ids == got
             assert_idle(client)
+        # The mid-request death, however rank 0 met it (a failed collective in the forward,
+        # or the relay of the next plan), names the rank.
         assert "the tensor-parallel group is down: tensor-parallel rank 1" in svc.log_text()
     finally:
         svc.stop()
