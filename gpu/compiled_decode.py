@@ -81,6 +81,17 @@ def compile_applies(mode: str, device: torch.device, dtype: torch.dtype, attenti
     return why_not is None
 
 
+def _use_fmserve_cache_dir() -> None:
+    """Point inductor's caches at the fmserve cache dir unless TORCHINDUCTOR_CACHE_DIR names
+    another: torch writes its own default into the variable the first time it looks (triton
+    does too), so that default counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+
+
 @contextlib.contextmanager
 def _without_function_modes() -> Iterator[None]:
     """Set aside the TorchFunctionModes (the sync check's): dynamo guards on the mode stack, so
@@ -120,7 +131,7 @@ class CompiledDecode:
                              f"(got {type(attn).__name__})")
         import torch._inductor.config as inductor_config
 
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+        _use_fmserve_cache_dir()
         inductor_config.emulate_precision_casts = True  # bf16 rounds where eager rounds
         self.model, self.attn = model, attn
         self.sizes = bucket_sizes(min(max_batch, COMPILE_MAX_BATCH))

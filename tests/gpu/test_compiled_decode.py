@@ -76,7 +76,9 @@ def tiny_compiled(tiny_llama, tmp_path_factory):
     cache = tmp_path_factory.mktemp("fmserve-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FMSERVE_CACHE", str(cache))
-        mp.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        # torch's own default counts as unset (torch writes it into the variable itself)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
         engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile="on",
                         max_kv_tokens=1024, max_running_requests=4, progress=False)
         yield engine, cache
