@@ -17,10 +17,11 @@ How it works:
 - bucket 1 (one stream, where the per-op cost is largest) compiles at start-up; any other
   bucket the first time a batch needs it, in that step. A bucket costs ~45 s cold on 2 cores
   and ~7 s warm, so compiling them all at start would hold the service back for minutes.
-  Not in a background thread: its Python holds the GIL, and the eager steps meanwhile ran
-  10x slower (each GIL hand-back waits a switch interval);
+  Not in a background thread: its Python holds the GIL, and in a trial on 2 shared cores the
+  eager steps meanwhile ran ~10x slower (each GIL hand-back waits a switch interval);
 - inductor's on-disk caches (FX graph and AOT autograd) go under the fmserve cache dir
-  (ipc/cache_dirs.py) unless TORCHINDUCTOR_CACHE_DIR is set, so a restart compiles warm;
+  (ipc/cache_dirs.py) unless TORCHINDUCTOR_CACHE_DIR names another directory than torch's
+  default, so a restart compiles warm;
 - bf16 is compiled with inductor's `emulate_precision_casts`: fused kernels round where eager
   rounds, so greedy tokens stay those of the eager step.
 
