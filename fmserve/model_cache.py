@@ -3,10 +3,9 @@ default model, fmserve/default_model.py, and the named ones such as fmserve/gemm
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from ipc.cache_dirs import ENV_CACHE, model_cache_dir  # one rule, the worker's too
 
-ENV_CACHE = "FMSERVE_CACHE"
+__all__ = ["ENV_CACHE", "ModelFetchError", "ModelPathError", "model_cache_dir"]
 
 
 class ModelFetchError(RuntimeError):
@@ -15,11 +14,3 @@ class ModelFetchError(RuntimeError):
 
 class ModelPathError(ValueError):
     """A --model argument names nothing we can load."""
-
-
-def model_cache_dir() -> Path:
-    """Directory fetched models are kept in: $FMSERVE_CACHE, else ~/.cache/fmserve/models."""
-    if env := os.environ.get(ENV_CACHE):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "fmserve" / "models"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu.compiled_decode import CompiledDecode, compile_applies, compile_mode
 from gpu.decode_graphs import DecodeGraphs
 from gpu.device import host_to_device
 from gpu.forward_batch import ForwardBatch, ForwardMode
@@ -38,6 +39,25 @@ class PlainStep:
                     f"capturing CUDA graphs for decode batches up to "
                     f"{self.decode_graphs.max_batch} failed ({type(exc).__name__}: {exc}); set "
                     f"runtime.cuda_graph_max_batch = 0 to run without them") from exc
+        self.compiled_decode = self.make_compiled_decode()
+
+    def make_compiled_decode(self) -> CompiledDecode | None:
+        """The compiled decoder where runtime.compile says so (gpu/compiled_decode.py), its
+        batch-1 bucket compiled now; None where decode steps run eagerly."""
+        st, rt = self.state, self.state.cfg.runtime
+        mode = compile_mode(rt.compile)
+        if not compile_applies(mode, st.device, st.dtype, rt.attention_backend,
+                               rt.deterministic, st.model_config.sliding_window is not None,
+                               st.cfg.parallel.tp):
+            return None
+        # "auto" compiles one stream's step only: a cold bucket compiles inside the first step
+        # that needs it (~45 s on 2 cores, every stream waiting), and batches gain least.
+        compiled = CompiledDecode(st.model, st.attn, st.num_slots - 1 if mode == "on" else 1)
+        compiled.compile_now(1)
+        if mode == "on" and 1 in compiled.failed:
+            raise RuntimeError(f"runtime.compile = \"on\": compiling the decode step failed "
+                               f"({compiled.failed[1]}); set it to \"auto\" or \"off\"")
+        return compiled
 
     def make_decode_graphs(self, max_batch: int) -> DecodeGraphs:
         """Decode graphs for this model and attention backend, not captured yet (the CPU tests
@@ -73,6 +93,8 @@ class PlainStep:
         st.future_map.publish(batch.slots, batch.seq_lens)  # see the module docstring
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
+        if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
+            return self.compiled_decode.run(batch)
         st.attn.init_forward_metadata(batch)
         hidden, _ = st.model.hidden_states(batch, st.attn)
         return hidden

@@ -114,4 +114,8 @@ class Worker:
             note += f", CUDA graphs for decode batches up to {graphs.max_batch}"
         elif cfg.runtime.cuda_graph_max_batch:
             note += ", no CUDA graphs (they need a CUDA device and no speculative decoding)"
+        compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
+        if compiled is not None:
+            note += (f", decode compiled for batches up to {compiled.max_batch} (batch 1 in "
+                     f"{compiled.compile_s.get(1, 0.0):.1f} s)")
         return note

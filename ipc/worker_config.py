@@ -30,6 +30,10 @@ ATTENTION_BACKENDS = ("torch", "triton")
 #   auto:    "on" on GPUs (launching is asynchronous there), "off" on a CPU (there launching
 #            *is* computing, so finishing first sends the result sooner)
 LaunchAhead = Literal["off", "prepare", "on", "auto"]
+# The decode step under torch.compile (gpu/compiled_decode.py): "auto" compiles where it pays
+# (a bf16 or fp32 model on the CPU with the torch attention backend), "on" insists (refused
+# where it cannot apply), "off" never.
+CompileMode = Literal["auto", "on", "off"]
 
 DEFAULT_Q4_MAX_TOKENS = 12
 
@@ -59,6 +63,7 @@ class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     q4_max_tokens: Annotated[int, Meta(ge=0, le=4096)] = DEFAULT_Q4_MAX_TOKENS  # 0: never
     cuda_graph_max_batch: Annotated[int, Meta(ge=0, le=4096)] = 0  # 0: never
     deterministic: bool = False  # batch-invariant forwards (gpu/rowwise_linear.py)
+    compile: CompileMode = "auto"  # FMSERVE_COMPILE decides what "auto" means when set
 
 
 class ParallelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -15,6 +15,9 @@ os.environ.setdefault("FMSERVE_WRWR_CHECK", "1")
 # So is the host-sync check on every launch (gpu/sync_guard.py): every step any test runs, in
 # process or in a worker, is checked to wait for nothing on a GPU.
 os.environ.setdefault("FMSERVE_SYNC_CHECK", "1")
+# runtime.compile = "auto" means off under test: compiling the decode step costs seconds to a
+# minute per model. tests/gpu/test_compiled_decode.py asks for it with compile="on".
+os.environ.setdefault("FMSERVE_COMPILE", "off")
 
 
 @pytest.fixture(scope="session")

@@ -87,15 +87,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode_group(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                       window: int | None) -> _Group:
+        return self.decode_group_of(*self.decode_inputs(slots, seq_lens, max_len, window))
+
+    def decode_inputs(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                      window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode group's metadata as tensors: key locations [n, max_len] and the additive
+        mask [n, 1, max_len] (0 inside the sequence or window, -inf past it). The compiled
+        decode step (gpu/compiled_decode.py) takes them as graph inputs."""
         key_pos = torch.arange(max_len, device=seq_lens.device)[None, :]
         in_seq = key_pos < seq_lens[:, None]
         if window is not None:
             in_seq &= key_pos >= seq_lens[:, None] - window
         bias = torch.zeros(in_seq.shape, dtype=torch.float32, device=seq_lens.device
                            ).masked_fill_(~in_seq, float("-inf"))[:, None, :]
+        return self.req_to_token.req_to_token[slots, :max_len].long(), bias
+
+    @staticmethod
+    def decode_group_of(key_locs: torch.Tensor, bias: torch.Tensor) -> _Group:
+        n, max_len = key_locs.shape
         # Flat, so each layer gathers with index_select (4-5x faster than advanced indexing).
-        locs = self.req_to_token.req_to_token[slots, :max_len].reshape(-1).long()
-        return _Group(int(slots.shape[0]), max_len, locs, in_seq[:, None, None, :], bias)
+        return _Group(n, max_len, key_locs.reshape(-1), torch.isfinite(bias)[:, :, None, :],
+                      bias)
 
     def _extend_group(self, batch: ForwardBatch, ext_host: np.ndarray, starts_host: np.ndarray,
                       rows: np.ndarray | None, window: int | None) -> _Group:
@@ -162,14 +174,14 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
         groups = self._groups_by_window[self.layer_window(layer_id)]
         if len(groups) == 1:
-            return self._attend(q, layer_id, groups[0])
+            return self.attend(q, layer_id, groups[0])
         out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)
         for group in groups:
-            out.index_copy_(0, group.tokens, self._attend(q.index_select(0, group.tokens),
+            out.index_copy_(0, group.tokens, self.attend(q.index_select(0, group.tokens),
                                                           layer_id, group))
         return out
 
-    def _attend(self, q: torch.Tensor, layer_id: int, group: _Group) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, group: _Group) -> torch.Tensor:
         """q: the group's token rows [tokens, H, D]; returns its output in the same order."""
         n, max_len = group.size, group.max_len
         # [n, L, kv_heads, D]

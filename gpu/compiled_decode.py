@@ -1,0 +1,218 @@
+"""The decoder compiled with torch.compile (inductor's C++ backend) for decode batches on the CPU.
+
+A CPU decode step of a small model spends more time dispatching ops one by one from Python
+(norms, rope, activations, residual adds, attention bookkeeping) than in its matmuls. Inductor
+fuses the pointwise ops into C++ loops and calls the matmuls (MKL, oneDNN, the int4 kernel of
+gpu/q4_linear.py) as extern kernels, so the decoder is one call of generated code.
+
+How it works:
+- the compiled function is the model's own `hidden_states` over a decode batch, with the torch
+  attention backend's decode attention (the KV write included) traced into the same graph;
+  its inputs are the batch's tensors and the attention's metadata (key locations, additive
+  mask), so nothing it reads changes identity between steps;
+- batch sizes are bucketed like the CUDA graphs' (gpu/decode_graphs.py: 1, 2, 4, 8, 16, 32,
+  48, 64): a batch of ``bs`` runs the smallest bucket >= bs with padding rows (slot 0,
+  position 0, length 1, KV location 0 in the padding page); each bucket is its own graph with
+  static shapes except the keys per request, marked dynamic, so one graph serves every length;
+- bucket 1 (one stream, where the per-op cost is largest) compiles at start-up; under
+  runtime.compile = "on" any other bucket the first time a batch needs it, in that step
+  ("auto" stops at bucket 1: a cold bucket's compile holds every stream). A bucket costs ~45 s cold on 2 cores
+  and ~7 s warm, so compiling them all at start would hold the service back for minutes.
+  Not in a background thread: its Python holds the GIL, and in a trial on 2 shared cores the
+  eager steps meanwhile ran ~10x slower (each GIL hand-back waits a switch interval);
+- inductor's on-disk caches (FX graph and AOT autograd) go under the fmserve cache dir
+  (ipc/cache_dirs.py) unless TORCHINDUCTOR_CACHE_DIR names another directory than torch's
+  default, so a restart compiles warm;
+- bf16 is compiled with inductor's `emulate_precision_casts`: fused kernels round where eager
+  rounds, so greedy tokens stay those of the eager step.
+
+Prefill and mixed steps, EAGLE steps and batches above the largest bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import os
+import time
+from typing import Iterator
+
+import torch
+
+from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.decode_graphs import bucket_sizes
+from gpu.forward_batch import ForwardBatch, ForwardMode
+from ipc.cache_dirs import compile_cache_dir
+
+log = logging.getLogger(__name__)
+
+# Above this many rows a step's matmuls dwarf the per-op overhead: larger batches run eagerly.
+COMPILE_MAX_BATCH = 64
+ENV_COMPILE = "FMSERVE_COMPILE"  # overrides runtime.compile = "auto" (the test suite: "off")
+
+
+def compile_mode(configured: str) -> str:
+    """runtime.compile, with $FMSERVE_COMPILE deciding what "auto" means when it is set."""
+    env = os.environ.get(ENV_COMPILE, "").strip().lower()
+    if configured == "auto" and env in ("auto", "on", "off"):
+        return env
+    return configured
+
+
+def compile_applies(mode: str, device: torch.device, dtype: torch.dtype, attention_backend: str,
+                    deterministic: bool, windowed: bool = False, tp: int = 1) -> bool:
+    """Whether plain decode steps run compiled. "auto": a CPU model in bf16 or fp32 with the
+    torch attention backend (on CUDA decode CUDA graphs are the tool). "on" where "auto" would
+    not is refused, saying why."""
+    if mode == "off":
+        return False
+    why_not = None
+    if device.type != "cpu":
+        why_not = (f"it compiles for the CPU only (the device is {device.type}; decode there "
+                   f"replays CUDA graphs, runtime.cuda_graph_max_batch)")
+    elif dtype not in (torch.bfloat16, torch.float32):
+        why_not = f"it compiles bf16 and fp32 models only (the model is {dtype})"
+    elif attention_backend != "torch":
+        why_not = f"it traces the torch attention backend (the backend is {attention_backend})"
+    elif deterministic:
+        why_not = "runtime.deterministic's row-at-a-time forwards run eagerly"
+    elif windowed:  # the graph takes one mask for every layer
+        why_not = "the model's sliding-window layers run eagerly"
+    elif tp > 1:  # all-reduces inside the graph are not traced
+        why_not = f"tensor-parallel ranks (parallel.tp = {tp}) run eagerly"
+    if why_not and mode == "on":
+        raise ValueError(f"runtime.compile = \"on\" cannot apply: {why_not}; set it to "
+                         f"\"auto\" or \"off\"")
+    return why_not is None
+
+
+def _use_fmserve_cache_dir() -> None:
+    """Point inductor's caches at the fmserve cache dir unless TORCHINDUCTOR_CACHE_DIR names
+    another: torch writes its own default into the variable the first time it looks (triton
+    does too), so that default counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+
+
+@contextlib.contextmanager
+def _without_function_modes() -> Iterator[None]:
+    """Set aside the TorchFunctionModes (the sync check's): dynamo guards on the mode stack, so
+    a graph compiled without them would be recompiled under them; the compiled graph itself
+    is traced code that reads nothing to the host."""
+    popped = []
+    while torch._C._len_torch_function_stack():
+        popped.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+class _DecodeAttention:
+    """The torch backend's decode attention with its metadata given as traced tensors (the
+    backend keeps per-forward metadata in attributes, which a compiled graph cannot take)."""
+
+    def __init__(self, backend: TorchAttentionBackend, key_locs: torch.Tensor,
+                 bias: torch.Tensor) -> None:
+        self.backend = backend
+        self.group = backend.decode_group_of(key_locs, bias)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        self.backend.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        return self.backend.attend(q, layer_id, self.group)
+
+
+class CompiledDecode:
+    """The decoder compiled per bucket of decode batch sizes up to ``max_batch``."""
+
+    def __init__(self, model, attn: TorchAttentionBackend, max_batch: int) -> None:
+        if not isinstance(attn, TorchAttentionBackend):
+            raise ValueError(f"the compiled decode step traces the torch attention backend "
+                             f"(got {type(attn).__name__})")
+        import torch._inductor.config as inductor_config
+
+        _use_fmserve_cache_dir()
+        inductor_config.emulate_precision_casts = True  # bf16 rounds where eager rounds
+        self.model, self.attn = model, attn
+        self.sizes = bucket_sizes(min(max_batch, COMPILE_MAX_BATCH))
+        self.max_batch = self.sizes[-1]
+        # dynamo keeps one graph per bucket under one function (the shapes are its guards)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   2 * len(self.sizes))
+        self._compiled = torch.compile(self._forward, backend="inductor", dynamic=False,
+                                       fullgraph=True)
+        self.ready: set[int] = set()  # buckets compiled
+        self.failed: dict[int, str] = {}  # bucket -> why its compile failed (it runs eagerly)
+        self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took
+        self.runs = 0  # decode steps that ran compiled (tests and benchmarks read it)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 out_cache_loc: torch.Tensor, key_locs: torch.Tensor,
+                 bias: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones_like(slots)
+        batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions,
+                             slots=slots, seq_lens=positions + 1, prefix_lens=positions,
+                             extend_lens=ones, out_cache_loc=out_cache_loc)
+        hidden, _ = self.model.hidden_states(batch, _DecodeAttention(self.attn, key_locs, bias))
+        return hidden
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              locs: torch.Tensor, max_len: int) -> torch.Tensor:
+        key_locs, bias = self.attn.decode_inputs(slots, positions + 1, max_len)
+        # Keys per request change every step: dynamic (>= 2: a decode follows a prefill).
+        torch._dynamo.mark_dynamic(key_locs, 1)
+        torch._dynamo.mark_dynamic(bias, 2)
+        with _without_function_modes():
+            return self._compiled(ids, positions, slots, locs, key_locs, bias)
+
+    def bucket(self, bs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, bs)]
+
+    @torch.inference_mode()
+    def compile_now(self, size: int) -> None:
+        """Compile one bucket here and now: a forward of padding rows only (they write only
+        the padding page)."""
+        if size in self.ready or size in self.failed:
+            return
+        start = time.perf_counter()
+        zeros = torch.zeros(size, dtype=torch.int64, device=self.model.device)
+        try:
+            self._call(zeros, zeros + 1, zeros, zeros, 2)
+        except Exception as exc:  # the bucket runs eagerly; the log says why
+            self.failed[size] = f"{type(exc).__name__}: {exc}"
+            log.warning("compiling the decode step for batch %d failed (%s); it runs eagerly",
+                        size, self.failed[size])
+            return
+        self.compile_s[size] = time.perf_counter() - start
+        self.ready.add(size)
+        log.info("decode step for batch %d compiled in %.1f s", size, self.compile_s[size])
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A decode batch within the buckets whose compile did not fail; the first batch of a
+        bucket compiles it (the step waits: ~7 s warm, ~45 s cold on 2 cores)."""
+        if batch.mode != ForwardMode.DECODE or not 0 < batch.batch_size <= self.max_batch:
+            return False
+        size = self.bucket(batch.batch_size)
+        if size not in self.ready:
+            self.compile_now(size)
+        return size in self.ready
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The decoder over a decode batch, compiled: final hidden states [bs, H]."""
+        bs = batch.batch_size
+        size = self.bucket(bs)
+        ids, positions, slots, locs = (batch.input_ids, batch.positions, batch.slots,
+                                       batch.out_cache_loc)
+        if size > bs:  # padding rows: slot 0, position 0 (length 1), KV location 0
+            pad = torch.zeros(size - bs, dtype=ids.dtype, device=ids.device)
+            ids, positions, slots, locs = (torch.cat([t, pad]) for t in
+                                           (ids, positions, slots, locs))
+        hidden = self._call(ids, positions, slots, locs, max(batch.max_seq_len, 2))
+        self.runs += 1
+        return hidden[:bs]

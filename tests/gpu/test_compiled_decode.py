@@ -1,0 +1,125 @@
+"""The compiled decode step (gpu/compiled_decode.py): where it applies, that it gives the eager
+step's greedy tokens (fp32) through padded buckets and the real model, that inductor writes
+its cache under the fmserve cache dir, and that runtime.compile = "off" runs eagerly.
+
+The only module of the suite that compiles (tests/conftest.py sets FMSERVE_COMPILE=off, so
+"auto" is off elsewhere). Compiling costs seconds a bucket for conftest's 2-layer tiny_llama
+and ~45 s cold on 2 cores for the default model, which the real-model test compiles into the
+ordinary cache dir so that a rerun is warm (~7 s)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fmserve.bench import DEV_PROMPTS
+from fmserve.engine import Engine
+from fmserve.jsonl import read_prompts
+from gpu.compiled_decode import ENV_COMPILE, compile_applies, compile_mode
+from ipc.cache_dirs import compile_cache_dir
+from ipc.sampling import SamplingParams
+from tests.engine_runs import assert_accounting_empty
+
+CPU = torch.device("cpu")
+# Budgets differ, so one batch shrinks 4, 3, 2, 1: buckets 4, 4 (one padding row), 2 and 1.
+PROMPTS = [[1, 7, 9, 30], [1, 40, 2, 11, 12, 60, 61], [1, 5], [1, 88, 17, 17, 3, 4, 50]]
+
+
+def test_compile_applies_to_cpu_bf16_and_fp32_with_the_torch_backend():
+    assert compile_applies("auto", CPU, torch.bfloat16, "torch", False)
+    assert compile_applies("auto", CPU, torch.float32, "torch", False)
+    # one mask for every layer, and no all-reduce traced: eager for these
+    assert not compile_applies("auto", CPU, torch.float32, "torch", False, windowed=True)
+    assert not compile_applies("auto", CPU, torch.float32, "torch", False, tp=2)
+    assert not compile_applies("off", CPU, torch.float32, "torch", False)
+    for device, dtype, backend, det in [(torch.device("cuda"), torch.bfloat16, "torch", False),
+                                        (CPU, torch.float16, "torch", False),
+                                        (CPU, torch.float32, "triton", False),
+                                        (CPU, torch.float32, "torch", True)]:
+        assert not compile_applies("auto", device, dtype, backend, det)
+        with pytest.raises(ValueError, match="cannot apply"):
+            compile_applies("on", device, dtype, backend, det)
+
+
+def test_the_environment_decides_what_auto_means(monkeypatch):
+    monkeypatch.setenv(ENV_COMPILE, "off")
+    assert (compile_mode("auto"), compile_mode("on"), compile_mode("off")) == ("off", "on", "off")
+    monkeypatch.setenv(ENV_COMPILE, "on")
+    assert compile_mode("auto") == "on"
+    monkeypatch.delenv(ENV_COMPILE)
+    assert compile_mode("auto") == "auto"
+
+
+def test_the_compile_cache_is_under_the_fmserve_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FMSERVE_CACHE", str(tmp_path / "models"))
+    assert compile_cache_dir() == tmp_path / "models" / "inductor"
+
+
+def test_compile_off_and_auto_under_test_run_eagerly(tiny_llama):
+    for mode in ("off", "auto"):  # "auto" is off here: FMSERVE_COMPILE=off (conftest)
+        engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile=mode,
+                        max_kv_tokens=256, max_running_requests=2, progress=False)
+        assert engine.worker.step.compiled_decode is None
+
+
+def greedy(engine: Engine, prompts, max_new_tokens, overlap: bool = False) -> list[list[int]]:
+    engine.overlap = overlap
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+              for n in max_new_tokens]
+    out = [c.token_ids for c in engine.generate(prompts, params)]
+    assert_accounting_empty(engine)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_compiled(tiny_llama, tmp_path_factory):
+    """An engine compiling into a fresh fmserve cache dir (and no TORCHINDUCTOR_CACHE_DIR)."""
+    cache = tmp_path_factory.mktemp("fmserve-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FMSERVE_CACHE", str(cache))
+        # torch's own default counts as unset (torch writes it into the variable itself)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+        engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile="on",
+                        max_kv_tokens=1024, max_running_requests=4, progress=False)
+        yield engine, cache
+
+
+def test_padded_buckets_give_the_eager_tokens_and_fill_the_cache(tiny_compiled):
+    engine, cache = tiny_compiled
+    step = engine.worker.step
+    compiled = step.compiled_decode
+    assert compiled is not None and compiled.sizes == [1, 2, 4]
+    assert compiled.ready == {1} and not compiled.failed  # bucket 1 at start-up
+    budgets = [2 + 3 * i for i in range(len(PROMPTS))]
+    step.compiled_decode = None
+    eager = greedy(engine, PROMPTS, budgets)
+    assert len({tuple(t) for t in eager}) > 1  # the prompts lead to different outputs
+    step.compiled_decode = compiled
+    assert greedy(engine, PROMPTS, budgets) == eager
+    assert compiled.ready == {1, 2, 4} and not compiled.failed
+    runs = compiled.runs
+    assert runs >= sum(budgets) // 4  # most decode steps ran compiled
+    assert greedy(engine, PROMPTS, budgets, overlap=True) == eager
+    assert compiled.runs >= 2 * runs
+    # inductor's caches (FX graphs, AOT autograd) went under the fmserve cache dir
+    cached = {p.name for p in (cache / "inductor").iterdir()}
+    assert {"fxgraph", "aotautograd"} <= cached, sorted(cached)
+
+
+def test_the_real_model_decodes_the_dev_prompts_as_eagerly(model_path):
+    """fp32, one request at a time (bucket 1 only: the cold compile is the expensive part)."""
+    engine = Engine(model=str(model_path), device="cpu", dtype="fp32", compile="on",
+                    max_kv_tokens=2048, max_running_requests=2, progress=False)
+    step = engine.worker.step
+    compiled = step.compiled_decode
+    assert compiled is not None and compiled.ready == {1}, compiled.failed
+    prompts = [engine.encode(p) for p in itertools.islice(read_prompts(str(DEV_PROMPTS)), 2)]
+    outputs = {}
+    for name, runner in (("eager", None), ("compiled", compiled)):
+        step.compiled_decode = runner
+        outputs[name] = [greedy(engine, [p], [10])[0] for p in prompts]
+    assert outputs["compiled"] == outputs["eager"]
+    assert compiled.runs >= 2 * 8
