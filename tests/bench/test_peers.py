@@ -77,7 +77,7 @@ def test_bench_peers_quick_end_to_end(tmp_path, model_path):
     assert "--assistant-model" in report
     assert all(c.startswith("skipped") for c in row_for(rows, "llama-server")[1:])
     assert "no-llama-server is not an executable file" in report
-    assert "--target llama-server" in report  # how to build it
+    assert "scripts/build_llama_server.sh" in report  # how to build it
 
     for png in ["peers_throughput.png", "peers_latency_cdf.png", "peers_accept.png"]:
         data = (out / png).read_bytes()

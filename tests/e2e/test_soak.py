@@ -193,7 +193,10 @@ def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache, l
              "--set", "runtime.sync_check=true",  # every launch free of host syncs
              "--set", f"scheduling.prefix_cache={str(prefix_cache).lower()}"]
     if spec != "none":
-        extra += ["--spec-algorithm", spec]
+        # Every decode step drafts: a seeded sampled request repeats its tokens only if its
+        # steps go the same way (speculative and plain sampling draw differently), and "auto"
+        # chooses by measured speed (gpu/eagle/spec_gate.py).
+        extra += ["--spec-algorithm", spec, "--spec-disable-above-batch-size", "0"]
     svc = ServiceProcess(model_path, *extra)
     try:
         done: list[Sent] = []
