@@ -48,6 +48,18 @@ def add_bench_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
 
 
+async def _open_stream(client: httpx.AsyncClient, url: str, body: dict):
+    """The streamed response, sent again once on a fresh connection when a kept-alive one was
+    closed under it before any answer (llama-server closes some after a streamed response)."""
+    for attempt in (1, 2):
+        request = client.build_request("POST", url, json=body)
+        try:
+            return await client.send(request, stream=True)
+        except httpx.RemoteProtocolError:
+            if attempt == 2:
+                raise
+
+
 async def one_http_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
                            max_tokens: int) -> RequestTiming:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
@@ -56,7 +68,8 @@ async def one_http_request(client: httpx.AsyncClient, url: str, model: str, prom
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    r = await _open_stream(client, url + "/v1/chat/completions", body)
+    try:
         if r.status_code != 200:
             raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -67,6 +80,8 @@ async def one_http_request(client: httpx.AsyncClient, url: str, model: str, prom
                 stamps.append(time.perf_counter())
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
+    finally:
+        await r.aclose()
     end = time.perf_counter()
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
     tokens = tokens or len(stamps)  # a server that sends no usage: one token a chunk
