@@ -7,8 +7,9 @@
 #
 # Native (default): tuned for this CPU (-march=native: AVX2 / AVX-512 / AMX where present).
 # --portable: GGML_NATIVE=OFF, for a binary to copy to another x86-64 machine.
-# The binary ends in DIR (default .cache/llama-server/<native|portable>/bin/llama-server); the
-# script prints `export FMSERVE_LLAMA_SERVER=...` for the benches.
+# The binary ends in DIR (default ~/.cache/fmserve/llama-server/<native|portable>/bin/
+# llama-server: outside the repo, whose tree holds only fmserve's own code); the script prints
+# `export FMSERVE_LLAMA_SERVER=...` for the benches.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +32,7 @@ for tool in cmake c++; do
     command -v "$tool" >/dev/null || { echo "build_llama_server.sh: needs $tool (e.g. the" \
         "cmake and g++ packages of your system)" >&2; exit 1; }
 done
-WORK="$ROOT/.cache/llama-server"
+WORK="${XDG_CACHE_HOME:-$HOME/.cache}/fmserve/llama-server"
 OUT="${OUT:-$WORK/$KIND}"
 mkdir -p "$WORK/src"
 
