@@ -181,9 +181,13 @@ class CompiledDecode:
         if size in self.ready or size in self.failed:
             return
         start = time.perf_counter()
-        zeros = torch.zeros(size, dtype=torch.int64, device=self.model.device)
+        # Distinct tensors: dynamo guards on which inputs alias, so one tensor passed as ids,
+        # slots and locations would compile a graph that a real step (distinct tensors)
+        # misses, and the first real decode would compile again.
+        ids, positions, slots, locs = (torch.zeros(size, dtype=torch.int64,
+                                                   device=self.model.device) for _ in range(4))
         try:
-            self._call(zeros, zeros + 1, zeros, zeros, 2)
+            self._call(ids, positions + 1, slots, locs, 2)
         except Exception as exc:  # the bucket runs eagerly; the log says why
             self.failed[size] = f"{type(exc).__name__}: {exc}"
             log.warning("compiling the decode step for batch %d failed (%s); it runs eagerly",

@@ -26,12 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
+from gpu.cpu_kernels import Fp32Split
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, head_rms_norm, rms_norm
 from gpu.loader.gguf_q4 import Int4Weight
 from gpu.model_config import ModelConfig
 from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_applies, q4_shape_ok
-from gpu.quantized_linear import WEIGHT_QUANT_MODES, Linear, make_linear
+from gpu.quantized_linear import WEIGHT_QUANT_MODES, Fp16Linear, Linear, make_linear
 from gpu.rowwise_linear import RowwiseLinear
 
 
@@ -63,7 +64,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, weight_quant: str = "none",
                  q4: dict[str, list[Int4Weight]] | None = None, q4_max_tokens: int = 0,
-                 lm_head_q4: Int4Weight | None = None, deterministic: bool = False) -> None:
+                 lm_head_q4: Int4Weight | None = None, deterministic: bool = False,
+                 fp32_split: Fp32Split | None = None) -> None:
         if weight_quant not in WEIGHT_QUANT_MODES:
             raise ValueError(f"weight_quant '{weight_quant}' is unknown; choose one of "
                              f"{WEIGHT_QUANT_MODES}")
@@ -88,14 +90,26 @@ class LlamaModel:
             return w(name)
 
         # The file's quantized weights as they are, where it has them (gpu/q4_linear.py).
-        use_q4 = weight_quant == "none" and q4_applies(device, dtype, q4_max_tokens)
+        # An fp32 model on a CPU without native bf16 (`fp32_split`, gpu/cpu_kernels.py) keeps
+        # them too, with an FBGEMM fp16 pack for its wider forwards instead of an fp32 copy.
+        use_q4 = weight_quant == "none" and (fp32_split is not None
+                                             or q4_applies(device, dtype, q4_max_tokens))
         self.q4_projections = 0
+
+        def quantized(parts: Int4Weight | list[Int4Weight], dense: torch.Tensor | None,
+                      rows: int, fp16_rows: int) -> Q4Linear | Fp16Linear:
+            if fp32_split is None:
+                return Q4Linear(parts, rows)
+            fp16 = Fp16Linear(dense)
+            return Q4Linear(parts, fp16_rows, dense=fp16, fp32_input=True) if fp16_rows else fp16
 
         def linear(name: str) -> Projection:
             if not use_q4 or name not in q4 or not q4_shape_ok(q4[name]):
                 return rowwise(make_linear(w(name), weight_quant))
             self.q4_projections += 1
-            return rowwise(Q4Linear(q4[name], q4_max_tokens))
+            split_rows = fp32_split.projection_rows if fp32_split else 0
+            return rowwise(quantized(q4[name], w(name) if fp32_split else None, q4_max_tokens,
+                                     split_rows))
 
         def rowwise(layer: Linear | Q4Linear) -> Projection:
             return RowwiseLinear(layer) if deterministic else layer
@@ -103,12 +117,17 @@ class LlamaModel:
         self.embed_tokens = w("embed_tokens")
         # The token lookup; tensor parallelism swaps in its vocabulary-parallel one.
         self.embed = partial(F.embedding, weight=self.embed_tokens)
-        if config.tie_word_embeddings:
+        head_q4 = use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4)
+        if fp32_split is not None and head_q4:
+            head = (self.embed_tokens if config.tie_word_embeddings
+                    else lm_head_q4.dequantize().to(device=device, dtype=dtype))
+            self.lm_head = quantized(lm_head_q4, head, 0, fp32_split.lm_head_rows)
+        elif config.tie_word_embeddings:
             self.lm_head = make_linear(self.embed_tokens, weight_quant, both_layouts=True)
-            if use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4):
+            if head_q4:
                 self.lm_head = Q4Linear(lm_head_q4, min(q4_max_tokens, LM_HEAD_Q4_MAX_TOKENS),
                                         dense=self.lm_head)
-        elif use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4):
+        elif head_q4:
             self.lm_head = Q4Linear(lm_head_q4, q4_max_tokens)
         else:
             head = weights["lm_head"] if "lm_head" in weights else lm_head_q4.dequantize()

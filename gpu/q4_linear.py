@@ -66,11 +66,14 @@ class Q4Linear:
     q/k/v whose v is stored as another type), each one Int4Weight.
 
     `dense` (any Linear, optional) takes forwards above `max_tokens` rows instead of the
-    scratch dequantization: a tied lm_head's embedding table, which stays resident anyway.
+    scratch dequantization: a tied lm_head's embedding table, which stays resident anyway, or
+    on a CPU without native bf16 an FBGEMM fp16 pack (gpu/cpu_kernels.py). `fp32_input`: the
+    model runs in fp32 and its small forwards still take the codes (rounding the input to
+    bf16); otherwise a non-bf16 input always goes to `dense`.
     """
 
     def __init__(self, segments: Int4Weight | list[Int4Weight], max_tokens: int,
-                 dense: Linear | None = None) -> None:
+                 dense: Linear | None = None, fp32_input: bool = False) -> None:
         weights = segments if isinstance(segments, list) else [segments]
         # The codes are packed and dropped: only the kernel's form stays.
         self.segments = [w.shape for w in weights]
@@ -78,6 +81,7 @@ class Q4Linear:
         self.out_features = sum(s.out_features for s in self.segments)
         self.max_tokens = max_tokens
         self.dense = dense
+        self.fp32_input = fp32_input
         self.dequantize_from = DEQUANTIZE_FROM_ROWS
         self.block = packed_block()
         # Per segment: the packed codes and [width / 32, out, 2] (scale, zero) in bf16.
@@ -89,7 +93,7 @@ class Q4Linear:
     def weight(self) -> torch.Tensor:
         """A bf16 [out, in] weight (for callers that borrow it, e.g. an EAGLE-1 head's lm_head):
         the dense one, or a fresh dequantized copy that the caller then owns."""
-        if self.dense is not None:
+        if getattr(self.dense, "weight", None) is not None:  # an fp16 pack has none
             return self.dense.weight
         return torch.cat([self.dequantized_t(i).t() for i in range(len(self.segments))])
 
@@ -104,7 +108,8 @@ class Q4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.dense is not None and (rows > self.max_tokens or x.dtype != torch.bfloat16):
+        if self.dense is not None and (rows > self.max_tokens or (
+                x.dtype != torch.bfloat16 and not self.fp32_input)):
             return self.dense(x)
         small = rows <= self.max_tokens or rows < self.dequantize_from or self.block is None
         xb = x.to(torch.bfloat16).contiguous()

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gpu.attention.factory import make_attention_backend
+from gpu.cpu_kernels import fp32_split_applies, plan_fp32_split
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.future_map import FutureMap
 from gpu.kv_cache import KVPool, ReqToTokenPool
@@ -66,18 +67,23 @@ class WorkerState:
         if self.shard is not None and self.device.type == "cuda":  # one GPU per rank
             self.device = torch.device("cuda", self.shard.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        keep_q4 = cfg.weight_quant == "none" and q4_applies(self.device, self.dtype,
-                                                             rt.q4_max_tokens)
+        # An fp32 model on a CPU without native bf16 keeps the codes too (gpu/cpu_kernels.py).
+        split = cfg.weight_quant == "none" and fp32_split_applies(
+            self.device, self.dtype, cfg.model.dtype, rt.q4_max_tokens)
+        keep_q4 = cfg.weight_quant == "none" and (split or q4_applies(
+            self.device, self.dtype, rt.q4_max_tokens))
         loaded = load_model(cfg.model.path, dtype=self.dtype, progress=cfg.progress,
                             keep_q4=keep_q4)
         self.model_config = mc = loaded.config
+        fp32_split = (plan_fp32_split(mc.hidden_size, mc.intermediate_size, mc.vocab_size)
+                      if split and loaded.q4 else None)
         self.model_name = Path(cfg.model.path).name
         # The rank's heads and MLP slice (the whole model on one rank); vocab_size is the model's.
         local = self.shard.shard_weights(loaded) if self.shard is not None else mc
         self.model = LlamaModel(local, loaded.weights, self.device, self.dtype,
                                 weight_quant=cfg.weight_quant, q4=loaded.q4,
                                 q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4,
-                                deterministic=rt.deterministic)
+                                deterministic=rt.deterministic, fp32_split=fp32_split)
         if self.shard is not None:
             self.shard.parallelize(self.model)
         del loaded

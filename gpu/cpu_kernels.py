@@ -1,0 +1,146 @@
+"""Which kernel multiplies a quantized GGUF's projections on a CPU without native bf16.
+
+A CPU with AVX512-BF16 or AMX runs the model in bf16 and every small forward on the file's
+4-bit codes (gpu/q4_linear.py). An AVX2-only CPU runs the model in fp32 (bf16 matmuls are
+emulated there), and used to hold every projection as a dense fp32 copy: 8x the bytes of the
+codes, read once per decode step. Measured on a 2-core AVX2-only EPYC, SmolLM2-135M's 120
+projections (ms per forward, best of 5):
+
+    rows                    1      8     32
+    fp32 dense (MKL)       40     92     95
+    int4 codes, bf16 act   14     26    361
+    fp16 (FBGEMM)          19     26     48
+
+So on such a CPU a projection keeps both the codes (few rows: the fewest bytes) and an FBGEMM
+fp16 pack (many rows: the int4 kernel's cost grows with the rows there, FBGEMM's barely), and
+no fp32 copy: 0.56 + 2 bytes a weight instead of 4. Where one hands over to the other differs
+between CPUs, so it is measured once on this machine at start-up (a few hundred ms on one
+projection shape) and kept in the fmserve cache dir, keyed by the CPU, its flags, torch's
+version and the shape.
+
+Only `model.dtype = "auto"` takes this path: an explicit "fp32" keeps the exact dense fp32
+weights (the references the tests compare against).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpu.loader.gguf_q4 import Q4_GROUP
+from gpu.q4_linear import q4_kernel_available
+from gpu.quantized_linear import Fp16Linear
+from ipc.cache_dirs import model_cache_dir
+
+log = logging.getLogger(__name__)
+
+# The row counts the hand-over is chosen among (decode batches are bucketed the same way).
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
+CALIBRATION_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Fp32Split:
+    """Up to how many rows the codes take a forward (FBGEMM fp16 above); 0: never."""
+
+    projection_rows: int
+    lm_head_rows: int
+
+
+def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: str,
+                       max_tokens: int) -> bool:
+    """Whether an fp32 model on `device` keeps its quantized projections as codes + fp16."""
+    return (device.type == "cpu" and dtype == torch.float32 and dtype_setting == "auto"
+            and max_tokens > 0 and q4_kernel_available()
+            and "fbgemm" in torch.backends.quantized.supported_engines)
+
+
+def _cpu_key(in_features: int, out_features: int) -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            info = f.read()
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                      if ln.startswith("model name")), platform.processor())
+        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                      if ln.startswith("flags")), "")
+    except OSError:
+        model = platform.processor()
+    raw = f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{in_features}x{out_features}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _best_ms(fn, x: torch.Tensor) -> float:
+    fn(x)
+    best = float("inf")
+    for _ in range(CALIBRATION_REPEATS):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure_int4_max_rows(in_features: int, out_features: int) -> int:
+    """The most rows (of CANDIDATE_ROWS) at which the int4 kernel is still at least as fast as
+    FBGEMM fp16 on a random [out, in] weight; 0 where it never is."""
+    gen = torch.Generator().manual_seed(0)
+    fp16 = Fp16Linear(torch.randn(out_features, in_features, generator=gen) * 0.02)
+    codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=gen)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_and_zeros = (torch.rand(in_features // Q4_GROUP, out_features, 2, generator=gen)
+                        .to(torch.bfloat16))
+
+    def int4(x: torch.Tensor) -> torch.Tensor:  # as Q4Linear runs it on fp32 activations
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), packed, Q4_GROUP, scales_and_zeros).float()
+
+    best = 0
+    for rows in CANDIDATE_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        # Interleaved pairs: a machine busy with other work slows both alike.
+        t_int4 = min(_best_ms(int4, x) for _ in range(2))
+        t_fp16 = min(_best_ms(fp16, x) for _ in range(2))
+        if t_int4 > t_fp16:
+            break
+        best = rows
+    return best
+
+
+def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> int:
+    """measure_int4_max_rows, cached per CPU, torch version, thread count and shape."""
+    path = model_cache_dir() / "cpu_kernels.json"
+    key = _cpu_key(in_features, out_features)
+    known: dict[str, int] = {}
+    if cache and path.exists():
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if isinstance(known.get(key), int):
+            return known[key]
+    start = time.perf_counter()
+    rows = measure_int4_max_rows(in_features, out_features)
+    log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, FBGEMM fp16 above "
+             "(measured in %.2f s; cached in %s)", rows, time.perf_counter() - start, path)
+    if cache:
+        known = known if isinstance(known, dict) else {}
+        known[key] = rows
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(known, indent=1))
+        except OSError as exc:  # a read-only cache costs a calibration per start, nothing else
+            log.warning("could not cache the CPU kernel choice in %s: %s", path, exc)
+    return rows
+
+
+def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = True) -> Fp32Split:
+    """The hand-over rows for a model's projections (measured on its MLP's up projection, the
+    largest) and for its lm_head."""
+    return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache),
+                     int4_max_rows(hidden, vocab, cache))

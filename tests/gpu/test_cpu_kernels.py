@@ -1,0 +1,101 @@
+"""The fp32 model of a CPU without native bf16 (gpu/cpu_kernels.py): its quantized projections
+stay as the file's codes for small forwards and an FBGEMM fp16 pack for wide ones, with no fp32
+copy; its tokens agree with the exact fp32 model; the hand-over is measured once and cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu import cpu_kernels
+from gpu.cpu_kernels import Fp32Split, fp32_split_applies, int4_max_rows
+from gpu.llama import LlamaModel, unwrap
+from gpu.loader.load import load_model
+from gpu.q4_linear import Q4Linear, q4_kernel_available
+from gpu.quantized_linear import Fp16Linear
+from tests.gpu.test_quantized_memory import projections, tensor_bytes
+from tests.gpu.teacher_forcing import TEXT, prompt_logits
+
+pytestmark = pytest.mark.skipif(
+    not q4_kernel_available() or "fbgemm" not in torch.backends.quantized.supported_engines,
+    reason="this torch build has no CPU int4 matmul or no FBGEMM")
+
+CPU = torch.device("cpu")
+
+
+def build(path, split: Fp32Split | None) -> LlamaModel:
+    loaded = load_model(path, dtype=torch.float32, progress=False, keep_q4=split is not None)
+    return LlamaModel(loaded.config, loaded.weights, CPU, torch.float32, q4=loaded.q4,
+                      q4_max_tokens=12, lm_head_q4=loaded.lm_head_q4, fp32_split=split)
+
+
+@pytest.fixture(scope="module")
+def split_model(gguf_path):
+    return build(gguf_path, Fp32Split(projection_rows=4, lm_head_rows=2))
+
+
+def test_only_dtype_auto_on_the_cpu_takes_the_split():
+    assert fp32_split_applies(CPU, torch.float32, "auto", 12)
+    assert not fp32_split_applies(CPU, torch.float32, "fp32", 12)  # explicit fp32 stays exact
+    assert not fp32_split_applies(CPU, torch.bfloat16, "auto", 12)  # bf16 CPUs: q4_linear.py
+    assert not fp32_split_applies(CPU, torch.float32, "auto", 0)  # q4_max_tokens 0: nothing
+
+
+def test_the_split_keeps_codes_and_an_fp16_pack_and_no_fp32_copy(split_model):
+    projs = projections(split_model) + [unwrap(split_model.lm_head)]
+    assert all(isinstance(p, Q4Linear) and isinstance(p.dense, Fp16Linear) for p in projs)
+    fp32_bytes = sum(4 * p.out_features * p.in_features for p in projs)
+    # The tensors held are the codes with their scales (the fp16 pack is FBGEMM's own object).
+    assert tensor_bytes(projs) <= 0.2 * fp32_bytes
+    assert not any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 2
+                   for p in projs for v in vars(p.dense).values())
+
+
+def test_small_forwards_take_the_codes_and_wide_ones_the_fp16_pack(split_model):
+    proj = unwrap(split_model.layers[0].gate_up_proj)
+    exact = proj.weight.float()  # the codes dequantized, as the kernel multiplies them
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, proj.max_tokens, proj.max_tokens + 1, 32):
+        x = torch.randn(rows, proj.in_features, generator=gen)
+        y = proj(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, proj.out_features)
+        if rows > proj.max_tokens:
+            assert torch.equal(y, proj.dense(x)), rows
+        else:  # the int4 kernel on the input rounded to bf16, as a bf16 model runs it
+            assert torch.equal(y, proj(x.bfloat16()).float()), rows
+            assert not torch.equal(y, proj.dense(x)), rows
+        torch.testing.assert_close(y, x @ exact.t(), rtol=0.02, atol=0.05)
+
+
+def top1_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+def test_the_split_model_tracks_the_exact_fp32_model(split_model, gguf_path, model_path):
+    from service.tokenizer import TextTokenizer
+    ids = TextTokenizer.from_model_path(model_path).encode(TEXT)
+    exact = prompt_logits(build(gguf_path, None), ids)
+    wide = prompt_logits(split_model, ids)  # one forward of ~100 rows: the fp16 packs
+    assert top1_agreement(wide, exact) >= 0.98
+    codes = build(gguf_path, Fp32Split(projection_rows=4096, lm_head_rows=4096))
+    on_codes = prompt_logits(codes, ids)  # every forward on the codes, inputs in bf16
+    assert top1_agreement(on_codes, wide) >= 0.95
+    assert top1_agreement(on_codes, exact) >= 0.95
+
+
+def test_the_hand_over_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FMSERVE_CACHE", str(tmp_path))
+    calls = []
+    real = cpu_kernels.measure_int4_max_rows
+    monkeypatch.setattr(cpu_kernels, "measure_int4_max_rows",
+                        lambda i, o: calls.append((i, o)) or real(i, o))
+    first = int4_max_rows(64, 128)
+    assert first in (0, *cpu_kernels.CANDIDATE_ROWS) and calls == [(64, 128)]
+    assert int4_max_rows(64, 128) == first and len(calls) == 1  # from the cache
+    cache = tmp_path / "cpu_kernels.json"
+    assert first in json.loads(cache.read_text()).values()
+    cache.write_text("{not json")  # a damaged cache is measured again, not an error
+    assert int4_max_rows(64, 128) in (0, *cpu_kernels.CANDIDATE_ROWS) and len(calls) == 2
+    assert len(json.loads(cache.read_text())) == 1
