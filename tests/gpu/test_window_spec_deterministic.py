@@ -41,10 +41,19 @@ def family(request):
     return request.param
 
 
+_TARGETS: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="module")
 def target(family, tmp_path_factory):
+    return target_of(family, tmp_path_factory)
+
+
+def target_of(family: str, tmp_path_factory) -> tuple:
     """The model's directory, its random EAGLE-3 and EAGLE-1 heads, and transformers' greedy
-    tokens for PROMPTS."""
+    tokens for PROMPTS; made once per module."""
+    if family in _TARGETS:
+        return _TARGETS[family]
     model = fm.random_model(family, num_hidden_layers=LAYERS[family])
     path = fm.save_hf_dir(model, tmp_path_factory.mktemp(family))
     loaded = load_model(path, dtype=torch.float32, progress=False)
@@ -57,7 +66,8 @@ def target(family, tmp_path_factory):
         heads[algorithm] = tmp_path_factory.mktemp(f"{family}-{algorithm}")
         save_draft_head(head, heads[algorithm])
     refs = [fm.reference_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    return path, heads, refs
+    _TARGETS[family] = path, heads, refs
+    return _TARGETS[family]
 
 
 def spec(heads, shape: str, algorithm: str = "eagle3") -> SpecSettings:
@@ -115,12 +125,10 @@ def test_eagle_accepting_drafts_equals_transformers(target, shape):
     assert_accounting_empty(engine)
 
 
-def test_eagle_tree_on_the_triton_backend(target, family):
-    """One small case under the interpreter: the tree-masked extend kernel with each layer's
-    window, drafts accepted."""
-    if family != "gemma3":
-        pytest.skip("one Triton case: Gemma 3 has both kinds of layer")
-    path, heads, refs = target
+def test_eagle_tree_on_the_triton_backend(tmp_path_factory):
+    """One small case under the interpreter, on Gemma 3 (both kinds of layer): the
+    tree-masked extend kernel with each layer's window, drafts accepted."""
+    path, heads, refs = target_of("gemma3", tmp_path_factory)
     engine = engine_for(path, spec=spec(heads, "tree"), attention_backend="triton",
                         overlap=True)
     draft_the_reference(engine, PROMPT + refs[0])
@@ -134,20 +142,35 @@ def test_eagle_tree_on_the_triton_backend(target, family):
 # -- deterministic mode ---------------------------------------------------------------------
 
 PROBE = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
-OTHERS = [[fm.BOS] + [(11 * i + 5 * j) % 300 for i in range(9 + 7 * j)] for j in range(4)]
+OTHERS = [[fm.BOS] + [(11 * i + 5 * j) % 300 for i in range(9 + 7 * j)] for j in range(3)]
 
 
-@pytest.mark.parametrize("shape", [None, "tree"], ids=["plain", "eagle-tree"])
-def test_deterministic_alone_equals_in_a_batch(target, shape):
-    path, heads, refs = target
-    engine = engine_for(path, deterministic=True, max_tokens_per_step=12,
-                        spec=spec(heads, shape) if shape else None)
+def deterministic_engine(path, **settings) -> Engine:
+    return engine_for(path, deterministic=True, max_tokens_per_step=12, **settings)
+
+
+def check_batch_invariance(engine: Engine, refs) -> None:
+    """The probe alone (transformers' tokens), then second of four with overlap on."""
     [alone] = engine.generate([PROMPT], PROBE)
     assert alone.token_ids == refs[0]
     engine.overlap = True
-    batch = OTHERS[:2] + [PROMPT] + OTHERS[2:]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=3 + i) for i in range(5)]
-    params[2] = PROBE
-    inside = engine.generate(batch, params)[2]
+    batch = OTHERS[:1] + [PROMPT] + OTHERS[1:]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=3 + i) for i in range(4)]
+    params[1] = PROBE
+    inside = engine.generate(batch, params)[1]
     assert (inside.token_ids, inside.logprobs) == (alone.token_ids, alone.logprobs)
     assert_accounting_empty(engine)
+
+
+def test_deterministic_alone_equals_in_a_batch(target):
+    path, _, refs = target
+    check_batch_invariance(deterministic_engine(path), refs)
+
+
+def test_deterministic_eagle_tree_alone_equals_in_a_batch(tmp_path_factory):
+    """Gemma 3 (both kinds of layer): the batch-invariant backend's windowed verify rows,
+    drafts accepted (the other requests get the probe's drafts: rejected, harmlessly)."""
+    path, heads, refs = target_of("gemma3", tmp_path_factory)
+    engine = deterministic_engine(path, spec=spec(heads, "tree"))
+    draft_the_reference(engine, PROMPT + refs[0])
+    check_batch_invariance(engine, refs)
