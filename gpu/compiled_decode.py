@@ -8,8 +8,9 @@ gpu/q4_linear.py) as extern kernels, so the decoder is one call of generated cod
 How it works:
 - the compiled function is the model's own `hidden_states` over a decode batch, with the torch
   attention backend's decode attention (the KV write included) traced into the same graph;
-  its inputs are the batch's tensors and the attention's metadata (key locations, additive
-  mask), so nothing it reads changes identity between steps;
+  its inputs are the batch's tensors and the attention's metadata (key locations, one
+  additive mask per distinct window of the layers: two for Gemma 3), so nothing it reads
+  changes identity between steps;
 - batch sizes are bucketed like the CUDA graphs' (gpu/decode_graphs.py: 1, 2, 4, 8, 16, 32,
   48, 64): a batch of ``bs`` runs the smallest bucket >= bs with padding rows (slot 0,
   position 0, length 1, KV location 0 in the padding page); each bucket is its own graph with
@@ -61,7 +62,7 @@ def compile_mode(configured: str) -> str:
 
 
 def compile_applies(mode: str, device: torch.device, dtype: torch.dtype, attention_backend: str,
-                    deterministic: bool, windowed: bool = False, tp: int = 1) -> bool:
+                    deterministic: bool, tp: int = 1) -> bool:
     """Whether plain decode steps run compiled. "auto": a CPU model in bf16 or fp32 with the
     torch attention backend (on CUDA decode CUDA graphs are the tool). "on" where "auto" would
     not is refused, saying why."""
@@ -77,8 +78,6 @@ def compile_applies(mode: str, device: torch.device, dtype: torch.dtype, attenti
         why_not = f"it traces the torch attention backend (the backend is {attention_backend})"
     elif deterministic:
         why_not = "runtime.deterministic's row-at-a-time forwards run eagerly"
-    elif windowed:  # the graph takes one mask for every layer
-        why_not = "the model's sliding-window layers run eagerly"
     elif tp > 1:  # all-reduces inside the graph are not traced
         why_not = f"tensor-parallel ranks (parallel.tp = {tp}) run eagerly"
     if why_not and mode == "on":
@@ -118,14 +117,15 @@ class _DecodeAttention:
     backend keeps per-forward metadata in attributes, which a compiled graph cannot take)."""
 
     def __init__(self, backend: TorchAttentionBackend, key_locs: torch.Tensor,
-                 bias: torch.Tensor) -> None:
+                 biases: tuple[torch.Tensor, ...]) -> None:
         self.backend = backend
-        self.group = backend.decode_group_of(key_locs, bias)
+        self.groups = {window: backend.decode_group_of(key_locs, bias)
+                       for window, bias in zip(backend.windows, biases)}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         self.backend.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
-        return self.backend.attend(q, layer_id, self.group)
+        return self.backend.attend(q, layer_id, self.groups[self.backend.layer_window(layer_id)])
 
 
 class CompiledDecode:
@@ -154,22 +154,27 @@ class CompiledDecode:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  out_cache_loc: torch.Tensor, key_locs: torch.Tensor,
-                 bias: torch.Tensor) -> torch.Tensor:
+                 biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
         ones = torch.ones_like(slots)
         batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions,
                              slots=slots, seq_lens=positions + 1, prefix_lens=positions,
                              extend_lens=ones, out_cache_loc=out_cache_loc)
-        hidden, _ = self.model.hidden_states(batch, _DecodeAttention(self.attn, key_locs, bias))
+        hidden, _ = self.model.hidden_states(batch,
+                                             _DecodeAttention(self.attn, key_locs, biases))
         return hidden
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               locs: torch.Tensor, max_len: int) -> torch.Tensor:
-        key_locs, bias = self.attn.decode_inputs(slots, positions + 1, max_len)
+        biases = []
+        for window in self.attn.windows:  # the key locations are the same under each
+            key_locs, bias = self.attn.decode_inputs(slots, positions + 1, max_len, window)
+            biases.append(bias)
         # Keys per request change every step: dynamic (>= 2: a decode follows a prefill).
         torch._dynamo.mark_dynamic(key_locs, 1)
-        torch._dynamo.mark_dynamic(bias, 2)
+        for bias in biases:
+            torch._dynamo.mark_dynamic(bias, 2)
         with _without_function_modes():
-            return self._compiled(ids, positions, slots, locs, key_locs, bias)
+            return self._compiled(ids, positions, slots, locs, key_locs, tuple(biases))
 
     def bucket(self, bs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, bs)]

@@ -47,8 +47,7 @@ class PlainStep:
         st, rt = self.state, self.state.cfg.runtime
         mode = compile_mode(rt.compile)
         if not compile_applies(mode, st.device, st.dtype, rt.attention_backend,
-                               rt.deterministic, st.model_config.sliding_window is not None,
-                               st.cfg.parallel.tp):
+                               rt.deterministic, tp=st.cfg.parallel.tp):
             return None
         # "auto" compiles one stream's step only: a cold bucket compiles inside the first step
         # that needs it (~45 s on 2 cores, every stream waiting), and batches gain least.

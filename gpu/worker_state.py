@@ -98,14 +98,6 @@ class WorkerState:
         self.req_to_token = ReqToTokenPool(self.num_slots,
                                            self.max_context_len + cfg.spec.reserve_tokens,
                                            rt.page_size, self.device)
-        if mc.sliding_window is not None and rt.deterministic:
-            raise ValueError(f"runtime.deterministic is not supported with a sliding-window "
-                             f"model ({mc.architecture}, window {mc.sliding_window}) yet; turn "
-                             f"it off")
-        if mc.sliding_window is not None and cfg.spec.enabled:
-            raise ValueError(f"speculative decoding ({cfg.spec.algorithm}) is not supported with "
-                             f"a sliding-window model ({mc.architecture}, window "
-                             f"{mc.sliding_window}); turn speculation off")
         self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
                                            local.num_heads, local.num_kv_heads, mc.head_dim,
                                            mc.sliding_window, deterministic=rt.deterministic,

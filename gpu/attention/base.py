@@ -23,7 +23,8 @@ class AttentionBackend:
     in every layer, or in the layers of ``window_layers`` only where given (Gemma 3's local
     layers; the others see every key). Keys before the window stay in the pool: no page is
     freed early, so the KV accounting, the prefix cache and overlap see nothing different.
-    Not with a tree mask.
+    With a tree mask the window counts along each query's visible keys (see
+    ``window_tree_mask``).
     """
 
     needs_cpu_seq_lens: bool
@@ -67,11 +68,8 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def check_tree_mask(batch: ForwardBatch, sliding_window: int | None = None) -> None:
+def check_tree_mask(batch: ForwardBatch) -> None:
     """Shape checks only (no host sync): [bs, Q, K] with Q <= K and bs * Q new tokens."""
-    if sliding_window is not None:
-        raise ValueError("tree attention (speculative decoding) with a sliding window is not "
-                         "supported")
     tree_mask = batch.tree_mask
     if tree_mask.dim() != 3 or tree_mask.shape[0] != batch.batch_size:
         raise ValueError(f"tree_mask must be [bs={batch.batch_size}, Q, K] "
@@ -80,3 +78,20 @@ def check_tree_mask(batch: ForwardBatch, sliding_window: int | None = None) -> N
     if num_q > num_k or bs * num_q != batch.num_tokens:
         raise ValueError(f"tree_mask {tuple(tree_mask.shape)} needs Q <= K and Q new tokens "
                          f"per request (the batch has {batch.num_tokens} for {bs} requests)")
+
+
+def window_tree_mask(tree_mask: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree mask [bs, Q, K] under a sliding window, and each query's count of visible tree
+    keys [bs, Q] (int32).
+
+    A query's visible keys form a path: the prefix, then its ancestors and itself, at
+    consecutive positions (a verify tree's node j sits at seq_len - K + depth(j)). So key k is
+    ``n`` positions before the query where ``n`` is the number of visible tree keys after k,
+    and it is in the window iff n < window; prefix key i (position i) iff
+    i >= seq_len - K + count - window. Positions never enter, so this holds however the
+    tree's columns are laid out."""
+    mask = tree_mask.to(torch.bool)
+    visible = mask.to(torch.int32)
+    count = visible.sum(-1, dtype=torch.int32)
+    after = count[:, :, None] - visible.cumsum(-1, dtype=torch.int32)  # visible keys past k
+    return mask & (after < window), count

@@ -8,8 +8,9 @@ p + 1 keys of its own request, in tensors whose shape and strides depend on p al
 same query gives the same output alone, in any batch, and in any split of its prompt into
 prefill chunks. A verify tree's row gathers just the keys it sees (its prefix, then its
 ancestors and itself, in key order), so it computes what a plain decode of the same tokens
-would. One small product per query row and layer: slow for long prefills, which is the price
-of the mode.
+would. In a windowed layer a row keeps the last `window` of those keys (a slice of the same
+gathered tensor, so again a function of p alone). One small product per query row and layer:
+slow for long prefills, which is the price of the mode.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ from gpu.forward_batch import ForwardBatch, ForwardMode
 class _Request:
     key_locs: torch.Tensor  # [seq_len] KV locations
     first_row: int  # its first new token in the batch
-    key_counts: list[int]  # per new token: how many keys it sees (the first ones)
+    key_counts: list[int]  # per new token: how many keys it sees without a window (the first)
     tree_locs: list[torch.Tensor] | None = None  # per new token of a verify tree: its keys
 
 
 class BatchInvariantAttentionBackend(AttentionBackend):
     needs_cpu_seq_lens = True
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._requests: list[_Request] = []
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -71,17 +72,21 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         kv_heads, d = self.num_kv_heads, self.head_dim
         out = q.new_empty(q.shape[0], self.num_heads, d)
         k_buffer, v_buffer = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        window = self.layer_window(layer_id)
         for r in self._requests:
             if r.tree_locs is None:
                 keys, values = self._gather(k_buffer, v_buffer, r.key_locs)
             for j, count in enumerate(r.key_counts):
                 if r.tree_locs is not None:
                     keys, values = self._gather(k_buffer, v_buffer, r.tree_locs[j])
+                # A row's keys are a path (the prefix, then its ancestors): the window keeps
+                # its last `window`.
+                first = 0 if window is None else max(count - window, 0)
                 row = r.first_row + j
                 query = q[row].float().view(kv_heads, -1, d)  # [kv_heads, group, D]
-                scores = torch.bmm(query, keys[:, :, :count]).mul_(self.scale)
+                scores = torch.bmm(query, keys[:, :, first:count]).mul_(self.scale)
                 probs = torch.softmax(scores, dim=-1)
-                out[row] = torch.bmm(probs, values[:, :count]).view(self.num_heads, d)
+                out[row] = torch.bmm(probs, values[:, first:count]).view(self.num_heads, d)
         return out
 
     @staticmethod

@@ -24,7 +24,7 @@ def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTok
     if deterministic and name == "torch":
         from gpu.attention.batch_invariant_backend import BatchInvariantAttentionBackend
         return BatchInvariantAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads,
-                                              head_dim, scale)
+                                              head_dim, scale, sliding_window, window_layers)
     if name == "torch":
         from gpu.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu.attention.base import AttentionBackend, check_tree_mask
+from gpu.attention.base import AttentionBackend, check_tree_mask, window_tree_mask
 from gpu.device import host_to_device
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
@@ -138,8 +138,8 @@ class TorchAttentionBackend(AttentionBackend):
         valid = j[None, :] < extend_lens[:, None]  # [n, Lq]
         query_index = torch.where(valid, cu_start[:, None] + j[None, :], 0)
         if batch.tree_mask is not None:
-            check_tree_mask(batch, self.sliding_window)
-            mask = self._tree_mask(batch, key_pos, in_seq)
+            check_tree_mask(batch)
+            mask = self._tree_mask(batch, key_pos, in_seq, window)
         else:
             query_pos = prefix_lens[:, None] + j[None, :]  # [n, Lq]
             mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
@@ -155,17 +155,22 @@ class TorchAttentionBackend(AttentionBackend):
                       query_index=query_index, query_rows=query_rows, tokens=tokens)
 
     @staticmethod
-    def _tree_mask(batch: ForwardBatch, key_pos: torch.Tensor,
-                   in_seq: torch.Tensor) -> torch.Tensor:
-        """[bs, Q, L]: keys before seq_len - K visible to all queries, the last K keys looked
-        up in ``batch.tree_mask`` [bs, Q, K], keys past seq_len masked."""
+    def _tree_mask(batch: ForwardBatch, key_pos: torch.Tensor, in_seq: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
+        """[bs, Q, L]: keys before seq_len - K visible to all queries (with a window, to those
+        it reaches), the last K keys looked up in ``batch.tree_mask`` [bs, Q, K] (windowed by
+        ``window_tree_mask``), keys past seq_len masked."""
         tree_mask = batch.tree_mask.to(torch.bool)
         bs, num_q, num_k = tree_mask.shape
         rel = key_pos[None, :] - (batch.seq_lens[:, None] - num_k)  # [bs, L], tree key index
         in_tree = (rel >= 0) & in_seq
+        prefix = (rel < 0)[:, None, :]
+        if window is not None:
+            tree_mask, count = window_tree_mask(tree_mask, window)
+            prefix = prefix & (rel[:, None, :] >= (count - window)[:, :, None])
         tree_bits = torch.gather(tree_mask, 2,
                                  rel.clamp(0, num_k - 1)[:, None, :].expand(bs, num_q, -1))
-        return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_bits)
+        return prefix | (in_tree[:, None, :] & tree_bits)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:

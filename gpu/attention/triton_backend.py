@@ -6,8 +6,9 @@ backend never needs host copies of the sequence lengths (``needs_cpu_seq_lens = 
 Per-forward metadata (query offsets, extend block schedule, decode scratch) is built once in
 ``init_forward_metadata`` and shared by all layers. An EXTEND batch's ``tree_mask`` goes to
 the extend kernel as is (its K comes from the mask's shape, the tree's start from
-``seq_lens - K`` on the device). On CPU the kernels run under the Triton
-interpreter only; see ``gpu.attention.triton_common`` for how to enable it.
+``seq_lens - K`` on the device), in a windowed layer as ``window_tree_mask`` makes it (once
+per forward). On CPU the kernels run under the Triton interpreter only; see
+``gpu.attention.triton_common`` for how to enable it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention import triton_decode, triton_extend
-from gpu.attention.base import AttentionBackend, check_tree_mask
+from gpu.attention.base import AttentionBackend, check_tree_mask, window_tree_mask
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
 
@@ -32,6 +33,8 @@ class _ForwardMetadata:
     query_start: torch.Tensor | None = None  # [bs] first row of each request's new tokens
     block_req: torch.Tensor | None = None  # [grid] request of each query block
     block_m: torch.Tensor | None = None  # [grid] index of the block within its request
+    # A tree mask under each window of the layers: (windowed mask, visible tree keys per query)
+    tree_by_window: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -62,7 +65,9 @@ class TritonAttentionBackend(AttentionBackend):
                                        dtype=torch.float32, device=device)
         else:
             if batch.tree_mask is not None:
-                check_tree_mask(batch, self.sliding_window)
+                check_tree_mask(batch)
+                meta.tree_by_window = {w: window_tree_mask(batch.tree_mask, w)
+                                       for w in self.windows if w is not None}
             meta.query_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             meta.block_req, meta.block_m = triton_extend.extend_block_schedule(
                 batch.extend_lens, batch.num_tokens)
@@ -89,10 +94,13 @@ class TritonAttentionBackend(AttentionBackend):
                                             batch.seq_lens, meta.mid_out, meta.mid_lse,
                                             self.scale, window)
         else:
+            tree_mask, tree_count = batch.tree_mask, None
+            if tree_mask is not None and window is not None:
+                tree_mask, tree_count = meta.tree_by_window[window]
             triton_extend.extend_attention(q, k_buffer, v_buffer, out, table, batch.slots,
                                             batch.prefix_lens, batch.extend_lens,
                                             meta.query_start, meta.block_req, meta.block_m,
                                             self.scale, seq_lens=batch.seq_lens,
-                                            tree_mask=batch.tree_mask,
-                                            window=window)
+                                            tree_mask=tree_mask, window=window,
+                                            tree_count=tree_count)
         return out

@@ -18,13 +18,13 @@ EXTEND_BLOCK_N = 64  # keys per inner step of the extend kernel
 @triton.jit
 def _extend_kernel(
     Q, KBuf, VBuf, Out, ReqToToken, Slots, SeqLens, PrefixLens, ExtendLens, QueryStart,
-    BlockReq, BlockM, TreeMask,
+    BlockReq, BlockM, TreeMask, TreeCount,
     sm_scale, batch_size, tree_k, window,
     stride_q_tok, stride_q_head,
     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head,
     stride_o_tok, stride_o_head,
     stride_r2t_slot,
-    stride_tm_req, stride_tm_q, stride_tm_k,
+    stride_tm_req, stride_tm_q, stride_tm_k, stride_tc_req,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -41,8 +41,9 @@ def _extend_kernel(
 
     With ``USE_TREE_MASK`` the last ``tree_k`` keys of each request are not causal but masked
     by ``TreeMask[req, query, key - (seq_len - tree_k)]``; keys before them are visible to all
-    queries (``PrefixLens`` is then unused). With ``SLIDING`` (causal only) a query at
-    position p sees keys p - window + 1 .. p."""
+    queries (``PrefixLens`` is then unused). With ``SLIDING`` a query at position p sees keys
+    p - window + 1 .. p; under a tree mask ``TreeMask`` is already windowed and a query sees
+    prefix keys from ``tree_start + TreeCount[req, query] - window`` on (base.window_tree_mask)."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     req = tl.load(BlockReq + block)
@@ -69,15 +70,25 @@ def _extend_kernel(
             seq_len = tl.load(SeqLens + req).to(tl.int32)
             tree_start = seq_len - tree_k
             # Shared prefix: every key visible to every row. Its first step (if any) holds
-            # key 0, so m_i is finite afterwards.
-            for n0 in range(0, tree_start, BLOCK_N):
+            # key 0, so m_i is finite afterwards. With a window a row sees the prefix from
+            # first_key on (every row sees its own key, so from tree_start - window + 1 on at
+            # most), and may see nothing in a step.
+            prefix_start = 0
+            if SLIDING:
+                count = tl.load(TreeCount + req * stride_tc_req + offs_m, mask=mask_m, other=1)
+                first_key = tree_start + count - window
+                prefix_start = tl.maximum(tree_start - window + 1, 0)
+            for n0 in range(prefix_start, tree_start, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < tree_start
+                visible = mask_n[None, :]
+                if SLIDING:
+                    visible = visible & (offs_n[None, :] >= first_key[:, None])
                 acc, m_i, l_i = online_softmax_step(
                     acc, m_i, l_i, q, KBuf, VBuf, ReqToToken, slot, kv_head, offs_n, mask_n,
-                    mask_n[None, :], offs_d, mask_d, sm_scale,
+                    visible, offs_d, mask_d, sm_scale,
                     stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_r2t_slot,
-                    FP32_DOT, False)
+                    FP32_DOT, SLIDING)
             # The tree's keys, masked per (query, key). With an empty prefix a row may see
             # nothing in a whole step, hence MAY_BE_EMPTY.
             tm_row = TreeMask + req * stride_tm_req + offs_m[:, None] * stride_tm_q
@@ -145,7 +156,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      query_start: torch.Tensor, block_req: torch.Tensor, block_m: torch.Tensor,
                      sm_scale: float, seq_lens: torch.Tensor | None = None,
-                     tree_mask: torch.Tensor | None = None, window: int | None = None) -> None:
+                     tree_mask: torch.Tensor | None = None, window: int | None = None,
+                     tree_count: torch.Tensor | None = None) -> None:
     """New tokens of each request (token-major, request i owns rows
     ``query_start[i] : query_start[i] + extend_lens[i]`` of q and out) attend to positions
     ``0 .. prefix_lens[i] + j`` of their request. The new tokens' k/v must already be in the
@@ -155,10 +167,13 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     query j of request i sees keys ``0 .. seq_lens[i] - K - 1`` and key
     ``seq_lens[i] - K + k`` iff ``tree_mask[i, j, k]``; ``prefix_lens`` is not read.
 
-    With ``window`` (causal only) a query sees only the last ``window`` keys up to its own."""
+    With ``window`` a query sees only the last ``window`` keys up to its own; with a tree mask
+    too, ``tree_mask`` must already be windowed and ``tree_count`` [bs, Q] hold each query's
+    count of visible tree keys (both from ``gpu.attention.base.window_tree_mask``)."""
     check_inputs(q, k_buffer, v_buffer)
-    if window is not None and tree_mask is not None:
-        raise ValueError("extend_attention: a sliding window with a tree mask is not supported")
+    if window is not None and tree_mask is not None and tree_count is None:
+        raise ValueError("extend_attention: a tree mask under a window needs tree_count "
+                         "(gpu.attention.base.window_tree_mask)")
     _, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
     use_tree = tree_mask is not None
@@ -169,14 +184,18 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             tree_mask = tree_mask != 0
         tree_args = (tree_mask, tree_mask.shape[2])
         tree_strides = tree_mask.stride()
+        if tree_count is None:  # unused: the prefix loop's window branch is compiled out
+            tree_count = seq_lens
+        tree_strides += (tree_count.stride(0),)
     else:
         # Unused pointers (the kernel's tree branch is compiled out).
         seq_lens = prefix_lens
         tree_args = (prefix_lens, 0)
-        tree_strides = (0, 0, 0)
+        tree_count = prefix_lens
+        tree_strides = (0, 0, 0, 0)
     _extend_kernel[(block_req.shape[0], num_heads)](
         q, k_buffer, v_buffer, out, req_to_token, slots, seq_lens, prefix_lens, extend_lens,
-        query_start, block_req, block_m, tree_args[0],
+        query_start, block_req, block_m, tree_args[0], tree_count,
         sm_scale, slots.shape[0], tree_args[1], window or 0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

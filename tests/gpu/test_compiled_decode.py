@@ -1,6 +1,8 @@
 """The compiled decode step (gpu/compiled_decode.py): where it applies, that it gives the eager
 step's greedy tokens (fp32) through padded buckets and the real model, that inductor writes
-its cache under the fmserve cache dir, and that runtime.compile = "off" runs eagerly.
+its cache under the fmserve cache dir, that a sliding-window model (Gemma 3's local and
+global layers, one mask each in the graph) decodes as transformers does, and that
+runtime.compile = "off" runs eagerly.
 
 The only module of the suite that compiles (tests/conftest.py sets FMSERVE_COMPILE=off, so
 "auto" is off elsewhere). Compiling costs seconds a bucket for conftest's 2-layer tiny_llama
@@ -21,6 +23,7 @@ from gpu.compiled_decode import ENV_COMPILE, compile_applies, compile_mode
 from ipc.cache_dirs import compile_cache_dir
 from ipc.sampling import SamplingParams
 from tests.engine_runs import assert_accounting_empty
+from tests.gpu import family_models as fm
 
 CPU = torch.device("cpu")
 # Budgets differ, so one batch shrinks 4, 3, 2, 1: buckets 4, 4 (one padding row), 2 and 1.
@@ -30,8 +33,7 @@ PROMPTS = [[1, 7, 9, 30], [1, 40, 2, 11, 12, 60, 61], [1, 5], [1, 88, 17, 17, 3,
 def test_compile_applies_to_cpu_bf16_and_fp32_with_the_torch_backend():
     assert compile_applies("auto", CPU, torch.bfloat16, "torch", False)
     assert compile_applies("auto", CPU, torch.float32, "torch", False)
-    # one mask for every layer, and no all-reduce traced: eager for these
-    assert not compile_applies("auto", CPU, torch.float32, "torch", False, windowed=True)
+    # no all-reduce traced: eager for these
     assert not compile_applies("auto", CPU, torch.float32, "torch", False, tp=2)
     assert not compile_applies("off", CPU, torch.float32, "torch", False)
     for device, dtype, backend, det in [(torch.device("cuda"), torch.bfloat16, "torch", False),
@@ -123,3 +125,17 @@ def test_the_real_model_decodes_the_dev_prompts_as_eagerly(model_path):
         outputs[name] = [greedy(engine, [p], [10])[0] for p in prompts]
     assert outputs["compiled"] == outputs["eager"]
     assert compiled.runs >= 2 * 8
+
+
+def test_a_windowed_model_decodes_compiled_as_transformers(tmp_path):
+    """A tiny Gemma 3 (window 8 on five layers, the sixth global), one request decoding past
+    the window: bucket 1 only."""
+    model = fm.random_model("gemma3")
+    engine = Engine(model=str(fm.save_hf_dir(model, tmp_path)), device="cpu", dtype="fp32",
+                    compile="on", page_size=4, max_kv_tokens=256, max_running_requests=1,
+                    progress=False)
+    compiled = engine.worker.step.compiled_decode
+    assert compiled is not None and compiled.ready == {1}, compiled.failed
+    prompt = [fm.BOS] + [(7 * i * i + 3 * i) % 300 for i in range(13)]
+    assert greedy(engine, [prompt], [10]) == [fm.reference_greedy(model, prompt, 10)]
+    assert compiled.runs >= 9

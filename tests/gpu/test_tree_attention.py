@@ -5,6 +5,10 @@ Layouts covered: verification (Q == K, the queries are the whole tree) and draft
 the queries are one middle block of the K tree keys), prefixes of length 0 and not, page
 sizes 1 and 16, K and Q above the extend kernel's 64-wide blocks. Without a GPU the Triton
 kernels run under the interpreter (see tests/gpu/test_triton_attention.py for the reload dance).
+Under a sliding window (a verify step on Mistral or Gemma 3's local layers) the reference
+places every key at its position (prefix key i at i, tree key k at the tree's start plus its
+depth) and keeps the last `window` positions up to the query's; the batch-invariant backend
+(runtime.deterministic) joins the two others there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from gpu.attention import triton_common, triton_decode, triton_extend  # noqa: E402
+from gpu.attention.batch_invariant_backend import BatchInvariantAttentionBackend  # noqa: E402
 from gpu.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from gpu.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from gpu.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -128,12 +133,14 @@ class Case:
                             seq_lens_sum=sum(self.seq_lens), max_seq_len=max(self.seq_lens),
                             max_extend_len=self.num_q)
 
-    def run(self, backend_name: str, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    def run(self, backend_name: str, tree_mask: torch.Tensor | None,
+            window: int | None = None) -> torch.Tensor:
         """One forward on a fresh copy of the pool."""
         self.reset_pool()
-        cls = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}[backend_name]
+        cls = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend,
+               "batch_invariant": BatchInvariantAttentionBackend}[backend_name]
         backend = cls(self.pool, self.table, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                      scale=HEAD_DIM ** -0.5)
+                      scale=HEAD_DIM ** -0.5, sliding_window=window)
         batch = self.batch(tree_mask, device_only=backend_name == "triton")
         backend.init_forward_metadata(batch)
         out = backend.forward(self.q, self.k, self.v, LAYER, batch)
@@ -141,8 +148,11 @@ class Case:
         assert torch.equal(self.pool.k_buffer[LAYER][self.out_cache_loc], self.k)
         return out
 
-    def reference(self, tree_mask: torch.Tensor) -> torch.Tensor:
-        """Plain loops in float64 over the pool as the forward leaves it."""
+    def reference(self, tree_mask: torch.Tensor, window: int | None = None,
+                  depth: torch.Tensor | None = None) -> torch.Tensor:
+        """Plain loops in float64 over the pool as the forward leaves it. With a window,
+        `depth` [bs, K] places tree key k at tree_start + depth[k] (query j is tree key
+        q_offset + j)."""
         keys_pool = self.k_snapshot[LAYER].clone()
         values_pool = self.v_snapshot[LAYER].clone()
         keys_pool[self.out_cache_loc] = self.k
@@ -155,6 +165,11 @@ class Case:
             for j in range(self.num_q):
                 visible = [n for n in range(seq)
                            if n < tree_start or bool(tree_mask[i, j, n - tree_start])]
+                if window is not None:
+                    def position(n: int) -> int:
+                        return n if n < tree_start else tree_start + int(depth[i, n - tree_start])
+                    query_pos = position(tree_start + self.q_offset + j)
+                    visible = [n for n in visible if query_pos - position(n) < window]
                 assert visible, "every query row needs a visible key"
                 idx = locs[visible]
                 row = i * self.num_q + j
@@ -260,3 +275,43 @@ def test_wrong_mask_changes_output():
         good, bad = case.run(name, mask), case.run(name, wrong)
         changed = ((good - bad).abs().amax(dim=(1, 2)) > 1e-3).nonzero().flatten().tolist()
         assert changed == [9 + row], f"{name}: rows {changed} changed"
+
+
+WINDOWED_BACKENDS = ["torch", "triton", "batch_invariant"]
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_verification_tree_under_a_window(window):
+    # Windows shorter than the tree's paths (they cut into the tree) and longer (they cut
+    # into the prefix: prefixes 0, shorter than the window and longer).
+    case = Case(prefix_lens=[0, 2, 37], num_k=12, num_q=12, q_offset=0, page_size=4,
+                seed=30 + window)
+    masks = verification_masks(3, 12, case.gen)
+    depth = masks.sum(-1) - 1
+    expected = case.reference(masks, window, depth)
+    # The window hides keys the full tree shows: the comparison can fail.
+    assert (expected - case.reference(masks)).abs().max() > 1e-2
+    for name in WINDOWED_BACKENDS:
+        out = case.run(name, masks, window)
+        torch.testing.assert_close(out.double().cpu(), expected, atol=ATOL, rtol=0,
+                                   msg=lambda m, n=name: f"{n} backend: {m}")
+
+
+def test_drafting_block_under_a_window():
+    # The draft loop's layout (queries a middle block of the tree's keys) under a window of 2.
+    case = Case(prefix_lens=[21, 0, 3], num_k=12, num_q=4, q_offset=4, page_size=16, seed=40)
+    full = verification_masks(3, 12, case.gen)
+    masks = full[:, 4:8]
+    expected = case.reference(masks, 2, full.sum(-1) - 1)
+    for name in WINDOWED_BACKENDS:
+        out = case.run(name, masks, 2)
+        torch.testing.assert_close(out.double().cpu(), expected, atol=ATOL, rtol=0,
+                                   msg=lambda m, n=name: f"{n} backend: {m}")
+
+
+def test_chain_under_a_window_equals_windowed_causal_extend():
+    case = Case(prefix_lens=[0, 9, 40], num_k=7, num_q=7, q_offset=0, page_size=4, seed=50)
+    chain = torch.tril(torch.ones(7, 7, dtype=torch.bool)).expand(3, 7, 7).clone()
+    for name in WINDOWED_BACKENDS:
+        torch.testing.assert_close(case.run(name, chain, 4), case.run(name, None, 4),
+                                   atol=1e-5, rtol=0)
