@@ -1,7 +1,9 @@
-"""What each rank of tests/gpu/test_tensor_parallel.py's two-rank runs does, in a process of
-its own (torch.multiprocessing spawn, gloo over loopback): a worker with parallel.tp = 2, the
-logits of a prefill and the tokens of a few plans, saved for the test to compare with one
-rank's."""
+"""What each rank of the tensor-parallel tests' runs does, in a process of its own
+(torch.multiprocessing spawn, gloo over loopback): tests/gpu/test_tensor_parallel.py's worker
+with parallel.tp = 2 (the logits of a prefill and the tokens of a few plans), and
+tests/gpu/test_tensor_parallel_eagle.py's offline Engine on rank 0 relaying its plans to the
+other ranks as the service's worker does; the results are saved for the test to compare with
+one rank's."""
 
 from __future__ import annotations
 
@@ -94,7 +96,8 @@ def engine_runs(rank: int, world: int, cfgs: list, prompts: list, params: list,
         out.append({"tokens": [c.token_ids for c in done],
                     "verify_steps": sum(c.spec_verify_steps for c in done),
                     "accepted": sum(c.spec_accepted_drafts for c in done),
-                    "q4_projections": engine.worker.state.model.q4_projections})
+                    "q4_projections": engine.worker.state.model.q4_projections,
+                    "num_layers": engine.info.num_layers})
     return out
 
 
