@@ -90,17 +90,17 @@ class TensorShard:
         return int(seed.item())
 
     def check_same_tokens(self, tokens: torch.Tensor) -> None:
-        """Debug (the WRWR check's companion): every rank sampled the same tokens, so their
-        FutureMaps stay identical. One all-gather of the step's tokens."""
+        """Debug (the WRWR check's companion): every rank sampled (or drafted) the same tokens,
+        so their FutureMaps stay identical. One all-gather of the tokens."""
         parts = [torch.empty_like(tokens) for _ in range(self.size)]
         dist.all_gather(parts, tokens.contiguous(), group=self.group)
         same = (torch.stack(parts) == tokens).all()
         if tokens.device.type != "cpu":
-            torch._assert_async(same, "tensor-parallel ranks sampled different tokens")
+            torch._assert_async(same, "tensor-parallel ranks chose different tokens")
             return
         with expected_sync():
             if not bool(same):
-                raise RuntimeError(f"tensor-parallel ranks sampled different tokens: "
+                raise RuntimeError(f"tensor-parallel ranks chose different tokens: "
                                    f"{[p.tolist() for p in parts]}")
 
     # -- cutting the weights -------------------------------------------------------------------

@@ -159,25 +159,31 @@ def follow_plans(cfg: WorkerConfig, rank: int, size: int, addr: str, port: int) 
     """Ranks 1..N-1: build this rank's worker, then run every relayed plan until Shutdown.
     Results stay here (rank 0 sends them). Returns the exit code."""
     from gpu.worker import Worker
-    from ipc.worker_messages import Shutdown, StepPlan
-    from ipc.zmq_util import WorkerSideCodec
 
     try:
         ranks = join_ranks(cfg, rank, size, addr, port)
-        worker = Worker(cfg)
-        codec = WorkerSideCodec()
-        while True:
-            data = ranks.broadcast()
-            if not data:
-                continue  # keep-alive
-            msg = codec.decode(data)
-            if isinstance(msg, Shutdown):
-                dist.destroy_process_group()
-                return 0
-            if isinstance(msg, StepPlan):
-                worker.finish(worker.launch(msg))
+        follow(ranks, Worker(cfg))
+        dist.destroy_process_group()
+        return 0
     except Exception:
         traceback.print_exc()
         print(f"fmserve worker rank {rank}: failed; the group goes down with it",
               file=sys.stderr, flush=True)
         return 1
+
+
+def follow(ranks: RankGroup, worker) -> None:
+    """Ranks 1..N-1: run every plan rank 0 relays on this rank's worker, until Shutdown."""
+    from ipc.worker_messages import Shutdown, StepPlan
+    from ipc.zmq_util import WorkerSideCodec
+
+    codec = WorkerSideCodec()
+    while True:
+        data = ranks.broadcast()
+        if not data:
+            continue  # keep-alive
+        msg = codec.decode(data)
+        if isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, StepPlan):
+            worker.finish(worker.launch(msg))

@@ -156,13 +156,18 @@ class WorkerState:
         weighted by whether each was accepted)."""
         if seq_lens is not None:
             self.future_map.publish(slots, seq_lens)
-        if self.shard is not None and self.future_map.wrwr_check:
-            self.shard.check_same_tokens(next_tokens)
+        self.check_ranks_agree(next_tokens)
         self.future_map.stash(slots, next_tokens)
         if emitted is None:
             self.sampling_state.record_outputs(slots, next_tokens)
         else:
             self.sampling_state.record_outputs(emitted_slots, emitted, weights=weights)
+
+    def check_ranks_agree(self, tokens: torch.Tensor) -> None:
+        """Debug, with the WRWR check: every tensor-parallel rank chose the same tokens (sampled,
+        or drafted), so their FutureMaps and batches stay identical."""
+        if self.shard is not None and self.future_map.wrwr_check:
+            self.shard.check_same_tokens(tokens)
 
     def prefill_chunks(self, extends: list[ExtendEntry]) -> PrefillChunks:
         """The plan's prefill chunks (at least one) on the device; their tokens also enter

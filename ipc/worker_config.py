@@ -100,11 +100,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              "\"torch\" (its batch-invariant attention is written in torch)")
         self.spec.validate()
         tp = self.parallel.validate().tp
-        if tp > 1 and self.spec.enabled:
-            raise ValueError(f"parallel.tp = {tp} with speculative decoding "
-                             f"({self.spec.algorithm}) is not built yet: the EAGLE step does "
-                             f"not run on several ranks; set parallel.tp = 1 or spec.algorithm "
-                             f"= \"none\"")
         if tp > 1 and self.runtime.cuda_graph_max_batch:
             raise ValueError(f"parallel.tp = {tp} with runtime.cuda_graph_max_batch > 0 is not "
                              f"built yet (the decode graphs hold no collectives); set it to 0")

@@ -267,10 +267,23 @@ class DraftHead(nn.Module):
                                                     device=device), persistent=False)
             self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool,
                                                    device=device), persistent=False)
+        # Under tensor parallelism: the target's vocabulary-parallel layers (borrow_parallel_target).
+        self._parallel_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._parallel_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         # inv_freq stays fp32 whatever dtype the module is cast to: one copy per device.
         self._inv_freq_cpu = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self._rope_scale = cfg.rope_scaling.cos_sin_scale() if cfg.rope_scaling else 1.0
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def borrow_parallel_target(self, embed: Callable[[torch.Tensor], torch.Tensor],
+                               lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Tensor parallelism: the target's embedding and lm_head are split by vocabulary, so
+        the head embeds (and an EAGLE-1 head scores) through the target's parallel layers, whose
+        collectives give every rank whole rows. The head's own weights stay whole on every
+        rank. The borrowed tables are dropped: each is only this rank's share."""
+        self.target_embed = None
+        self.target_lm_head = None
+        self._parallel_embed, self._parallel_lm_head = embed, lm_head
 
     def use_int8_for_small_forwards(self, max_rows: int) -> int:
         """Serve forwards of at most ``max_rows`` rows on int8 copies of every bias-free linear
@@ -315,8 +328,12 @@ class DraftHead(nn.Module):
         logits_hidden [n, H]: what ``logits`` takes; normed for eagle3, hidden_out for eagle).
         """
         dtype = self.weight_dtype
-        embed = self.embed_tokens.weight if self.embed_tokens is not None else self.target_embed
-        emb = F.embedding(input_ids, embed)
+        if self.embed_tokens is not None:
+            emb = F.embedding(input_ids, self.embed_tokens.weight)
+        elif self._parallel_embed is not None:
+            emb = self._parallel_embed(input_ids)
+        else:
+            emb = F.embedding(input_ids, self.target_embed)
         if emb.dtype != dtype:
             emb = emb.to(dtype)
         if hidden.dtype != dtype:
@@ -335,6 +352,8 @@ class DraftHead(nn.Module):
         """[n, draft_vocab] float32 (eagle3: the head's lm_head; eagle: the target's)."""
         if self.eagle3:
             return self.lm_head(logits_hidden).float()
+        if self._parallel_lm_head is not None:
+            return self._parallel_lm_head(logits_hidden).float()
         weight = self.target_lm_head if self.target_lm_head is not None else self.target_embed
         return F.linear(logits_hidden.to(weight.dtype), weight).float()
 

@@ -60,8 +60,10 @@ class EagleStep:
         self.batches = SpecBatches(state, self.needs_cpu_seq_lens)
         state.future_map.enable_spec(settings.topk, self.head.config.hidden_size, state.dtype)
         self.max_position = drafter.max_position
-        # Deterministic mode must not choose by timing: there "auto" always drafts.
-        timed = state.device.type == "cpu" and not state.cfg.runtime.deterministic
+        # Deterministic mode must not choose by timing: there "auto" always drafts. Nor must
+        # tensor-parallel ranks, each timing itself: they must all take the same way.
+        timed = (state.device.type == "cpu" and not state.cfg.runtime.deterministic
+                 and state.shard is None)
         self.gate = SpecGate(settings.disable_above_batch_size, measured=timed)
 
     # -- the interface the Worker calls ------------------------------------------------------
@@ -160,6 +162,7 @@ class EagleStep:
             return self._decode_plain(slots, slots_host, seq_lens, root)
         topk_p, topk_ids, draft_hidden = fm.resolve_spec(slots)
         tree = self.drafter.tree(batches, slots, seq_lens, root, topk_p, topk_ids, draft_hidden)
+        st.check_ranks_agree(tree.tokens)  # every rank verifies the same drafts
 
         # Verify: node j's KV goes to index L + j; it sits at position L + depth(j).
         cols = torch.arange(T, device=dev)

@@ -14,7 +14,8 @@ change (longer contexts, a different acceptance) is noticed.
 
 Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
 the launch returns before the device is done, so "auto" drafts at every size there (a verify
-of a small model on a GPU costs about what a decode does: it is launch-bound).
+of a small model on a GPU costs about what a decode does: it is launch-bound). Tensor-parallel
+ranks do not measure either: each would time itself, and they must all take the same way.
 """
 
 from __future__ import annotations

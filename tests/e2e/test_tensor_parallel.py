@@ -1,7 +1,7 @@
 """`fmserve serve --tp 2` on the CPU (gloo, two real rank processes): the same greedy tokens
-as one rank, with overlap on and concurrent clients; a model whose heads tp cannot split is
-refused with the reason; a rank that dies takes the group down, its request gets one error,
-and the service restarts the whole group."""
+as one rank, with overlap on and concurrent clients, plain and under EAGLE-3; a model whose
+heads tp cannot split is refused with the reason; a rank that dies takes the group down, its
+request gets one error, and the service restarts the whole group."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fmserve.engine import Engine
 from ipc.client import Client
 from ipc.client_errors import RequestFailed
 from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
 from ipc.worker_config import worker_config
 from service.worker_supervisor import WorkerHandle, WorkerStartError
 from tests.e2e.service_process import ServiceProcess, assert_idle, child_pids
@@ -36,6 +37,26 @@ def tp_model(tmp_path_factory):
                             num_attention_heads=8, num_key_value_heads=4,
                             max_position_embeddings=8192)
     return model, fm.save_hf_dir(model, tmp_path_factory.mktemp("tp-llama"))
+
+
+@pytest.fixture(scope="module")
+def tp_eagle_model(tmp_path_factory):
+    """A 4-layer Llama two ranks can split, and a random EAGLE-3 head for it (aux layers 0-2)."""
+    import torch
+
+    from gpu.eagle.head_io import random_draft_head, save_draft_head
+    from gpu.loader.load import load_model
+
+    model = fm.random_model("llama", hidden_size=256, intermediate_size=384,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                            max_position_embeddings=8192)
+    path = fm.save_hf_dir(model, tmp_path_factory.mktemp("tp-eagle-llama"))
+    loaded = load_model(str(path), dtype=torch.float32, progress=False)
+    head = random_draft_head(loaded.config, loaded.weights["embed_tokens"], None,
+                             aux_layer_ids=(0, 1, 2), seed=5)
+    head_dir = tmp_path_factory.mktemp("tp-eagle-head")
+    save_draft_head(head, head_dir)
+    return path, head_dir
 
 
 def rank_pids(svc: ServiceProcess) -> list[int]:
@@ -66,6 +87,39 @@ def test_two_ranks_give_the_one_rank_tokens_through_the_service(tp_model):
         # Unseeded: the ranks drew one shared seed (their same-token check would have failed
         # the step otherwise, FMSERVE_WRWR_CHECK being on under test).
         assert len(got[4]) == 10
+        with Client(svc.endpoint) as client:
+            assert_idle(client)
+    finally:
+        assert svc.stop() == 0, svc.log_text()
+
+
+def test_eagle3_tree_on_two_ranks_gives_one_ranks_tokens_through_the_service(tp_eagle_model):
+    path, head = tp_eagle_model
+    spec = SpecSettings("eagle3", str(head), num_steps=3, topk=2, num_draft_tokens=6,
+                        disable_above_batch_size=0)
+    plain = Engine(model=str(path), dtype="fp32", progress=False)
+    expected = [c.token_ids for c in plain.generate(PROMPTS, [GREEDY] * 3)]
+    one_rank = Engine(model=str(path), dtype="fp32", progress=False, spec=spec)
+    spec_runs = one_rank.generate(PROMPTS + [PROMPTS[0]], [GREEDY] * 3 + [SEEDED])
+    assert [c.token_ids for c in spec_runs[:3]] == expected
+    # disable_above_batch_size stays "auto": ranks that each timed themselves could part ways,
+    # so under tp > 1 it always drafts, as the one rank above does with 0.
+    svc = ServiceProcess(path, "--tp", "2", "--overlap", "--spec-algorithm", "eagle3",
+                         "--draft-model", str(head), "--spec-topk", "2",
+                         "--spec-num-draft-tokens", "6")
+    try:
+        def complete(job):
+            prompt, params = job
+            with Client(svc.endpoint) as client:
+                return client.complete(token_ids=prompt, params=params).token_ids
+
+        jobs = list(zip(PROMPTS + [PROMPTS[0], PROMPTS[1]], [GREEDY] * 3 + [SEEDED, UNSEEDED]))
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(complete, jobs))
+        assert got[:3] == expected
+        # Seeded: speculative sampling draws the same on both ranks as on one.
+        assert got[3] == spec_runs[3].token_ids
+        assert len(got[4]) == 10  # unseeded: the ranks' same-draft check held every step
         with Client(svc.endpoint) as client:
             assert_idle(client)
     finally:

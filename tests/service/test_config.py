@@ -368,8 +368,9 @@ def test_parallel_settings_reach_the_worker_and_dp_is_refused_until_built():
     message = refused(None, {"parallel.dp": 2})
     assert "parallel.dp = 2" in message and "not built yet" in message
     assert "out of range" in refused(None, {"parallel.tp": 0})
-    message = refused(None, {"parallel.tp": 2, "spec.algorithm": "eagle3"})
-    assert "parallel.tp = 2" in message and "speculative decoding" in message
+    # EAGLE runs on tensor-parallel ranks too (tests/gpu/test_tensor_parallel_eagle.py).
+    spec_tp = load_config(None, {"parallel.tp": 2, "spec.algorithm": "eagle3"}).worker_config()
+    assert spec_tp.parallel.tp == 2 and spec_tp.spec.enabled
 
 
 def test_tensor_parallel_ranks_share_the_cpu_cores(monkeypatch):
