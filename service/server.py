@@ -1,6 +1,6 @@
 """The scheduler process: clients in over ZMQ ROUTER, plans out to the worker, tokens back.
 
-Three anyio tasks share one event loop (asyncio backend):
+Anyio tasks share one event loop (asyncio backend):
 - `_receive_loop`: decodes client frames, admits requests into the SchedulerCore, aborts; a
   large text prompt is tokenized on a thread meanwhile (service/prompt_intake.py), its request
   in flight but not yet in the core (`_tokenizing`);
