@@ -49,6 +49,16 @@ def reference(model_path):
         torch.set_num_threads(threads)
 
 
+def replica_metrics(svc: ServiceProcess) -> dict[tuple[str, tuple], float]:
+    """The `fmserve:replica_*` samples of GET /metrics: (name, label values) -> value."""
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(httpx.get(svc.http_url + "/metrics").text)
+            for s in fam.samples if s.name.startswith("fmserve:replica_")}
+
+
 def replicas(client: Client) -> list:
     stats = client.health()
     assert len(stats.replicas) == 2, stats
@@ -115,7 +125,7 @@ def anyio_backend():
 
 def test_a_dead_replica_fails_its_request_once_while_the_other_serves_on(dp_service,
                                                                          reference):
-    long = SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True)
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -132,6 +142,13 @@ def test_a_dead_replica_fails_its_request_once_while_the_other_serves_on(dp_serv
             # Replica 1 restarts; meanwhile the service answers, on replica 0.
             wait_for(client, lambda s: s.replicas[1].worker_state == "restarting",
                      "replica 1 to restart")
+            samples = replica_metrics(dp_service)
+            assert samples[("fmserve:replica_worker_state",
+                            (("replica", "1"), ("state", "restarting")))] == 1
+            assert samples[("fmserve:replica_worker_state",
+                            (("replica", "0"), ("state", "ready")))] == 1
+            assert samples[("fmserve:replica_num_requests_running", (("replica", "0"),))] == 1
+            assert samples[("fmserve:replica_kv_cache_usage_perc", (("replica", "0"),))] > 0
             during = client.complete(messages=[{"role": "user", "content": QUESTIONS[0]}],
                                      params=GREEDY, timeout_s=120)
             assert during.token_ids == reference[0].token_ids
@@ -159,7 +176,7 @@ def test_a_dead_replica_fails_its_request_once_while_the_other_serves_on(dp_serv
             assert ends == [("Error", "worker_died"), ("Finished", "length")], terminals
             survivor = next(rid for rid, t in terminals.items() if isinstance(t[0], Finished))
             assert sum(len(m.token_ids) for m in replies[survivor]
-                       if isinstance(m, Chunk)) == 80
+                       if isinstance(m, Chunk)) == 120
 
             # Replica 1 is back, with its own restart counted, and takes work again.
             stats = wait_for(client, lambda s: s.replicas[1].worker_state == "ready",
