@@ -57,6 +57,10 @@ class Engine:
         given by its flat name (ipc/worker_config.py: dtype="fp32", spec=SpecSettings(...)).
         `overlap` and `prefix_cache` are the scheduler's, as in config.toml [scheduling]."""
         cfg = worker_config(config, **settings)
+        if cfg.parallel.dp != 1:
+            raise ValueError(f"parallel.dp = {cfg.parallel.dp}: the offline engine runs one "
+                             f"worker in this process; data-parallel replicas are for `fmserve "
+                             f"serve --dp {cfg.parallel.dp}`")
         model = model if model is not None else cfg.model.path
         path = resolve_model_path(model)
         spec = cfg.spec

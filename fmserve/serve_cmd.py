@@ -45,6 +45,8 @@ OVERRIDE_FLAGS = {
     "--spec-topk": ("spec.topk", dict(type=int)),
     "--spec-num-draft-tokens": ("spec.num_draft_tokens", dict(type=int)),
     "--tp": ("parallel.tp", dict(type=int, help="tensor-parallel worker ranks (default 1)")),
+    "--dp": ("parallel.dp", dict(type=int, help="data-parallel worker replicas, each with "
+                                            "its own KV cache and batch (default 1)")),
     "--spec-disable-above-batch-size": ("spec.disable_above_batch_size", dict(
         type=batch_limit, help="decode batches larger than this run without drafting (0: "
                                "never; auto: where measured faster)")),

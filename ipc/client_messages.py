@@ -102,6 +102,23 @@ class Error(msgspec.Struct, tag="error", frozen=True):
     message: str  # for people: what was wrong and what to do
 
 
+class ReplicaStatus(msgspec.Struct, frozen=True):
+    """One data-parallel replica (parallel.dp): a worker group with its own KV pages, slots and
+    batch. `Stats` and telemetry carry one per replica (one with dp = 1)."""
+
+    index: int
+    worker_state: WorkerState
+    pid: int | None  # its worker process (rank 0 of its group); None while none runs
+    restarts: int  # of this replica's worker, failed attempts included
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    free_slots: int
+    total_slots: int
+    steps: int
+
+
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     model: str
     device: str
@@ -124,6 +141,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     worker_state: WorkerState = "ready"
     worker_restarts: int = 0  # since the service started, failed restart attempts included
     draining: bool = False  # shutting down: new requests refused, those in flight finishing
+    # Per replica; the fields above sum them (worker_state: "ready" while any replica serves).
+    replicas: list[ReplicaStatus] = []
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True, omit_defaults=True):

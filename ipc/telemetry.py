@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ipc.client_messages import WorkerState
+from ipc.client_messages import ReplicaStatus, WorkerState
 
 # A request's `text_tail` holds at most this many characters (the newest), so a snapshot stays
 # small however long the outputs grow: at most 400 x the running and waiting requests.
@@ -29,6 +29,7 @@ class RequestTelemetry(msgspec.Struct, array_like=True, frozen=True):
     # bonus token) so far; None without speculation or before its first verify step
     text_tail: str | None = None  # the last TEXT_TAIL_CHARS characters of the text streamed to
     # its client so far ("" before any); None from a service that does not publish text.
+    replica: int = 0  # the data-parallel replica running it (parallel.dp)
     # array_like: new fields go last, with defaults, so older readers still decode.
 
 
@@ -95,3 +96,6 @@ class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     prefix_cache_hit_share: float | None = None
     cached_pages: int = 0
     draining: bool = False  # shutting down: new requests refused, those in flight finishing
+    # Each data-parallel replica's worker, batch and KV (one with parallel.dp = 1); the fields
+    # above sum them (`worker`: alive while any replica serves, pid the first replica's).
+    replicas: list[ReplicaStatus] = []

@@ -70,13 +70,9 @@ class ParallelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """config.toml [parallel]: worker ranks over torch.distributed (gpu/tp_ranks.py)."""
 
     tp: Annotated[int, Meta(ge=1, le=64)] = 1  # tensor-parallel ranks of one worker group
-    dp: Annotated[int, Meta(ge=1, le=64)] = 1  # data-parallel replicas: only 1 is built
-
-    def validate(self) -> "ParallelSettings":
-        if self.dp != 1:
-            raise ValueError(f"parallel.dp = {self.dp}: data parallelism (several worker "
-                             f"replicas) is not built yet; only parallel.dp = 1 is accepted")
-        return self
+    # Data-parallel replicas: worker groups behind one scheduler (service/replica.py); a
+    # worker is one replica and does not read it.
+    dp: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -99,7 +95,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("runtime.deterministic = true needs runtime.attention_backend = "
                              "\"torch\" (its batch-invariant attention is written in torch)")
         self.spec.validate()
-        tp = self.parallel.validate().tp
+        tp = self.parallel.tp
         if tp > 1 and self.runtime.cuda_graph_max_batch:
             raise ValueError(f"parallel.tp = {tp} with runtime.cuda_graph_max_batch > 0 is not "
                              f"built yet (the decode graphs hold no collectives); set it to 0")

@@ -115,8 +115,9 @@ def worker_cpu_threads(cfg: ServiceConfig) -> int:
     if cfg.runtime.worker_cpu_threads:
         return cfg.runtime.worker_cpu_threads
     cores = len(os.sched_getaffinity(0))
-    if cfg.parallel.tp > 1:  # tensor-parallel ranks share the cores: one team each, no overlap
-        return max(1, cores // cfg.parallel.tp)
+    ranks = cfg.parallel.tp * cfg.parallel.dp
+    if ranks > 1:  # tensor-parallel ranks and replicas share the cores: one team each
+        return max(1, cores // ranks)
     return cores - 1 if overlap_on(cfg, "cpu") and 3 <= cores <= 8 else 0
 
 

@@ -1,5 +1,6 @@
 """What the service counts over its life, in one place: `Stats` replies (`stats`) and the
-telemetry snapshots read the same numbers."""
+telemetry snapshots read the same numbers. With data-parallel replicas, their steps and
+restarts add up here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ipc.client_messages import Stats, WorkerState
+from ipc.client_messages import ReplicaStatus, Stats, WorkerState
 from ipc.telemetry import StepTelemetry
 from ipc.worker_messages import StepPlan, StepResult, WorkerInfo, unpack_i32
 
@@ -39,13 +40,15 @@ class ServiceCounters:
         self.steps += 1
         self.worker_busy_ms += result.forward_ms
         self.worker_idle_ms += result.idle_ms if idle_counts else 0.0
+        # Numbered by the service, not by the plan: replicas number their plans each from 1.
         self.recent_steps.append(StepTelemetry(
-            plan.step_id, len(plan.extends) + decodes, num_tokens, result.forward_ms,
+            self.steps, len(plan.extends) + decodes, num_tokens, result.forward_ms,
             (time.perf_counter() - sent) * 1000.0, result.idle_ms))
 
     def stats(self, acc: dict[str, int], info: WorkerInfo, worker_state: WorkerState,
-              instance: str, waiting_extra: int, draining: bool) -> Stats:
-        """A Stats reply: these counters and the scheduler's accounting (`acc`); requests
+              instance: str, waiting_extra: int, draining: bool,
+              replicas: list[ReplicaStatus]) -> Stats:
+        """A Stats reply: these counters and the replicas' accounting summed (`acc`); requests
         still being tokenized (`waiting_extra`) count as waiting."""
         return Stats(model=info.model_name, device=info.device,
                      worker_alive=worker_state == "ready", worker_state=worker_state,
@@ -57,7 +60,7 @@ class ServiceCounters:
                      worker_busy_ms=self.worker_busy_ms, worker_idle_ms=self.worker_idle_ms,
                      cached_pages=acc["cached_pages"],
                      prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
-                     instance=instance, draining=draining)
+                     instance=instance, draining=draining, replicas=replicas)
 
     @property
     def worker_idle_share(self) -> float:

@@ -3,7 +3,8 @@
 Latencies are histograms observed as replies go out (service/replies.py); everything the
 service already counts (service/counters.py, the scheduler's accounting, draft acceptance) is
 read at scrape time by a collector, so no number is kept twice. Each Service has its own
-registry: tests run several in one process.
+registry: tests run several in one process. The gauges of requests and KV use sum over the
+data-parallel replicas; `fmserve:replica_*` series give each replica's, labelled `replica`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
+from ipc.client_messages import ReplicaStatus
 from ipc.spec_settings import SpecSettings
 from service.counters import ServiceCounters
 
@@ -25,13 +27,15 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 class _CountersCollector:
     """Counters and gauges from what the service counts, read when Prometheus scrapes."""
 
-    def __init__(self, counters: ServiceCounters, scheduler: Callable[[], object],
-                 worker_state: Callable[[], str], drafts_per_verify: int) -> None:
-        self.counters, self.scheduler, self.worker_state = counters, scheduler, worker_state
+    def __init__(self, counters: ServiceCounters, schedulers: Callable[[], list],
+                 replicas: Callable[[], list[ReplicaStatus]], worker_state: Callable[[], str],
+                 drafts_per_verify: int) -> None:
+        self.counters, self.schedulers, self.worker_state = counters, schedulers, worker_state
+        self.replicas = replicas
         self.drafts_per_verify = drafts_per_verify
 
     def collect(self):
-        c, sched = self.counters, self.scheduler()
+        c, schedulers = self.counters, self.schedulers()
         yield CounterMetricFamily(P + "prompt_tokens", "Prefilled prompt tokens of finished "
                                   "requests", value=c.prompt_tokens)
         yield CounterMetricFamily(P + "generation_tokens", "Output tokens sent to clients",
@@ -53,10 +57,10 @@ class _CountersCollector:
         for state in ("ready", "restarting", "down"):
             up.add_metric([state], float(self.worker_state() == state))
         yield up
-        if sched is None:
+        if not schedulers:
             return
-        core = sched.core
-        acc = core.accounting()
+        accs = [s.core.accounting() for s in schedulers]
+        acc = {k: sum(a[k] for a in accs) for k in accs[0]}
         yield GaugeMetricFamily(P + "num_requests_running", "Requests holding a slot",
                                 value=acc["running"])
         yield GaugeMetricFamily(P + "num_requests_waiting", "Requests queued for a slot",
@@ -66,7 +70,8 @@ class _CountersCollector:
                                 value=used / max(1, acc["total_pages"]))
         yield CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens served from the "
                                   "prefix cache", value=acc["prefix_cache_hit_tokens"])
-        spec = core.spec_stats
+        yield from self._per_replica()
+        spec = schedulers[0].core.spec_stats  # one for all replicas
         yield CounterMetricFamily(P + "spec_decode_num_drafts", "Verify steps (one request's "
                                   "draft tree checked once)", value=spec.verify_steps)
         yield CounterMetricFamily(P + "spec_decode_num_draft_tokens", "Draft tokens proposed "
@@ -80,13 +85,36 @@ class _CountersCollector:
                                 / spec.verify_steps if spec.verify_steps else 0.0)
 
 
+    def _per_replica(self):
+        """Each data-parallel replica's requests, KV use and worker state."""
+        statuses = self.replicas()
+        running = GaugeMetricFamily(P + "replica_num_requests_running", "Requests holding a "
+                                    "slot, per replica", labels=["replica"])
+        waiting = GaugeMetricFamily(P + "replica_num_requests_waiting", "Requests queued for "
+                                    "a slot, per replica", labels=["replica"])
+        kv = GaugeMetricFamily(P + "replica_kv_cache_usage_perc", "Share of a replica's KV "
+                               "pages in use (0-1)", labels=["replica"])
+        up = GaugeMetricFamily(P + "replica_worker_state", "1 for each replica's worker state",
+                               labels=["replica", "state"])
+        for r in statuses:
+            label = str(r.index)
+            running.add_metric([label], r.running)
+            waiting.add_metric([label], r.waiting)
+            kv.add_metric([label], (r.total_pages - r.free_pages) / max(1, r.total_pages))
+            for state in ("ready", "restarting", "down"):
+                up.add_metric([label, state], float(r.worker_state == state))
+        yield from (running, waiting, kv, up)
+
+
 class ServiceMetrics:
-    def __init__(self, counters: ServiceCounters, scheduler: Callable[[], object],
-                 worker_state: Callable[[], str], spec: SpecSettings) -> None:
+    def __init__(self, counters: ServiceCounters, schedulers: Callable[[], list],
+                 replicas: Callable[[], list[ReplicaStatus]], worker_state: Callable[[], str],
+                 spec: SpecSettings) -> None:
+        """`schedulers` and `replicas`: the data-parallel replicas' (one with dp = 1)."""
         # Draft tokens one verify step checks: the tree's tokens less its root.
         drafts_per_verify = 0 if spec.algorithm == "none" else spec.num_draft_tokens - 1
         self.registry = CollectorRegistry()
-        self.registry.register(_CountersCollector(counters, scheduler, worker_state,
+        self.registry.register(_CountersCollector(counters, schedulers, replicas, worker_state,
                                                   drafts_per_verify))
 
         def histogram(name: str, doc: str) -> Histogram:

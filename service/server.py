@@ -1,14 +1,16 @@
 """The scheduler process: clients in over ZMQ ROUTER, plans out to the worker, tokens back.
 
-Three anyio tasks share one event loop (asyncio backend):
+Anyio tasks share one event loop (asyncio backend):
 - `_receive_loop`: decodes client frames, admits requests into the SchedulerCore, aborts; a
   large text prompt is tokenized on a thread meanwhile (service/prompt_intake.py), its request
   in flight but not yet in the core (`_tokenizing`);
-- `_step_loop`: plan -> worker.step -> process result -> stream replies (service/replies.py),
-  while there is work;
+- one step loop per data-parallel replica (service/replica.py; one with parallel.dp = 1):
+  plan -> worker.step -> process result -> stream replies (service/replies.py), while there
+  is work;
 - `_housekeeping_loop`: publishes telemetry snapshots and aborts requests of silent clients.
 The OpenAI-compatible HTTP API (service/http/) runs on the same loop and submits through
-`submit`. The worker is a separate process (see worker_supervisor); if it dies mid-step, its
+`submit`, which routes each request to the least-loaded replica (service/replica_set.py).
+Each replica's worker is a separate process (see worker_supervisor); if it dies mid-step, its
 requests get an Error, it is restarted, and serving continues. A signal drains, then stops.
 """
 
@@ -16,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 import uuid
-from collections import deque
 
 import anyio
 import anyio.lowlevel
@@ -37,15 +37,14 @@ from service.http.http_server import HttpServer
 from service.metrics import ServiceMetrics
 from service.prompt_intake import PromptIntake
 from service.counters import ServiceCounters
+from service.replica import Replica
+from service.replica_set import ReplicaSet
 from service.replies import Replies
 from service.request import FinishReason, RequestOutput
-from service.scheduler import Scheduler
 from service.scheduler_core import RequestRejected, SchedulerConfig
 from service.telemetry import TelemetryPublisher
 from service.tokenizer import TextTokenizer
-from service.worker_recovery import refuse_all, restart_worker
-from service.worker_supervisor import (POLL_INTERVAL_S, WorkerDied, WorkerHandle,
-                                       describe_returncode)
+from service.worker_supervisor import WorkerHandle
 
 log = logging.getLogger("fmserve.service")
 
@@ -60,17 +59,10 @@ class Service:
         # aborted id may be reused while the thread of the old one still runs).
         self._tokenizing: dict[str, object] = {}
         self._intake_tasks: anyio.abc.TaskGroup | None = None
-        self.worker = WorkerHandle(worker_config_for(cfg, model_path),
-                                   ready_timeout_s=cfg.worker.ready_timeout_s,
-                                   step_timeout_s=cfg.worker.step_timeout_s)
         self.clients = ClientRegistry()
         self.security = EndpointSecurity(cfg.service)  # reads CURVE keys: refused before loading
-        self.scheduler: Scheduler | None = None  # made at start; fail_all empties it on restarts
-        self.info: WorkerInfo | None = None
-        self.worker_state: WorkerState = "restarting"  # until the first worker is ready
         self.counters = ServiceCounters()
         self.instance = uuid.uuid4().hex  # Pong/Stats: clients tell a restarted service by it
-        self._work = anyio.Event()
         self._ctx = zmq.asyncio.Context()
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -79,10 +71,16 @@ class Service:
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.service.max_message_bytes)
         self.router.setsockopt(zmq.SNDHWM, cfg.service.max_queued_replies)  # per client:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, never drops
-        self.metrics = ServiceMetrics(self.counters, lambda: self.scheduler,
+        self.metrics = ServiceMetrics(self.counters, lambda: self.replicas.schedulers,
+                                      lambda: self.replicas.statuses(),
                                       lambda: self.worker_state, cfg.spec)
         self.replies = Replies(self.router, self.clients, self.counters, self.metrics,
                                self._abort)
+        worker_cfg, dp = worker_config_for(cfg, model_path), cfg.parallel.dp
+        self.replicas = ReplicaSet([Replica(i, dp, WorkerHandle(
+            worker_cfg, ready_timeout_s=cfg.worker.ready_timeout_s,
+            step_timeout_s=cfg.worker.step_timeout_s), self.replies, self.counters, cfg.worker)
+            for i in range(dp)])
         self.admin = AdminOps(cfg.service.admin_token, self._abort, self.replies)
         self.draining = False  # from a signal (or the shutdown) on: new requests refused
         self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,
@@ -94,28 +92,36 @@ class Service:
             self.security.secure(sock)
         self.bound_endpoint: str | None = None
 
+    @property
+    def info(self) -> WorkerInfo | None:
+        return self.replicas.info
+
+    @property
+    def worker_state(self) -> WorkerState:
+        return self.replicas.state
+
     # -- lifecycle --------------------------------------------------------------------------
 
     async def run(self, ready: anyio.Event | None = None) -> None:
-        self.info = await self.worker.start()
-        self.worker_state = "ready"
-        self.overlap = self.telemetry.overlap = overlap_on(self.cfg, self.info.device)
-        self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
+        info = await self.replicas.start(self.tokenizer, SchedulerConfig(
             max_tokens_per_step=self.cfg.runtime.max_tokens_per_step,
             prefix_cache=self.cfg.scheduling.prefix_cache))
+        self.overlap = self.telemetry.overlap = overlap_on(self.cfg, info.device)
         self.security.start(self._ctx)
         bind_endpoint(self.cfg.service, "client_endpoint", self.router.bind)
         self.bound_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         bind_endpoint(self.cfg.service, "telemetry_endpoint", lambda _: self.telemetry.bind())
-        log.info("serving %s on %s (telemetry %s)", self.info.model_name, self.bound_endpoint,
-                 self.telemetry.endpoint)
+        log.info("serving %s on %s (telemetry %s)%s", info.model_name, self.bound_endpoint,
+                 self.telemetry.endpoint, f", {len(self.replicas)} data-parallel replicas"
+                 if len(self.replicas) > 1 else "")
         if self.http is not None:
             log.info("OpenAI-compatible API on %s/v1", await self.http.start())
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signal_watch, tg)
                 tg.start_soon(self._receive_loop)
-                tg.start_soon(self._step_loop)
+                for replica in self.replicas:
+                    tg.start_soon(replica.step_loop, self.overlap)
                 tg.start_soon(self._housekeeping_loop)
                 if ready is not None:
                     ready.set()
@@ -146,9 +152,8 @@ class Service:
 
     async def _shutdown(self) -> None:
         self.draining = True
-        if self.scheduler is not None:
-            for out in self.scheduler.fail_all("the service is shutting down"):
-                await self.replies.terminal(out, code="service_shutdown")
+        for out in self.replicas.fail_all("the service is shutting down"):
+            await self.replies.terminal(out, code="service_shutdown")
         for rid in list(self._tokenizing):  # their tokenizing was cancelled with the loop
             del self._tokenizing[rid]
             await self.replies.terminal(RequestOutput(
@@ -156,7 +161,7 @@ class Service:
                 error="the service is shutting down"), code="service_shutdown")
         if self.http is not None:  # its open responses have had their terminal messages
             await self.http.stop()
-        await self.worker.stop(timeout_s=5.0)
+        await self.replicas.stop(timeout_s=5.0)
         self.telemetry.close()
         self.router.close(linger=0)
         self.security.stop()
@@ -213,8 +218,9 @@ class Service:
             await self._on_abort(identity, msg)
         elif isinstance(msg, Health):
             await self.replies.send(identity, self.counters.stats(
-                self.scheduler.accounting(), self.info, self.worker_state, self.instance,
-                waiting_extra=len(self._tokenizing), draining=self.draining))
+                self.replicas.accounting(), self.info, self.worker_state, self.instance,
+                waiting_extra=len(self._tokenizing), draining=self.draining,
+                replicas=self.replicas.statuses()))
         elif isinstance(msg, Ping):
             await self.replies.send(identity, Pong(self.instance))
         elif isinstance(msg, AdminAbort):
@@ -223,10 +229,10 @@ class Service:
     def _drop_unowned(self, identity: bytes, msg) -> None:
         """After a failure in a generate: a request the scheduler took but no client owns would
         run with nobody to answer; take it back."""
-        if isinstance(msg, Generate) and self.scheduler is not None:
+        if isinstance(msg, Generate):
             rid = self.clients.scheduler_id(identity, msg.id)
-            if rid in self.scheduler.core.requests and rid not in self.clients.requests:
-                self.scheduler.abort(rid)
+            if rid not in self.clients.requests:
+                self.replicas.abort(rid)
 
     async def submit(self, identity: bytes, msg: Generate) -> None:
         """Admit a request from a ZMQ client, or from the HTTP API (service/http/). Every
@@ -242,9 +248,9 @@ class Service:
             await self.replies.send(identity, Error(msg.id, *refusal))
             return
         try:
-            prompt = self.intake.prepare(msg, self.scheduler.core.max_seq_len)
+            prompt = self.intake.prepare(msg, self.replicas.max_seq_len)
             if isinstance(prompt, list):
-                self.scheduler.add_request(rid, prompt, msg.params)
+                self._route(rid, prompt, msg.params)
         except RequestRejected as exc:
             await self.replies.send(identity, Error(msg.id, exc.code, str(exc)))
             return
@@ -256,8 +262,6 @@ class Service:
         if isinstance(prompt, str):  # in flight from now on; admitted once tokenized
             self._tokenizing[rid] = ticket = object()
             self._intake_tasks.start_soon(self._admit_tokenized, rid, prompt, msg.params, ticket)
-            return
-        self._work.set()
 
     async def _admit_tokenized(self, rid: str, text: str, params, ticket: object) -> None:
         try:
@@ -270,20 +274,23 @@ class Service:
         try:
             if failure is not None:
                 raise RequestRejected("invalid_prompt", f"could not encode the prompt: {failure}")
-            if self.worker_state == "down":
-                raise RequestRejected("worker_unavailable", "the model worker is down and could "
-                                      "not be restarted; see the service log")
-            self.scheduler.add_request(rid, ids, params)
+            self._route(rid, ids, params)
         except Exception as exc:
             code = exc.code if isinstance(exc, RequestRejected) else "internal_error"
             if code == "internal_error":  # a bug: nothing of the request may stay behind
                 log.exception("failed to admit the tokenized request %s", rid)
-                if rid in self.scheduler.core.requests:
-                    self.scheduler.abort(rid)
+                self.replicas.abort(rid)
             await self.replies.terminal(RequestOutput(
                 rid, [], "", finish_reason=FinishReason.ERROR, error=str(exc)), code=code)
-            return
-        self._work.set()
+
+    def _route(self, rid: str, prompt_ids: list[int], params) -> None:
+        """Into the least-loaded replica's queue (RequestRejected: nothing is kept)."""
+        replica = self.replicas.route()
+        if replica is None:
+            raise RequestRejected("worker_unavailable", "the model worker is down and could "
+                                  "not be restarted; see the service log")
+        replica.scheduler.add_request(rid, prompt_ids, params)
+        replica.wake()
 
     def _refusal(self) -> tuple[str, str] | None:
         """Why no request can be taken now, as (code, message); None when one can."""
@@ -293,9 +300,9 @@ class Service:
         if self.worker_state == "down":
             return ("worker_unavailable",
                     "the model worker is down and could not be restarted; see the service log")
-        limit, core = self.cfg.scheduling.max_queued_requests, self.scheduler.core
+        limit, acc = self.cfg.scheduling.max_queued_requests, self.replicas.accounting()
         # Queued behind the free slots; those ahead of them only await the next plan.
-        if limit and len(core.waiting) + len(self._tokenizing) - core.slots.num_free >= limit:
+        if limit and acc["waiting"] + len(self._tokenizing) - acc["free_slots"] >= limit:
             return "queue_full", (f"{limit} requests are already queued "
                                   f"(scheduling.max_queued_requests): retry later")
         return None
@@ -310,7 +317,7 @@ class Service:
         """End a request in flight, admitted or still being tokenized; None if there is none."""
         if self._tokenizing.pop(rid, None) is not None:
             return RequestOutput(rid, [], "", finish_reason=FinishReason.ABORT)
-        return self.scheduler.abort(rid) if rid in self.clients.requests else None
+        return self.replicas.abort(rid) if rid in self.clients.requests else None
 
     async def _on_abort(self, identity: bytes, msg: Abort) -> None:
         out = self._abort(self.clients.scheduler_id(identity, msg.id))
@@ -321,73 +328,14 @@ class Service:
             return
         await self.replies.terminal(out)
 
-    # -- stepping ---------------------------------------------------------------------------
-
-    async def _step_loop(self) -> None:
-        """Keep the worker fed. With overlap, plan k+1 is sent before step k's result is read,
-        so this process's planning, detokenising and streaming run while the worker computes;
-        the worker reads step k's tokens for plan k+1 from its FutureMap."""
-        depth = 2 if self.overlap else 1
-        inflight: deque[tuple[object, float, bool]] = deque()  # (plan, sent at, idle counts)
-        waited = True  # the worker's idle before a step that follows a wait for work is not ours
-        while True:
-            if len(inflight) < depth and self.scheduler.has_work:
-                plan = self.scheduler.plan_step()
-                if plan is not None:
-                    try:
-                        await self.worker.send_plan(plan)
-                    except WorkerDied as exc:
-                        inflight.clear()
-                        await self._on_worker_death(str(exc))
-                        continue
-                    inflight.append((plan, time.perf_counter(), not waited))
-                    waited = False
-                    continue
-            if not inflight:
-                waited = True
-                self._work = anyio.Event()
-                # Poll: for work that cannot be planned now (no pages), and for a worker that
-                # dies while idle, so that health says so and a replacement loads before a
-                # request needs it.
-                with anyio.move_on_after(POLL_INTERVAL_S):
-                    await self._work.wait()
-                code = self.worker.returncode
-                if code is not None and self.worker_state == "ready":
-                    await self._on_worker_death(f"the worker (pid {self.worker.pid}) exited with "
-                                                f"{describe_returncode(code)} while idle")
-                continue
-            try:
-                result = await self.worker.next_result()
-            except WorkerDied as exc:
-                inflight.clear()
-                await self._on_worker_death(str(exc))
-                continue
-            plan, sent, idle_counts = inflight.popleft()
-            for out in self.scheduler.process_result(result):
-                await self.replies.output(out)
-            self.counters.record_step(plan, result, sent, idle_counts)
-            await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
-
-    async def _on_worker_death(self, message: str) -> None:
-        # Meanwhile requests are still admitted: they wait in the queue and run on the new
-        # worker, as a client retrying after a crash would want, rather than failing too.
-        self.worker_state = "restarting"
-        info = await restart_worker(self.worker, self.scheduler, self.replies, self.counters,
-                                    self.cfg.worker, message)
-        if info is not None:
-            self.info, self.worker_state = info, "ready"
-            return
-        self.worker_state = "down"
-        await refuse_all(self.scheduler, self.replies)
-
     # -- housekeeping -----------------------------------------------------------------------
 
     async def _housekeeping_loop(self) -> None:
         interval = self.cfg.service.telemetry_interval_s
         while True:
             await anyio.sleep(interval)
-            self.telemetry.publish(self.scheduler, self.info, self.worker_state, self.worker.pid,
-                                   self.draining)
+            self.telemetry.publish(self.replicas.schedulers, self.info, self.worker_state,
+                                   self.replicas.statuses(), self.draining)
             for identity in self.clients.silent_clients(self.cfg.service.client_timeout_s):
                 rids = self.clients.requests_of(identity)
                 log.warning("client %s silent for %.0f s: aborting its %d request(s)",

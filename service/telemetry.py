@@ -1,17 +1,19 @@
 """Publishes whole-state `TelemetrySnapshot`s on a ZMQ PUB socket for `fmserve top`.
 
-It reads the service's counters (service/counters.py), the scheduler and the worker's info,
-handed to it; it never sees the Service itself."""
+It reads the service's counters (service/counters.py), the replicas' schedulers and statuses
+(one of each with parallel.dp = 1) and the worker's info, handed to it; it never sees the
+Service itself."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import msgspec
 import zmq
 
-from ipc.client_messages import WorkerState
+from ipc.client_messages import ReplicaStatus, WorkerState
 from ipc.telemetry import (RequestTelemetry, SpecConfigTelemetry, TelemetrySnapshot,
                            WorkerTelemetry)
 from ipc.worker_messages import WorkerInfo
@@ -22,7 +24,8 @@ from service.scheduler import Scheduler
 THROUGHPUT_WINDOW_S = 5.0
 
 
-def request_telemetry(req: Request, now: float, text_tail: str | None) -> RequestTelemetry:
+def request_telemetry(req: Request, now: float, text_tail: str | None,
+                      replica: int = 0) -> RequestTelemetry:
     # A request whose last prompt chunk is planned counts as decoding for the scheduler;
     # until its first token arrives, people would call it prefilling.
     state = "prefilling" if req.state == RequestState.DECODING and not req.output_ids else \
@@ -31,7 +34,7 @@ def request_telemetry(req: Request, now: float, text_tail: str | None) -> Reques
                             seq_len=req.seq_len, generated=len(req.output_ids),
                             last_accept_len=req.last_accept_len, age_s=now - req.arrival,
                             key=req.rid, accept_length=req.spec_accept_length,
-                            text_tail=text_tail)
+                            text_tail=text_tail, replica=replica)
 
 
 def spec_config_telemetry(spec) -> SpecConfigTelemetry | None:
@@ -66,8 +69,10 @@ class TelemetryPublisher:
         self.socket.bind(self._requested)
         self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    def snapshot(self, scheduler: Scheduler, info: WorkerInfo, worker_state: WorkerState,
-                 worker_pid: int | None, draining: bool = False) -> TelemetrySnapshot:
+    def snapshot(self, schedulers: Sequence[Scheduler], info: WorkerInfo,
+                 worker_state: WorkerState, replicas: list[ReplicaStatus],
+                 draining: bool = False) -> TelemetrySnapshot:
+        """`schedulers` and `replicas`: one of each per replica, in replica order."""
         counters = self.counters
         now_m = time.monotonic()
         self._history.append((now_m, counters.output_tokens))
@@ -75,13 +80,19 @@ class TelemetryPublisher:
             self._history.popleft()
         t0, n0 = self._history[0]
         rate = (counters.output_tokens - n0) / (now_m - t0) if now_m > t0 else 0.0
-        core = scheduler.core
-        tail = scheduler.text.tail if self._include_text else lambda rid: None
-        running = [request_telemetry(r, now_m, tail(r.rid)) for r in core.running.values()]
-        waiting = [request_telemetry(r, now_m, tail(r.rid)) for r in core.waiting
-                   if r.state == RequestState.WAITING]
-        acc = core.accounting()
-        spec = core.spec_stats
+        running, waiting = [], []
+        for i, scheduler in enumerate(schedulers):
+            tail = scheduler.text.tail if self._include_text else lambda rid: None
+            core = scheduler.core
+            running += [request_telemetry(r, now_m, tail(r.rid), i)
+                        for r in core.running.values()]
+            waiting += [request_telemetry(r, now_m, tail(r.rid), i) for r in core.waiting
+                        if r.state == RequestState.WAITING]
+        cores = [s.core for s in schedulers]
+        accs = [c.accounting() for c in cores]
+        acc = {k: sum(a[k] for a in accs) for k in accs[0]}
+        spec = cores[0].spec_stats  # one for all replicas (service/replica_set.py)
+        caches = [c.prefix_cache for c in cores if c.prefix_cache is not None]
         return TelemetrySnapshot(
             time=time.time(), uptime_s=now_m - counters.started, model=info.model_name,
             overlap=self.overlap, speculation=self._speculation,
@@ -89,25 +100,28 @@ class TelemetryPublisher:
             total_pages=acc["total_pages"], page_size=info.page_size,
             free_slots=acc["free_slots"], total_slots=acc["total_slots"],
             output_tokens_per_s=rate, total_output_tokens=counters.output_tokens,
-            finished_requests=counters.finished_requests, retractions=core.num_retractions,
+            finished_requests=counters.finished_requests,
+            retractions=sum(c.num_retractions for c in cores),
             recent_steps=list(counters.recent_steps)[-16:],
             worker_idle_share=counters.worker_idle_share,
-            worker=WorkerTelemetry(alive=worker_state == "ready", pid=worker_pid,
+            worker=WorkerTelemetry(alive=worker_state == "ready",
+                                   pid=replicas[0].pid if replicas else None,
                                    restarts=counters.worker_restarts, device=info.device,
                                    dtype=info.dtype, attention_backend=info.attention_backend,
                                    state=worker_state),
             spec_accept_length=spec.recent_accept_length, spec_verify_steps=spec.verify_steps,
             spec_accept_rate_per_position=spec.accept_rate_per_position,
             spec_config=self._spec_config,
-            prefix_cache_hit_share=None if core.prefix_cache is None else
-            core.prefix_cache.hit_tokens / max(1, core.prefix_cache.admitted_tokens),
-            cached_pages=acc["cached_pages"], draining=draining)
+            prefix_cache_hit_share=sum(c.hit_tokens for c in caches)
+            / max(1, sum(c.admitted_tokens for c in caches)) if caches else None,
+            cached_pages=acc["cached_pages"], draining=draining, replicas=replicas)
 
-    def publish(self, scheduler: Scheduler, info: WorkerInfo, worker_state: WorkerState,
-                worker_pid: int | None, draining: bool = False) -> None:
-        if self.endpoint is None:
+    def publish(self, schedulers: Sequence[Scheduler], info: WorkerInfo,
+                worker_state: WorkerState, replicas: list[ReplicaStatus],
+                draining: bool = False) -> None:
+        if self.endpoint is None or not schedulers:
             return
-        snapshot = self.snapshot(scheduler, info, worker_state, worker_pid, draining)
+        snapshot = self.snapshot(schedulers, info, worker_state, replicas, draining)
         try:
             self.socket.send(self._encoder.encode(snapshot), flags=zmq.NOBLOCK)
         except zmq.Again:

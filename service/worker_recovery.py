@@ -1,6 +1,7 @@
-"""What the service does when its worker dies: every request in flight ends with an error, and
-the worker is restarted within `[worker]`'s policy. The same Scheduler serves on: `fail_all`
-empties its accounting (pages, slots, prefix cache), matching the fresh worker's empty pool.
+"""What a replica does when its worker dies: every request in flight on it ends with an error,
+and the worker is restarted within `[worker]`'s policy (each data-parallel replica on its own;
+the others serve on). The same Scheduler serves on: `fail_all` empties its accounting (pages,
+slots, prefix cache), matching the fresh worker's empty pool.
 
 A replacement that fails to start (killed while it loads, say) spends one restart, and the next
 is tried after a back-off, until `max_restarts` are spent: a transient failure must not take
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 import anyio
 
@@ -24,32 +26,45 @@ RESTART_BACKOFF_S = 1.0  # before the second attempt; doubled for each further o
 MAX_RESTART_BACKOFF_S = 30.0
 
 
-async def restart_worker(worker: WorkerHandle, scheduler: Scheduler, replies: Replies,
-                         counters: ServiceCounters, policy, message: str) -> WorkerInfo | None:
-    """After the worker died with `message`; `policy` is the config's [worker] section.
-    Returns the restarted worker's info, or None when it stays down."""
-    log.error("worker died: %s", message)
+class Restartable(Protocol):
+    """A replica (service/replica.py), as far as restarting its worker goes."""
+
+    label: str  # "" with one replica, "replica 1: " with several
+    worker: WorkerHandle
+    scheduler: Scheduler
+    replies: Replies
+    counters: ServiceCounters  # the service's: worker_restarts sums every replica's
+    policy: object  # the config's [worker] section
+    restarts: int  # this replica's, which max_restarts bounds
+
+
+async def restart_worker(replica: Restartable, message: str) -> WorkerInfo | None:
+    """After the replica's worker died with `message`. Returns the restarted worker's info,
+    or None when it stays down."""
+    name, policy = replica.label, replica.policy
+    log.error("%sworker died: %s", name, message)
     # Requests that arrive during the restart wait in the queue; only a worker that stays down
     # refuses them (`refuse_all`, once the service no longer admits any).
-    for out in scheduler.fail_all(f"the model worker died during a step: {message}"):
-        await replies.terminal(out, code="worker_died")
+    for out in replica.scheduler.fail_all(f"the model worker died during a step: {message}"):
+        await replica.replies.terminal(out, code="worker_died")
     backoff = RESTART_BACKOFF_S
-    while policy.restart_on_failure and counters.worker_restarts < policy.max_restarts:
-        counters.worker_restarts += 1
+    while policy.restart_on_failure and replica.restarts < policy.max_restarts:
+        replica.restarts += 1
+        replica.counters.worker_restarts += 1
         started = time.monotonic()
         try:
-            info = await worker.restart()
-            log.info("worker restarted in %.1f s", time.monotonic() - started)
+            info = await replica.worker.restart()
+            log.info("%sworker restarted in %.1f s", name, time.monotonic() - started)
             return info
         except WorkerStartError as exc:
-            log.error("worker restart %d of %d failed: %s", counters.worker_restarts,
+            log.error("%sworker restart %d of %d failed: %s", name, replica.restarts,
                       policy.max_restarts, exc)
-        if counters.worker_restarts < policy.max_restarts:
-            log.info("trying again in %g s", backoff)
+        if replica.restarts < policy.max_restarts:
+            log.info("%strying again in %g s", name, backoff)
             await anyio.sleep(backoff)
             backoff = min(2 * backoff, MAX_RESTART_BACKOFF_S)
-    log.error("the worker stays down: %d of worker.max_restarts = %d restarts spent%s",
-              counters.worker_restarts, policy.max_restarts,
+    log.error("%sthe worker stays down: %d of worker.max_restarts = %d restarts spent%s", name,
+              replica.restarts, policy.max_restarts,
               "" if policy.restart_on_failure else " (worker.restart_on_failure is off)")
     return None
 

@@ -140,6 +140,24 @@ def kv_gauge_text(snap: TelemetrySnapshot, width: int) -> Text:
     if snap.prefix_cache_hit_share is not None:  # free pages include the unborrowed cached ones
         out.append(f"\nprefix cache {snap.cached_pages} pages, "
                    f"{snap.prefix_cache_hit_share:.0%} of prompts reused", style="cyan")
+    return out.append_text(replicas_text(snap))
+
+
+REPLICA_STATE = {"ready": ("ready", "green"), "restarting": ("RESTARTING", "bold yellow"),
+                 "down": ("DOWN", "bold red")}
+
+
+def replicas_text(snap: TelemetrySnapshot) -> Text:
+    """One line per data-parallel replica (nothing with one): its worker, batch and KV."""
+    out = Text()
+    for r in snap.replicas if len(snap.replicas) > 1 else ():
+        word, style = REPLICA_STATE.get(r.worker_state, (printable(r.worker_state), "red"))
+        out.append(f"\nreplica {r.index} ")
+        out.append(word, style=style)
+        out.append(f" pid {r.pid or NA}  run {r.running} wait {r.waiting}  KV "
+                   f"{r.total_pages - r.free_pages}/{r.total_pages}")
+        if r.restarts:
+            out.append(f"  restarts {r.restarts}", style="red")
     return out
 
 

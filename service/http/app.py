@@ -140,7 +140,7 @@ class OpenAIApp:
                            f"service serves {svc.info.model_name!r} (GET /v1/models)", "model")
         base_id = prefix + uuid.uuid4().hex[:24]
         # No max_tokens: up to the context, as OpenAI (the scheduler ends it at the limit).
-        generates = to_generates(req, base_id, svc.scheduler.core.max_seq_len,
+        generates = to_generates(req, base_id, svc.replicas.max_seq_len,
                                  svc.info.vocab_size)
         answers = Answers(kind is ChatCompletionRequest, base_id, req.model, req.n,
                           lambda token_id: svc.tokenizer.decode([token_id]))

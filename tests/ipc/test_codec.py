@@ -305,7 +305,8 @@ def test_request_telemetry_text_tail_is_compatible_both_ways():
 
     new = RequestTelemetry("r", 1, "decoding", 3, 5, 2, 0, 0.5, "ab/r", None, "Hello, wo")
     wire = pack(new)
-    assert unpack(wire)[-1] == "Hello, wo"  # array_like: the text is the last element
+    assert unpack(wire)[10] == "Hello, wo"  # array_like: the text after the older fields
+    assert unpack(wire)[-1] == 0  # then the replica, newest last
     old = msgspec.msgpack.decode(wire, type=_OldRequestTelemetry)  # an older monitor
     assert (old.id, old.key, old.generated) == ("r", "ab/r", 2)
     # An older service sends no text: the newer monitor reads None ("not published").

@@ -358,22 +358,26 @@ def test_overlap_auto_is_on_where_the_scheduler_does_not_take_the_workers_core(
         assert overlap_on(cfg, device) is forced
 
 
-def test_parallel_settings_reach_the_worker_and_dp_is_refused_until_built():
+def test_parallel_settings_reach_the_worker():
     from fmserve.cli import build_parser
     from fmserve.serve_cmd import config_from_args
 
-    args = build_parser().parse_args(["serve", "--tp", "2", "--config", str(SHIPPED)])
+    args = build_parser().parse_args(["serve", "--tp", "2", "--dp", "3", "--config",
+                                      str(SHIPPED)])
     cfg = config_from_args(args)
     assert cfg.parallel.tp == 2 and cfg.worker_config().parallel.tp == 2
-    message = refused(None, {"parallel.dp": 2})
-    assert "parallel.dp = 2" in message and "not built yet" in message
+    assert cfg.parallel.dp == 3
+    assert "out of range" in refused(None, {"parallel.dp": 0})
     assert "out of range" in refused(None, {"parallel.tp": 0})
     # EAGLE runs on tensor-parallel ranks too (tests/gpu/test_tensor_parallel_eagle.py).
     spec_tp = load_config(None, {"parallel.tp": 2, "spec.algorithm": "eagle3"}).worker_config()
     assert spec_tp.parallel.tp == 2 and spec_tp.spec.enabled
 
 
-def test_tensor_parallel_ranks_share_the_cpu_cores(monkeypatch):
+def test_tensor_parallel_ranks_and_replicas_share_the_cpu_cores(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3})
     assert worker_cpu_threads(load_config(None, {"parallel.tp": 2})) == 2
     assert worker_cpu_threads(load_config(None, {"parallel.tp": 8})) == 1
+    # Data-parallel replicas share them too: one team per rank of every replica.
+    assert worker_cpu_threads(load_config(None, {"parallel.dp": 2})) == 2
+    assert worker_cpu_threads(load_config(None, {"parallel.dp": 2, "parallel.tp": 2})) == 1

@@ -58,7 +58,7 @@ def snapshot_of(core: Scheduler) -> TelemetrySnapshot:
     try:
         publisher = TelemetryPublisher(ctx, "tcp://127.0.0.1:0", ServiceCounters(started=0.0),
                                        spec, overlap=True, include_text=False)
-        snap = publisher.snapshot(core, core.core.info, worker_state="ready", worker_pid=1)
+        snap = publisher.snapshot([core], core.core.info, worker_state="ready", replicas=[])
         publisher.close()
     finally:
         ctx.term()

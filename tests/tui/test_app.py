@@ -292,7 +292,7 @@ class SchedulerTelemetry:
             self.streamed[out.rid] = self.streamed.get(out.rid, "") + out.text
 
     def snapshot(self) -> TelemetrySnapshot:
-        return self.publisher.snapshot(self.core, self.info, worker_state="ready", worker_pid=1)
+        return self.publisher.snapshot([self.core], self.info, worker_state="ready", replicas=[])
 
     def close(self) -> None:
         self.publisher.close()
