@@ -33,6 +33,7 @@ async def restart_worker(worker: WorkerHandle, scheduler: Scheduler, replies: Re
     # refuses them (`refuse_all`, once the service no longer admits any).
     for out in scheduler.fail_all(f"the model worker died during a step: {message}"):
         await replies.terminal(out, code="worker_died")
+    counters.decode_compile = None  # the replacement's WorkerInfo says it until its first step
     backoff = RESTART_BACKOFF_S
     while policy.restart_on_failure and counters.worker_restarts < policy.max_restarts:
         counters.worker_restarts += 1
