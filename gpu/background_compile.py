@@ -7,8 +7,8 @@ compiles here; decode steps switch to it at a step boundary once it is built
 The thread shares the GIL with the steps: every torch op of a step releases it and must take
 it back from the compile, which holds it for up to the switch interval (5 ms by default; a
 trial on 2 shared cores ran the eager steps ~14x slower). While the build runs the interval is
-20 us, so a step waits ~20 us an op (the eager steps measured ~1.3x slower) and the compile
-runs during the steps' C work; the interval goes back when the build ends. (Parking the thread
+20 us, so a step waits ~20 us an op (one run on the loaded 2-core machine: eager ~1.3x
+slower) and the compile runs during the steps' C work; the interval goes back at the end. (Parking the thread
 while a step runs, with a profile hook, slowed the compile's Python ~4x: longer eager.)
 The compile's one real forward writes the padding page only, which no step reads; dynamo's
 tracing state is thread-local or its own; it restores torch's global RNG after a compile, and

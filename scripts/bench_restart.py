@@ -1,6 +1,7 @@
 """Worker restart after a crash, as a client sees it: start `fmserve serve` (default model and
 config), answer one request, then `--runs` times SIGKILL the worker, send a request at once
-(it waits in the queue during the restart) and time until it is answered; then how long the
+(sent again if it reached the dying worker; else it waits in the queue during the restart) and
+time until it is answered; then how long the
 replacement took to switch to its compiled decode step (Stats.decode_compile, polled with
 one-token requests). Run it with the compile on (the default "auto") and off:
 
@@ -21,6 +22,7 @@ from fmserve.bench.serve import start_service
 from fmserve.bench.soak import worker_pid
 from fmserve.default_model import resolve_model_path
 from ipc.client import Client
+from ipc.client_errors import RequestFailed
 from ipc.sampling import SamplingParams
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
@@ -52,7 +54,13 @@ def main() -> None:
                 pid = worker_pid(proc.pid)
                 os.kill(pid, signal.SIGKILL)
                 killed = time.monotonic()
-                answer(client, args.max_new_tokens)
+                while True:  # one sent before the service noticed the death fails: again
+                    try:
+                        answer(client, args.max_new_tokens)
+                        break
+                    except RequestFailed as exc:
+                        if exc.code != "worker_died":
+                            raise
                 answered = time.monotonic() - killed
                 state = client.health().decode_compile
                 while client.health().decode_compile == "building":
