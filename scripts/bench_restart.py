@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import tempfile
 import time
 
 from fmserve.bench.serve import start_service
@@ -42,7 +43,9 @@ def main() -> None:
     args = ap.parse_args()
     args.device, args.attention_backend = "cpu", "torch"
     start = time.monotonic()
-    proc, endpoint = start_service(args, resolve_model_path(args.model), True, [], 4)
+    log = tempfile.NamedTemporaryFile(prefix="fmserve-restart-", suffix=".log", delete=False)
+    proc, endpoint = start_service(args, resolve_model_path(args.model), True,
+                                   ["--log-level", "INFO"], 4, log=log)
     try:
         with Client(endpoint) as client:
             answer(client, args.max_new_tokens)
@@ -72,6 +75,10 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        log.close()
+        # the service's own figure: the worker's start, from spawning it to its WorkerReady
+        print("".join(line for line in open(log.name) if "worker restarted in" in line))
+        print(f"the service's log: {log.name}")
 
 
 if __name__ == "__main__":
