@@ -51,11 +51,14 @@ class Completion:
 
 class Engine:
     def __init__(self, model: str | None = None, *, config: WorkerConfig | None = None,
-                 overlap: bool = False, prefix_cache: bool = False, **settings) -> None:
+                 overlap: bool = False, prefix_cache: bool = False,
+                 background_compile: bool = False, **settings) -> None:
         """`model` is what --model takes ("default", a .gguf, a model directory; None: the
         config's). `config` (default: every default) is the worker's, with any setting also
         given by its flat name (ipc/worker_config.py: dtype="fp32", spec=SpecSettings(...)).
-        `overlap` and `prefix_cache` are the scheduler's, as in config.toml [scheduling]."""
+        `overlap` and `prefix_cache` are the scheduler's, as in config.toml [scheduling].
+        `background_compile`: return before the compiled decode step is built, as the worker
+        process does (gpu/background_compile.py); decode steps run eagerly until it is."""
         cfg = worker_config(config, **settings)
         if cfg.parallel.dp != 1:
             raise ValueError(f"parallel.dp = {cfg.parallel.dp}: the offline engine runs one "
@@ -69,7 +72,7 @@ class Engine:
                 spec.algorithm, spec.draft_model, model)))
         cfg = worker_config(cfg, model_path=str(path), spec=spec)
         self.tokenizer = TextTokenizer.from_model_path(path)
-        self.worker = Worker(cfg)
+        self.worker = Worker(cfg, background_compile)
         self.info = self.worker.info()
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=cfg.runtime.max_tokens_per_step, prefix_cache=prefix_cache))

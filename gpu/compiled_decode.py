@@ -15,12 +15,13 @@ How it works:
   48, 64): a batch of ``bs`` runs the smallest bucket >= bs with padding rows (slot 0,
   position 0, length 1, KV location 0 in the padding page); each bucket is its own graph with
   static shapes except the keys per request, marked dynamic, so one graph serves every length;
-- bucket 1 (one stream, where the per-op cost is largest) compiles at start-up; under
-  runtime.compile = "on" any other bucket the first time a batch needs it, in that step
-  ("auto" stops at bucket 1: a cold bucket's compile holds every stream). A bucket costs ~45 s cold on 2 cores
-  and ~7 s warm, so compiling them all at start would hold the service back for minutes.
-  Not in a background thread: its Python holds the GIL, and in a trial on 2 shared cores the
-  eager steps meanwhile ran ~10x slower (each GIL hand-back waits a switch interval);
+- bucket 1 (one stream, where the per-op cost is largest) compiles at start-up: in the worker
+  process on a thread while the worker already serves eagerly (gpu/background_compile.py;
+  decode steps switch to it at a step boundary once it is built), in the offline Engine
+  before it returns; under runtime.compile = "on" any other bucket the first time a batch
+  needs it, in that step ("auto" stops at bucket 1: a cold bucket's compile holds every
+  stream). A bucket costs ~45 s cold on 2 cores and ~7 s warm, so compiling them all at
+  start would hold the service back for minutes;
 - inductor's on-disk caches (FX graph and AOT autograd) go under the fmserve cache dir
   (ipc/cache_dirs.py) unless TORCHINDUCTOR_CACHE_DIR names another directory than torch's
   default, so a restart compiles warm;
@@ -42,6 +43,7 @@ from typing import Iterator
 import torch
 
 from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.background_compile import BackgroundCompile
 from gpu.decode_graphs import bucket_sizes
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from ipc.cache_dirs import compile_cache_dir
@@ -151,6 +153,22 @@ class CompiledDecode:
         self.failed: dict[int, str] = {}  # bucket -> why its compile failed (it runs eagerly)
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took
         self.runs = 0  # decode steps that ran compiled (tests and benchmarks read it)
+        self.background: BackgroundCompile | None = None  # bucket 1 being built on a thread
+
+    def compile_in_background(self) -> BackgroundCompile:
+        """Start building bucket 1 on a thread (gpu/background_compile.py); decode steps
+        run eagerly until it is done."""
+        self.background = BackgroundCompile(lambda: self.compile_now(1))
+        self.background.start()
+        return self.background
+
+    @property
+    def state(self) -> str:
+        """"building" (decode steps run eagerly meanwhile), "on" (bucket 1 is in use) or
+        "failed" (every decode step runs eagerly), as in StepResult.decode_compile."""
+        if self.background is not None and not self.background.done:
+            return "building"
+        return "on" if 1 in self.ready else "failed"
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  out_cache_loc: torch.Tensor, key_locs: torch.Tensor,
@@ -204,8 +222,11 @@ class CompiledDecode:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A decode batch within the buckets whose compile did not fail; the first batch of a
-        bucket compiles it (the step waits: ~7 s warm, ~45 s cold on 2 cores)."""
+        bucket compiles it (the step waits: ~7 s warm, ~45 s cold on 2 cores). None while
+        bucket 1 is built in the background: the switch comes at a step boundary."""
         if batch.mode != ForwardMode.DECODE or not 0 < batch.batch_size <= self.max_batch:
+            return False
+        if self.background is not None and not self.background.done:
             return False
         size = self.bucket(batch.batch_size)
         if size not in self.ready:

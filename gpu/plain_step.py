@@ -25,7 +25,9 @@ from ipc.worker_messages import StepPlan, StepResult, pack_f32, pack_i32, unpack
 
 
 class PlainStep:
-    def __init__(self, state: WorkerState) -> None:
+    def __init__(self, state: WorkerState, background_compile: bool = False) -> None:
+        """`background_compile`: build the compiled decode step on a thread while decode
+        steps run eagerly (the worker process), instead of before returning."""
         self.state = state
         self.needs_cpu_seq_lens = state.attn.needs_cpu_seq_lens
         self.decode_graphs: DecodeGraphs | None = None
@@ -39,11 +41,12 @@ class PlainStep:
                     f"capturing CUDA graphs for decode batches up to "
                     f"{self.decode_graphs.max_batch} failed ({type(exc).__name__}: {exc}); set "
                     f"runtime.cuda_graph_max_batch = 0 to run without them") from exc
-        self.compiled_decode = self.make_compiled_decode()
+        self.compiled_decode = self.make_compiled_decode(background_compile)
 
-    def make_compiled_decode(self) -> CompiledDecode | None:
+    def make_compiled_decode(self, background: bool = False) -> CompiledDecode | None:
         """The compiled decoder where runtime.compile says so (gpu/compiled_decode.py), its
-        batch-1 bucket compiled now; None where decode steps run eagerly."""
+        batch-1 bucket compiled now or started on a thread; None where decode steps run
+        eagerly."""
         st, rt = self.state, self.state.cfg.runtime
         mode = compile_mode(rt.compile)
         if not compile_applies(mode, st.device, st.dtype, rt.attention_backend,
@@ -52,6 +55,9 @@ class PlainStep:
         # "auto" compiles one stream's step only: a cold bucket compiles inside the first step
         # that needs it (~45 s on 2 cores, every stream waiting), and batches gain least.
         compiled = CompiledDecode(st.model, st.attn, st.num_slots - 1 if mode == "on" else 1)
+        if background:  # a failure is logged and reported as decode_compile "failed"
+            compiled.compile_in_background()
+            return compiled
         compiled.compile_now(1)
         if mode == "on" and 1 in compiled.failed:
             raise RuntimeError(f"runtime.compile = \"on\": compiling the decode step failed "

@@ -23,14 +23,16 @@ from gpu.step_streams import ForwardSpan
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
 from ipc.worker_config import WorkerConfig
-from ipc.worker_messages import StepPlan, StepResult, WorkerInfo
+from ipc.worker_messages import DecodeCompile, StepPlan, StepResult, WorkerInfo
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, background_compile: bool = False) -> None:
+        """`background_compile`: the worker process's start, ready before its compiled
+        decode step is built (gpu/background_compile.py); the offline Engine compiles first."""
         self.state = WorkerState(cfg)
         self.step: PlainStep | EagleStep = (EagleStep(self.state) if cfg.spec.enabled
-                                            else PlainStep(self.state))
+                                            else PlainStep(self.state, background_compile))
         # "auto": launching ahead pays where launching is asynchronous (a GPU); on a CPU
         # launching *is* computing, so finishing first sends the result sooner.
         self.launch_ahead = cfg.launch_ahead if cfg.launch_ahead != "auto" else (
@@ -39,7 +41,12 @@ class Worker:
         self._last_span: ForwardSpan | None = None  # device events (GPU)
 
     def info(self) -> WorkerInfo:
-        return self.state.info()
+        return msgspec.structs.replace(self.state.info(), decode_compile=self.decode_compile)
+
+    @property
+    def decode_compile(self) -> DecodeCompile:
+        compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
+        return "off" if compiled is None else compiled.state
 
     def run_step(self, plan: StepPlan) -> StepResult:
         """Launch and finish one step (no overlap)."""
@@ -67,7 +74,7 @@ class Worker:
         """The second half of `launch`: forward, sampling, the FutureMap's writes, and the
         result's host copy (no host sync on a GPU)."""
         start = time.perf_counter()
-        pending = PendingStep(step.plan.step_id)
+        pending = PendingStep(step.plan.step_id, decode_compile=self.decode_compile)
         with self.state.launch_checks(), self.state.streams.forwarding() as span:
             pending.span = span
             self.step.launch(step, pending)
@@ -80,7 +87,8 @@ class Worker:
         host = pending.copy.wait() if pending.copy is not None else None
         forward_ms, idle_ms = self._timings(pending)
         result = self.step.finish(pending, host)
-        return msgspec.structs.replace(result, forward_ms=forward_ms, idle_ms=idle_ms)
+        return msgspec.structs.replace(result, forward_ms=forward_ms, idle_ms=idle_ms,
+                                       decode_compile=pending.decode_compile)
 
     def _timings(self, pending: PendingStep) -> tuple[float, float]:
         """The step's forward time and the device's idle time before it, in ms."""
@@ -115,7 +123,10 @@ class Worker:
         elif cfg.runtime.cuda_graph_max_batch:
             note += ", no CUDA graphs (they need a CUDA device and no speculative decoding)"
         compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
-        if compiled is not None:
+        if compiled is not None and compiled.background is not None:
+            note += (f", decode compiled for batches up to {compiled.max_batch}, batch 1 "
+                     f"being built while decode steps run eagerly")
+        elif compiled is not None:
             note += (f", decode compiled for batches up to {compiled.max_batch} (batch 1 in "
                      f"{compiled.compile_s.get(1, 0.0):.1f} s)")
         return note

@@ -113,7 +113,7 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
             from gpu.tp_ranks import RankDied, RelaySocket, start_ranks
 
             ranks = start_ranks(cfg, config_json)
-        worker = Worker(cfg)
+        worker = Worker(cfg, background_compile=True)  # ready before its compiled step
         info = worker.info()
     except Exception as exc:
         code = fail(None, describe_exception(exc))

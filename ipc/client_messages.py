@@ -13,6 +13,7 @@ from typing import Literal
 import msgspec
 
 from ipc.sampling import SamplingParams
+from ipc.worker_messages import DecodeCompile
 
 CLIENT_PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 8 << 20  # larger frames are refused with Error(code="message_too_large")
@@ -143,6 +144,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     draining: bool = False  # shutting down: new requests refused, those in flight finishing
     # Per replica; the fields above sum them (worker_state: "ready" while any replica serves).
     replicas: list[ReplicaStatus] = []
+    # The worker's compiled decode step as of its last step (ipc/worker_messages.py)
+    decode_compile: DecodeCompile = "off"
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True, omit_defaults=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from ipc.client_messages import ReplicaStatus, WorkerState
+from ipc.worker_messages import DecodeCompile
 
 # A request's `text_tail` holds at most this many characters (the newest), so a snapshot stays
 # small however long the outputs grow: at most 400 x the running and waiting requests.
@@ -61,6 +62,7 @@ class WorkerTelemetry(msgspec.Struct, frozen=True):
     dtype: str
     attention_backend: str
     state: WorkerState = "ready"
+    decode_compile: DecodeCompile = "off"  # as in Stats
 
 
 class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):

@@ -7,12 +7,17 @@ prompt chunk and sampling params travel once; a running request is referenced by
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 import numpy as np
 
 from ipc.sampling import SamplingParams
 
 WORKER_PROTOCOL_VERSION = 1
+# The compiled decode step (gpu/compiled_decode.py): "off" (decode steps run eagerly), "building"
+# (compiled on a thread; eager meanwhile), "on" (in use), "failed" (eager; the worker log says why)
+DecodeCompile = Literal["off", "building", "on", "failed"]
 
 
 def pack_i32(values) -> bytes:
@@ -94,6 +99,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, frozen=True):
     forward_ms: float  # plan received to result ready
     idle_ms: float = 0.0  # end of the previous step to the start of this one (worker idle)
     accept_lens: bytes = b""  # int32 per row; empty when the worker does not speculate
+    decode_compile: DecodeCompile = "off"  # as this step was launched
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -114,6 +120,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     spec_algorithm: str = "none"
     spec_num_steps: int = 0
     spec_reserve_tokens: int = 0  # KV room to grant beyond a running request's known length
+    decode_compile: DecodeCompile = "off"  # at ready; each StepResult says it since
 
 
 class WorkerReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):

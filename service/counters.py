@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ipc.client_messages import ReplicaStatus, Stats, WorkerState
 from ipc.telemetry import StepTelemetry
-from ipc.worker_messages import StepPlan, StepResult, WorkerInfo, unpack_i32
+from ipc.worker_messages import DecodeCompile, StepPlan, StepResult, WorkerInfo, unpack_i32
 
 RECENT_STEPS = 64
 
@@ -29,6 +29,9 @@ class ServiceCounters:
     worker_idle_ms: float = 0.0
     worker_restarts: int = 0
     clients_cut_off: int = 0  # over service.max_queued_replies unread (service/replies.py)
+    # The worker's compiled decode step as of its last step; None: no step since it started
+    # (then its WorkerInfo says it)
+    decode_compile: DecodeCompile | None = None
     recent_steps: deque[StepTelemetry] = field(
         default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
@@ -41,6 +44,7 @@ class ServiceCounters:
         self.worker_busy_ms += result.forward_ms
         self.worker_idle_ms += result.idle_ms if idle_counts else 0.0
         # Numbered by the service, not by the plan: replicas number their plans each from 1.
+        self.decode_compile = result.decode_compile
         self.recent_steps.append(StepTelemetry(
             self.steps, len(plan.extends) + decodes, num_tokens, result.forward_ms,
             (time.perf_counter() - sent) * 1000.0, result.idle_ms))
@@ -60,7 +64,11 @@ class ServiceCounters:
                      worker_busy_ms=self.worker_busy_ms, worker_idle_ms=self.worker_idle_ms,
                      cached_pages=acc["cached_pages"],
                      prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
-                     instance=instance, draining=draining, replicas=replicas)
+                     instance=instance, draining=draining, replicas=replicas,
+                     decode_compile=self.decode_compile_of(info))
+
+    def decode_compile_of(self, info: WorkerInfo) -> DecodeCompile:
+        return self.decode_compile or info.decode_compile
 
     @property
     def worker_idle_share(self) -> float:

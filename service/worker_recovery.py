@@ -47,6 +47,8 @@ async def restart_worker(replica: Restartable, message: str) -> WorkerInfo | Non
     # refuses them (`refuse_all`, once the service no longer admits any).
     for out in replica.scheduler.fail_all(f"the model worker died during a step: {message}"):
         await replica.replies.terminal(out, code="worker_died")
+    # The replacement's WorkerInfo says it until its first step.
+    replica.counters.decode_compile = None
     backoff = RESTART_BACKOFF_S
     while policy.restart_on_failure and replica.restarts < policy.max_restarts:
         replica.restarts += 1

@@ -111,20 +111,32 @@ def test_padded_buckets_give_the_eager_tokens_and_fill_the_cache(tiny_compiled):
     assert {"fxgraph", "aotautograd"} <= cached, sorted(cached)
 
 
-def test_the_real_model_decodes_the_dev_prompts_as_eagerly(model_path):
-    """fp32, one request at a time (bucket 1 only: the cold compile is the expensive part)."""
+def test_the_real_model_serves_eagerly_while_compiling_then_gives_the_same_tokens(model_path):
+    """fp32, one request at a time (bucket 1 only: the compile is the expensive part), built in
+    the background as in the worker process: ready before the compiled step is, a request
+    answered eagerly meanwhile, and the compiled step's greedy tokens equal to those."""
     engine = Engine(model=str(model_path), device="cpu", dtype="fp32", compile="on",
-                    max_kv_tokens=2048, max_running_requests=2, progress=False)
+                    max_kv_tokens=2048, max_running_requests=2, progress=False,
+                    background_compile=True)
     step = engine.worker.step
     compiled = step.compiled_decode
-    assert compiled is not None and compiled.ready == {1}, compiled.failed
+    assert engine.info.decode_compile == "building"  # what WorkerReady carries
     prompts = [engine.encode(p) for p in itertools.islice(read_prompts(str(DEV_PROMPTS)), 2)]
-    outputs = {}
-    for name, runner in (("eager", None), ("compiled", compiled)):
-        step.compiled_decode = runner
-        outputs[name] = [greedy(engine, [p], [10])[0] for p in prompts]
-    assert outputs["compiled"] == outputs["eager"]
-    assert compiled.runs >= 2 * 8
+    results = []  # every step's StepResult, read from the worker
+    finish = engine.worker.finish
+    engine.worker.finish = lambda pending: results.append(finish(pending)) or results[-1]
+    first = greedy(engine, [prompts[0]], [10])[0]  # while the compile may still run
+    # the prefill and the first decode step ran (eagerly) while the compile was being built
+    assert [r.decode_compile for r in results[:2]] == ["building", "building"]
+    assert compiled.background.join(timeout_s=600), "the background compile did not end"
+    assert compiled.state == "on" and compiled.ready == {1}, compiled.failed
+    step.compiled_decode = None
+    eager = [greedy(engine, [p], [10])[0] for p in prompts]
+    assert eager[0] == first
+    step.compiled_decode, runs, results[:] = compiled, compiled.runs, []
+    assert [greedy(engine, [p], [10])[0] for p in prompts] == eager
+    assert compiled.runs - runs >= 2 * 8  # the decode steps ran compiled
+    assert {r.decode_compile for r in results} == {"on"}
 
 
 def test_a_windowed_model_decodes_compiled_as_transformers(tmp_path):
