@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 # The row counts the hand-over is chosen among (decode batches are bucketed the same way).
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
 CALIBRATION_REPEATS = 5
+# A wider lm_head (Gemma 3's 262,144 tokens) is measured on this many of its outputs: the
+# hand-over depends on the rows, and a full-size random copy would cost ~1 GB for a moment.
+CALIBRATION_MAX_OUT = 32768
 
 
 @dataclass(frozen=True)
@@ -143,4 +146,4 @@ def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = Tr
     """The hand-over rows for a model's projections (measured on its MLP's up projection, the
     largest) and for its lm_head."""
     return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache),
-                     int4_max_rows(hidden, vocab, cache))
+                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache))
