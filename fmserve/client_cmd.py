@@ -7,6 +7,8 @@ import asyncio
 import json
 import time
 
+import msgspec
+
 from fmserve.arg_types import endpoint, positive_int
 from fmserve.generate_cmd import _messages, _read_jsonl, chat_loop, echo, sampling_from_args
 from fmserve.jsonl import check_output_path, write_jsonl
@@ -68,8 +70,9 @@ async def _run_file(args: argparse.Namespace, params) -> int:
 def run_client(args: argparse.Namespace) -> int:
     if args.health:
         with Client(args.endpoint, curve=curve_from_args(args)) as client:
-            print(json.dumps({f: getattr(s, f) for s in [client.health()]
-                              for f in s.__struct_fields__}, indent=2))
+            # to_builtins: nested Structs too (Stats.replicas); the tag field is left out.
+            stats = msgspec.to_builtins(client.health())
+            print(json.dumps({k: v for k, v in stats.items() if k != "type"}, indent=2))
         return 0
     params = sampling_from_args(args)
     if args.file:
