@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 # The row counts the hand-over is chosen among (decode batches are bucketed the same way).
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
 CALIBRATION_REPEATS = 5
+# Above this share of the cores busy with other work, a measurement is used but not cached.
+BUSY_CORES = 0.5
 # A wider lm_head (Gemma 3's 262,144 tokens) is measured on this many of its outputs: the
 # hand-over depends on the rows, and a full-size random copy would cost ~1 GB for a moment.
 CALIBRATION_MAX_OUT = 32768
@@ -130,8 +133,12 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> in
     start = time.perf_counter()
     rows = measure_int4_max_rows(in_features, out_features)
     log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, FBGEMM fp16 above "
-             "(measured in %.2f s; cached in %s)", rows, time.perf_counter() - start, path)
-    if cache:
+             "(measured in %.2f s)", rows, time.perf_counter() - start)
+    busy = os.getloadavg()[0] - 1.0  # this process's own measuring counts as one
+    if cache and busy > BUSY_CORES * (os.cpu_count() or 1):
+        # Other work skews the pair of timings: use this answer, measure again next start.
+        log.info("CPU kernels: the machine was busy (load %.1f): not caching the hand-over", busy)
+    elif cache:
         known = known if isinstance(known, dict) else {}
         known[key] = rows
         try:

@@ -87,6 +87,7 @@ def test_the_split_model_tracks_the_exact_fp32_model(split_model, gguf_path, mod
 
 def test_the_hand_over_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "BUSY_CORES", 1e9)  # however busy the test machine is
     calls = []
     real = cpu_kernels.measure_int4_max_rows
     monkeypatch.setattr(cpu_kernels, "measure_int4_max_rows",
@@ -99,3 +100,10 @@ def test_the_hand_over_is_measured_once_then_read_from_the_cache(tmp_path, monke
     cache.write_text("{not json")  # a damaged cache is measured again, not an error
     assert int4_max_rows(64, 128) in (0, *cpu_kernels.CANDIDATE_ROWS) and len(calls) == 2
     assert len(json.loads(cache.read_text())) == 1
+
+
+def test_a_hand_over_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    assert int4_max_rows(64, 128) in (0, *cpu_kernels.CANDIDATE_ROWS)
+    assert not (tmp_path / "cpu_kernels.json").exists()  # measured again at the next start
