@@ -77,8 +77,6 @@ class WorkerState:
         self.model_config = mc = loaded.config
         fp32_split = (plan_fp32_split(mc.hidden_size, mc.intermediate_size, mc.vocab_size)
                       if split and loaded.q4 else None)
-        if fp32_split is not None and not fp32_split.projection_rows:
-            fp32_split = None  # the codes lose even at one row here: dense fp32, as before
         self.model_name = Path(cfg.model.path).name
         # The rank's heads and MLP slice (the whole model on one rank); vocab_size is the model's.
         local = self.shard.shard_weights(loaded) if self.shard is not None else mc
