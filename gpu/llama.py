@@ -95,12 +95,14 @@ class LlamaModel:
         use_q4 = weight_quant == "none" and (fp32_split is not None
                                              or q4_applies(device, dtype, q4_max_tokens))
         self.q4_projections = 0
+        self.fp16_packs = 0  # FBGEMM fp16 packs (fp32_split), which torch.compile cannot trace
 
         def quantized(parts: Int4Weight | list[Int4Weight], dense: torch.Tensor | None,
                       rows: int, fp16_rows: int) -> Q4Linear | Fp16Linear:
             if fp32_split is None:
                 return Q4Linear(parts, rows)
             fp16 = Fp16Linear(dense)
+            self.fp16_packs += 1
             return Q4Linear(parts, fp16_rows, dense=fp16, fp32_input=True) if fp16_rows else fp16
 
         def linear(name: str) -> Projection:

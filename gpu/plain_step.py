@@ -50,7 +50,8 @@ class PlainStep:
         st, rt = self.state, self.state.cfg.runtime
         mode = compile_mode(rt.compile)
         if not compile_applies(mode, st.device, st.dtype, rt.attention_backend,
-                               rt.deterministic, tp=st.cfg.parallel.tp):
+                               rt.deterministic, tp=st.cfg.parallel.tp,
+                               fp16_packs=st.model.fp16_packs > 0):
             return None
         # "auto" compiles one stream's step only: a cold bucket compiles inside the first step
         # that needs it (~45 s on 2 cores, every stream waiting), and batches gain least.

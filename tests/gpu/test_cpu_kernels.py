@@ -46,6 +46,7 @@ def test_only_dtype_auto_on_the_cpu_takes_the_split():
 def test_the_split_keeps_codes_and_an_fp16_pack_and_no_fp32_copy(split_model):
     projs = projections(split_model) + [unwrap(split_model.lm_head)]
     assert all(isinstance(p, Q4Linear) and isinstance(p.dense, Fp16Linear) for p in projs)
+    assert split_model.fp16_packs == len(projs)  # what keeps compile_applies off for it
     fp32_bytes = sum(4 * p.out_features * p.in_features for p in projs)
     # The tensors held are the codes with their scales (the fp16 pack is FBGEMM's own object).
     assert tensor_bytes(projs) <= 0.2 * fp32_bytes
