@@ -60,9 +60,11 @@ class Fp32Split:
 
 
 def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: str,
-                       max_tokens: int) -> bool:
-    """Whether an fp32 model on `device` keeps its quantized projections as codes + fp16."""
-    return (device.type == "cpu" and dtype == torch.float32 and dtype_setting == "auto"
+                       max_tokens: int, weights: str = "split") -> bool:
+    """Whether an fp32 model on `device` keeps its quantized projections as codes + fp16
+    (`runtime.cpu_fp32_weights`)."""
+    return (weights == "split" and device.type == "cpu" and dtype == torch.float32
+            and dtype_setting == "auto"
             and max_tokens > 0 and q4_kernel_available()
             and "fbgemm" in torch.backends.quantized.supported_engines)
 

@@ -69,7 +69,7 @@ class WorkerState:
             torch.cuda.set_device(self.device)
         # An fp32 model on a CPU without native bf16 keeps the codes too (gpu/cpu_kernels.py).
         split = cfg.weight_quant == "none" and fp32_split_applies(
-            self.device, self.dtype, cfg.model.dtype, rt.q4_max_tokens)
+            self.device, self.dtype, cfg.model.dtype, rt.q4_max_tokens, rt.cpu_fp32_weights)
         keep_q4 = cfg.weight_quant == "none" and (split or q4_applies(
             self.device, self.dtype, rt.q4_max_tokens))
         loaded = load_model(cfg.model.path, dtype=self.dtype, progress=cfg.progress,
