@@ -85,3 +85,19 @@ def assert_idle(client: Client) -> None:
             return
         assert time.monotonic() < deadline, f"accounting did not return to idle: {s}"
         time.sleep(0.1)
+
+
+def engine_greedy(model_path, questions: list[str], params) -> list:
+    """Completions of the offline engine (one worker in this process, one torch thread) for
+    one-message chats: the independent side of a served-output comparison."""
+    import torch
+
+    from fmserve.engine import Engine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(model=str(model_path), dtype="fp32", max_kv_tokens=4096,
+                        max_running_requests=8, progress=False)
+        return engine.generate([[{"role": "user", "content": q}] for q in questions], params)
+    finally:
+        torch.set_num_threads(threads)

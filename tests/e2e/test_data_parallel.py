@@ -17,7 +17,7 @@ from ipc.client import Client
 from ipc.client_messages import Chunk, Error, Finished, Generate, Stats
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
-from tests.e2e.service_process import ServiceProcess, assert_idle, child_pids
+from tests.e2e.service_process import ServiceProcess, assert_idle, child_pids, engine_greedy
 from tests.tui.helpers import SIZE, make_app, screen_text, until
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -36,17 +36,7 @@ def dp_service(model_path):
 @pytest.fixture(scope="module")
 def reference(model_path):
     """Greedy outputs of the offline engine (one worker in this process)."""
-    import torch
-
-    from fmserve.engine import Engine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = Engine(model=str(model_path), dtype="fp32", max_kv_tokens=4096,
-                        max_running_requests=8, progress=False)
-        return engine.generate([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
-    finally:
-        torch.set_num_threads(threads)
+    return engine_greedy(model_path, QUESTIONS, GREEDY)
 
 
 def replica_metrics(svc: ServiceProcess) -> dict[tuple[str, tuple], float]:

@@ -18,7 +18,7 @@ from ipc.client_messages import Chunk, Error, Finished, Generate
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
 from service.tokenizer import TextTokenizer
-from tests.e2e.service_process import ServiceProcess, assert_idle
+from tests.e2e.service_process import ServiceProcess, assert_idle, engine_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
 QUESTIONS = ["What is 2+2?", "Name a color.", "Write one word about the sea.",
@@ -38,18 +38,7 @@ def service(model_path):
 @pytest.fixture(scope="module")
 def reference(model_path):
     """Greedy outputs of the offline engine: the independent side of the comparison."""
-    import torch
-
-    from fmserve.engine import Engine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = Engine(model=str(model_path), dtype="fp32", max_kv_tokens=4096,
-                        max_running_requests=8, progress=False)
-        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-        return {q: c for q, c in zip(QUESTIONS, engine.generate(chats, GREEDY))}
-    finally:
-        torch.set_num_threads(threads)
+    return dict(zip(QUESTIONS, engine_greedy(model_path, QUESTIONS, GREEDY)))
 
 
 def messages(q: str) -> list[dict]:
