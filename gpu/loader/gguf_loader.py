@@ -24,7 +24,8 @@ from tqdm import tqdm
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.families import DEFAULT_LOCAL_ROPE_THETA, gguf_family, pattern_window_layers
 from gpu.loader.gguf_kquants import is_kquant, kquant_weight
-from gpu.loader.gguf_q4 import Int4Weight, is_q4, q4_blocks, q8_0_as_q4_pair
+from gpu.loader.gguf_q4 import (Int4Weight, dequantize_blocks_fp32, is_q4, q4_blocks,
+                                q8_0_as_q4_pair)
 from gpu.model_config import ModelConfig
 from gpu.rope_scaling import ROPE_SCALING_KINDS, RopeScaling, rope_inv_freq
 from ipc.gguf_file import GGUFFile
@@ -206,10 +207,15 @@ def _our_name(gguf_name: str) -> str | None:
     return None
 
 
-def _dequantize(tensor, path: Path) -> np.ndarray:
+def _dequantize(tensor, path: Path) -> torch.Tensor:
     from gguf.quants import dequantize
 
+    shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF dims are innermost first
     try:
+        if len(shape) == 2:
+            fast = dequantize_blocks_fp32(tensor.data, tensor.tensor_type.name, *shape)
+            if fast is not None:
+                return fast
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
         raise ModelLoadError(f"{path}: tensor '{tensor.name}' is stored as "
@@ -219,7 +225,6 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor '{tensor.name}' could not be decoded ({e}); the file "
                              f"looks corrupt, download it again") from e
-    shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF dims are innermost first
     if values.size != math.prod(shape):
         raise ModelLoadError(f"{path}: tensor '{tensor.name}' decoded to {values.size} values, "
                              f"expected {math.prod(shape)}; the file looks corrupt, download it "
@@ -227,7 +232,7 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     values = values.reshape(shape)
     if not values.flags.writeable:  # a view of the read-only file map: copy, never alias it
         values = values.copy()
-    return values.astype(np.float32, copy=False)
+    return torch.from_numpy(values.astype(np.float32, copy=False))
 
 
 def int4_weight(tensor, rows: int, cols: int) -> Int4Weight | None:
@@ -278,7 +283,7 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bo
             head[name] = quantized
             if name == "lm_head":
                 continue  # the embedding is looked up; an untied lm_head only multiplies
-        w = torch.from_numpy(_dequantize(tensor, path))
+        w = _dequantize(tensor, path)
         if heads is not None:
             w = unpermute_rope_rows(w, heads)
         if config.norm_adds_one and name.endswith("norm"):

@@ -174,3 +174,28 @@ def q8_0_as_q4_pair(raw: np.ndarray, rows: int, cols: int) -> list[Q4Blocks]:
     lo = torch.from_numpy((biased & 0x0F).reshape(rows, cols))
     d = torch.from_numpy(d)
     return [Q4Blocks(hi, 16 * d, torch.zeros_like(d)), Q4Blocks(lo, d.clone(), 8 * d)]
+
+
+def dequantize_blocks_fp32(raw: np.ndarray, type_name: str, rows: int, cols: int
+                           ) -> torch.Tensor | None:
+    """The fp32 [rows, cols] weight of a Q4_0 / Q4_1 / Q8_0 tensor, None for other types.
+    Bit-for-bit the `gguf` package's dequantize (the same fp32 products and sums, d * q + m),
+    in whole-tensor torch ops: ~2.5x faster than its 16-row numpy groups, which dominated
+    the load (and so a worker restart) of a model kept dense."""
+    size = {**_BLOCK_BYTES, "Q8_0": _Q8_0_BLOCK_BYTES}.get(type_name)
+    if size is None:
+        return None
+    if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * size:
+        raise ValueError(f"a {type_name} tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} "
+                         f"blocks of {size} bytes; got {raw.size} bytes")
+    blocks = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1, size).copy())
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    if type_name == "Q8_0":
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()
+        return (q * d).view(rows, cols)
+    nibbles = blocks[:, size - Q4_GROUP // 2:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).float()
+    if type_name == "Q4_0":
+        return (d * (q - 8)).view(rows, cols)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).view(rows, cols)
