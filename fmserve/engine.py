@@ -73,6 +73,7 @@ class Engine:
         cfg = worker_config(cfg, model_path=str(path), spec=spec)
         self.tokenizer = TextTokenizer.from_model_path(path)
         self.worker = Worker(cfg, background_compile)
+        self.worker.start_background_compile()
         self.info = self.worker.info()
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=cfg.runtime.max_tokens_per_step, prefix_cache=prefix_cache))

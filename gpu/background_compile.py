@@ -1,7 +1,7 @@
 """Building the compiled decode step on a thread while the worker already serves eagerly.
 
 A (re)started worker reports ready once the eager path is loaded, and its batch-1 decode step
-compiles here; decode steps switch to it at a step boundary once it is built
+compiles here, started once the worker is idle (gpu/worker_main.py); decode steps switch to it at a step boundary once it is built
 (`CompiledDecode.can_run`, gpu/compiled_decode.py).
 
 The thread shares the GIL with the steps: every torch op of a step releases it and must take
@@ -35,8 +35,14 @@ class BackgroundCompile:
         self.error: BaseException | None = None
 
     def start(self) -> None:
+        if self._thread.ident is not None:
+            return  # started already
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     @property
     def done(self) -> bool:

@@ -140,18 +140,10 @@ class CompiledDecode:
         if not isinstance(attn, TorchAttentionBackend):
             raise ValueError(f"the compiled decode step traces the torch attention backend "
                              f"(got {type(attn).__name__})")
-        import torch._inductor.config as inductor_config
-
-        _use_fmserve_cache_dir()
-        inductor_config.emulate_precision_casts = True  # bf16 rounds where eager rounds
         self.model, self.attn = model, attn
         self.sizes = bucket_sizes(min(max_batch, COMPILE_MAX_BATCH))
         self.max_batch = self.sizes[-1]
-        # dynamo keeps one graph per bucket under one function (the shapes are its guards)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   2 * len(self.sizes))
-        self._compiled = torch.compile(self._forward, backend="inductor", dynamic=False,
-                                       fullgraph=True)
+        self._compiled = None  # made at the first compile (_compiled_forward)
         self.ready: set[int] = set()  # buckets compiled
         self.failed: dict[int, str] = {}  # bucket -> why its compile failed (it runs eagerly)
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took
@@ -159,10 +151,10 @@ class CompiledDecode:
         self.background: BackgroundCompile | None = None  # bucket 1 being built on a thread
 
     def compile_in_background(self) -> BackgroundCompile:
-        """Start building bucket 1 on a thread (gpu/background_compile.py); decode steps
-        run eagerly until it is done."""
+        """Bucket 1 to be built on a thread (gpu/background_compile.py), started by the
+        caller (the worker process once it has said it is ready); decode steps run eagerly
+        until it is done."""
         self.background = BackgroundCompile(lambda: self.compile_now(1))
-        self.background.start()
         return self.background
 
     @property
@@ -172,6 +164,23 @@ class CompiledDecode:
         if self.background is not None and not self.background.done:
             return "building"
         return "on" if 1 in self.ready else "failed"
+
+    def _compiled_forward(self):
+        """torch.compile of the decoder, made when the first bucket compiles: importing dynamo
+        and inductor takes ~1.3 s and ~150 MB, which a worker in the background compile pays
+        after it is ready, not before."""
+        if self._compiled is None:
+            import torch._dynamo
+            import torch._inductor.config as inductor_config
+
+            _use_fmserve_cache_dir()
+            inductor_config.emulate_precision_casts = True  # bf16 rounds where eager rounds
+            # dynamo keeps one graph per bucket under one function (the shapes are its guards)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       2 * len(self.sizes))
+            self._compiled = torch.compile(self._forward, backend="inductor", dynamic=False,
+                                           fullgraph=True)
+        return self._compiled
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  out_cache_loc: torch.Tensor, key_locs: torch.Tensor,
@@ -191,11 +200,12 @@ class CompiledDecode:
             key_locs, bias = self.attn.decode_inputs(slots, positions + 1, max_len, window)
             biases.append(bias)
         # Keys per request change every step: dynamic (>= 2: a decode follows a prefill).
+        compiled = self._compiled_forward()
         torch._dynamo.mark_dynamic(key_locs, 1)
         for bias in biases:
             torch._dynamo.mark_dynamic(bias, 2)
         with _without_function_modes():
-            return self._compiled(ids, positions, slots, locs, key_locs, tuple(biases))
+            return compiled(ids, positions, slots, locs, key_locs, tuple(biases))
 
     def bucket(self, bs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, bs)]

@@ -45,8 +45,8 @@ class PlainStep:
 
     def make_compiled_decode(self, background: bool = False) -> CompiledDecode | None:
         """The compiled decoder where runtime.compile says so (gpu/compiled_decode.py), its
-        batch-1 bucket compiled now or started on a thread; None where decode steps run
-        eagerly."""
+        batch-1 bucket compiled now or set up to build on a thread (Worker.start_background_
+        compile starts it); None where decode steps run eagerly."""
         st, rt = self.state, self.state.cfg.runtime
         mode = compile_mode(rt.compile)
         if not compile_applies(mode, st.device, st.dtype, rt.attention_backend,

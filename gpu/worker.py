@@ -40,6 +40,20 @@ class Worker:
         self._last_forward_end: float | None = None  # host clock (CPU)
         self._last_span: ForwardSpan | None = None  # device events (GPU)
 
+    @property
+    def background_compile_pending(self) -> bool:
+        """Built in the background (`background_compile`) and not started yet."""
+        compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
+        return compiled is not None and compiled.background is not None and \
+            not compiled.background.started
+
+    def start_background_compile(self) -> None:
+        """Start building the compiled decode step (with `background_compile`). The worker
+        process does it once it is ready and idle (gpu/worker_main.py): the build's CPU and
+        GIL slow the steps that run meanwhile."""
+        if self.background_compile_pending:
+            self.step.compiled_decode.background.start()
+
     def info(self) -> WorkerInfo:
         return msgspec.structs.replace(self.state.info(), decode_compile=self.decode_compile)
 

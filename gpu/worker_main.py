@@ -3,6 +3,8 @@
     python -m gpu.worker_main --endpoint ipc:///tmp/fmserve-x/worker.sock \
         --config '{"model": {"path": "...", "dtype": "fp32"}}' [--parent-pid N] [--cleanup-dir D]
 
+With --standby it imports torch and the worker's modules first, then reads those arguments as a
+JSON list from stdin (a process started ahead for a fast restart: service/worker_spawn.py).
 With parallel.tp = N > 1 this process is rank 0 of N and starts the others with --rank R
 --world-size N --master-addr A --master-port P instead of --endpoint (gpu/tp_ranks.py).
 
@@ -22,6 +24,7 @@ or of a long forward, so a killed service never leaves a process holding the dev
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -41,6 +44,11 @@ PARENT_POLL_S = 0.25
 # Our last message (WorkerFailed) must reach the scheduler before the process exits, so the
 # socket lingers that long on close instead of dropping it (linger 0 elsewhere).
 FINAL_LINGER_MS = 2000
+# The compiled decode step is built on a thread (gpu/background_compile.py) from the first
+# moment no plan waits for this long, or after this many seconds at the latest: a restarted
+# worker answers the requests queued during its restart first, at full speed.
+COMPILE_WHEN_IDLE_MS = 300
+COMPILE_AT_THE_LATEST_S = 20.0
 
 
 def watch_parent(parent_pid: int, cleanup_dir: str | None = None,
@@ -155,11 +163,15 @@ def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, worker, fail) -> int:
     # ("on") before step k's result is copied and sent, so the device waits for the host
     # between the two forwards for the sending at most, or not at all (worker.launch_ahead).
     pending = None
+    compile_by = time.monotonic() + COMPILE_AT_THE_LATEST_S
     while True:
         if pending is not None and not (worker.launch_ahead != "off" and sock.poll(0)):
             code, pending = send_result(pending), None
             if code is not None:
                 return code
+        if worker.background_compile_pending and (time.monotonic() >= compile_by
+                                                  or not sock.poll(COMPILE_WHEN_IDLE_MS)):
+            worker.start_background_compile()
         data = sock.recv()
         try:
             msg = codec.decode(data)
@@ -199,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="fmserve worker process (spawned by the service)")
     parser.add_argument("--endpoint", default=None,
                         help="ZMQ endpoint the scheduler bound (rank 0, the default)")
-    parser.add_argument("--config", required=True, help="a WorkerConfig as JSON")
+    parser.add_argument("--config", default=None, help="a WorkerConfig as JSON (required)")
+    parser.add_argument("--standby", action="store_true",
+                        help="import torch and the worker's modules, then wait for the other "
+                             "arguments as one JSON list on stdin (service/worker_spawn.py)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (default: the parent at start)")
     parser.add_argument("--cleanup-dir", default=None,
@@ -211,11 +226,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-addr", default=None)
     parser.add_argument("--master-port", type=int, default=None)
     args = parser.parse_args(argv)
-    if args.rank == 0 and args.endpoint is None:
-        parser.error("--endpoint is required (rank 0 talks to the service)")
-
     parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
     watch_parent(parent_pid, args.cleanup_dir)
+    if args.standby:  # the slow imports now, before the service needs us (~3 s on 2 cores)
+        import torch._dynamo  # noqa: F401  (the compiled decode step's: another 1.3 s)
+        import torch._inductor.compile_fx  # noqa: F401
+
+        import gpu.worker  # noqa: F401
+
+        line = sys.stdin.readline()
+        if not line:
+            return EXIT_OK  # the service discarded us
+        args = parser.parse_args(json.loads(line))
+    if args.config is None:
+        parser.error("--config is required")
+    if args.rank == 0 and args.endpoint is None:
+        parser.error("--endpoint is required (rank 0 talks to the service)")
     if args.rank > 0:
         from gpu.tp_ranks import follow_plans
 

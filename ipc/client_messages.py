@@ -118,6 +118,7 @@ class ReplicaStatus(msgspec.Struct, frozen=True):
     free_slots: int
     total_slots: int
     steps: int
+    standby_pid: int | None = None  # the process started ahead for its next restart (worker.standby)
 
 
 class Stats(msgspec.Struct, tag="stats", frozen=True):

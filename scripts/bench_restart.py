@@ -26,6 +26,7 @@ from ipc.client import Client
 from ipc.client_errors import RequestFailed
 from ipc.sampling import SamplingParams
 
+STANDBY_IMPORTS_S = 8.0  # a standby's imports on 2 cores, with margin
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 
@@ -37,15 +38,18 @@ def answer(client: Client, max_new_tokens: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config.toml setting for the service, e.g. worker.standby=false")
     args = ap.parse_args()
     args.device, args.attention_backend = "cpu", "torch"
     start = time.monotonic()
     log = tempfile.NamedTemporaryFile(prefix="fmserve-restart-", suffix=".log", delete=False)
     proc, endpoint = start_service(args, resolve_model_path(args.model), True,
-                                   ["--log-level", "INFO"], 4, log=log)
+                                   ["--log-level", "INFO", *(f for kv in args.set for f in ("--set", kv))],
+                                   4, log=log)
     try:
         with Client(endpoint) as client:
             answer(client, args.max_new_tokens)
@@ -54,7 +58,12 @@ def main() -> None:
             for run in range(1, args.runs + 1):
                 while client.health().decode_compile == "building":  # the previous switch
                     answer(client, 2)
-                pid = worker_pid(proc.pid)
+                    time.sleep(0.5)  # idle moments: the worker starts its compile in one
+                if "worker.standby=true" in args.set:  # started STANDBY_DELAY_S after ready,
+                    while client.health().replicas[0].standby_pid is None:
+                        time.sleep(0.5)
+                    time.sleep(STANDBY_IMPORTS_S)  # then its imports
+                pid = worker_pid(endpoint)
                 os.kill(pid, signal.SIGKILL)
                 killed = time.monotonic()
                 while True:  # one sent before the service noticed the death fails: again
@@ -68,6 +77,7 @@ def main() -> None:
                 state = client.health().decode_compile
                 while client.health().decode_compile == "building":
                     answer(client, 2)
+                    time.sleep(0.5)
                 print(f"run {run}: worker {pid} killed, a request answered {answered:.2f} s "
                       f"later (decode_compile then {state}); compiled step in use "
                       f"{time.monotonic() - killed:.1f} s after the kill "

@@ -79,6 +79,7 @@ class WorkerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_timeout_s: Annotated[float, Meta(gt=0, le=86400)] = 120.0
     restart_on_failure: bool = True
     max_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
+    standby: bool = False
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

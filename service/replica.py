@@ -22,8 +22,8 @@ from service.scheduler import Scheduler
 from service.scheduler_core import SchedulerConfig
 from service.tokenizer import TextTokenizer
 from service.worker_recovery import refuse_all, restart_worker
-from service.worker_supervisor import (POLL_INTERVAL_S, WorkerDied, WorkerHandle,
-                                       describe_returncode)
+from service.worker_spawn import describe_returncode
+from service.worker_supervisor import POLL_INTERVAL_S, WorkerDied, WorkerHandle
 
 
 class Replica:
@@ -68,7 +68,8 @@ class Replica:
             index=self.index, worker_state=self.state, pid=self.worker.pid,
             restarts=self.restarts, running=acc["running"], waiting=acc["waiting"],
             free_pages=acc["free_pages"], total_pages=acc["total_pages"],
-            free_slots=acc["free_slots"], total_slots=acc["total_slots"], steps=self.steps)
+            free_slots=acc["free_slots"], total_slots=acc["total_slots"], steps=self.steps,
+            standby_pid=self.worker.standby_pid)
 
     async def step_loop(self, overlap: bool) -> None:
         """Keep the worker fed. With overlap, plan k+1 is sent before step k's result is read,

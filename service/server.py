@@ -79,7 +79,8 @@ class Service:
         worker_cfg, dp = worker_config_for(cfg, model_path), cfg.parallel.dp
         self.replicas = ReplicaSet([Replica(i, dp, WorkerHandle(
             worker_cfg, ready_timeout_s=cfg.worker.ready_timeout_s,
-            step_timeout_s=cfg.worker.step_timeout_s), self.replies, self.counters, cfg.worker)
+            step_timeout_s=cfg.worker.step_timeout_s, standby=cfg.worker.standby),
+            self.replies, self.counters, cfg.worker)
             for i in range(dp)])
         self.admin = AdminOps(cfg.service.admin_token, self._abort, self.replies)
         self.draining = False  # from a signal (or the shutdown) on: new requests refused

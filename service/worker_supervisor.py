@@ -13,7 +13,8 @@ name with `sys.executable` (never forked: a forked copy of the service would sha
 and threads), in a new session so a Ctrl-C in the terminal reaches the service first and the
 service decides how the worker ends. Its stdout and stderr go to a log file in the handle's
 private temp dir, which also holds the ipc:// socket; errors of a running worker quote the log's
-tail. A worker that fails to start leaves its log beside that dir (`fmserve-worker-<pid>-*.log`),
+tail (service/worker_spawn.py starts the process; with `standby` one started ahead, its imports
+done, becomes the next worker). A worker that fails to start leaves its log beside that dir (`fmserve-worker-<pid>-*.log`),
 and the error gives the worker's one-line reason and that file's path, not its traceback. The worker
 exits by itself when this process dies (see gpu/worker_main.py). This module must not import
 `gpu` or torch: the service never holds device state.
@@ -21,12 +22,11 @@ exits by itself when this process dies (see gpu/worker_main.py). This module mus
 
 from __future__ import annotations
 
-import importlib.util
+import asyncio
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
@@ -41,11 +41,14 @@ from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, Shutdown, StepPlan, StepResult,
                                  WorkerFailed, WorkerInfo, WorkerReady, WorkerToScheduler)
 from ipc.zmq_util import SchedulerSideCodec, configure_socket, ipc_endpoint, make_ipc_dir
+from service.worker_spawn import Standby, WorkerSpawnError, describe_returncode, spawn_worker
 
-WORKER_MODULE = "gpu.worker_main"
 POLL_INTERVAL_S = 0.05  # how often a wait checks that the process is still alive
 FINAL_MESSAGE_GRACE_S = 0.3  # a worker that just exited may still have a WorkerFailed in flight
 LOG_TAIL_LINES = 25
+# The next standby starts this long after a worker is ready: its imports (~3 s of a core)
+# would slow the requests a (re)started worker answers first and its compile.
+STANDBY_DELAY_S = 15.0
 
 
 class WorkerStartError(RuntimeError):
@@ -61,38 +64,23 @@ class _WorkerExited(Exception):
         self.returncode = returncode
 
 
-def describe_returncode(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _project_root_for(package: str) -> Path | None:
-    """The directory `package` is imported from, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        return None
-    if spec.origin and spec.origin not in ("namespace", "built-in"):
-        return Path(spec.origin).resolve().parent.parent
-    locations = list(spec.submodule_search_locations or [])
-    return Path(locations[0]).resolve().parent if locations else None
-
-
 class WorkerHandle:
     """One worker process and its socket. Not for concurrent use by several tasks: one task
     sends plans and reads results (the scheduler loop)."""
 
     def __init__(self, config: WorkerConfig, ready_timeout_s: float = 300.0,
-                 step_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
+                 step_timeout_s: float = 300.0, env: dict[str, str] | None = None,
+                 standby: bool = False, standby_delay_s: float = STANDBY_DELAY_S) -> None:
         # The worker decodes it back into a WorkerConfig (its load progress bar off: stderr
         # is a log file).
         self.config = msgspec.structs.replace(config, progress=False)
         self.ready_timeout_s = ready_timeout_s
         self.step_timeout_s = step_timeout_s
         self.extra_env = dict(env or {})
+        # worker.standby: a process started ahead for the next (re)start (service/worker_spawn.py)
+        self.use_standby, self.standby_delay_s = standby, standby_delay_s
+        self._standby: Standby | None = None
+        self._standby_timer: asyncio.TimerHandle | None = None
         self.info: WorkerInfo | None = None
         self.last_returncode: int | None = None  # of the previous process, after stop()
         self._codec = SchedulerSideCodec()
@@ -110,6 +98,11 @@ class WorkerHandle:
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
+
+    @property
+    def standby_pid(self) -> int | None:
+        """The process started ahead for the next (re)start, if any."""
+        return None if self._standby is None else self._standby.pid
 
     @property
     def alive(self) -> bool:
@@ -164,40 +157,48 @@ class WorkerHandle:
         await self.stop()
 
     async def start(self) -> WorkerInfo:
-        """Spawn the worker and wait until its model is loaded."""
+        """Start the worker (the standby if there is one) and wait until its model is loaded;
+        then, with `use_standby`, start the next standby."""
         if self._proc is not None:
             raise RuntimeError(f"worker {self.pid} is already started; use restart()")
-        root = _project_root_for(WORKER_MODULE.split(".")[0])
-        if root is None:
-            raise WorkerStartError(f"cannot find the '{WORKER_MODULE}' module from "
-                                   f"{sys.executable}: is fmserve installed in this environment?")
         self._dead = None
         self._inflight.clear()
-        self._dir = make_ipc_dir("fmserve-worker-")
+        standby_dir = self._standby.ready_for(self.extra_env) if self._standby else None
+        if standby_dir is None and self._standby is not None:
+            self._standby.discard()
+            self._standby = None
+        self._dir = standby_dir or make_ipc_dir("fmserve-worker-")
         try:  # from here on, any failure (or cancellation) must leave no process and no files
             self.endpoint = ipc_endpoint(self._dir, "worker.sock")
             self._ctx = zmq.asyncio.Context()
             self._sock = configure_socket(self._ctx.socket(zmq.PAIR))
             self._sock.bind(self.endpoint)
-            self._log_file = open(self._dir / "worker.log", "wb")
-            env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1"}
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-            cmd = [sys.executable, "-m", WORKER_MODULE, "--endpoint", self.endpoint,
-                   "--config", msgspec.json.encode(self.config).decode(),
-                   "--parent-pid", str(os.getpid()),
-                   "--cleanup-dir", str(self._dir)]
+            args = ["--endpoint", self.endpoint,
+                    "--config", msgspec.json.encode(self.config).decode()]
+            process = self._standby.take(args) if self._standby is not None else None
+            self._standby = None
             try:
-                self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                                              stdout=self._log_file, stderr=subprocess.STDOUT,
-                                              env=env, start_new_session=True, close_fds=True)
-            except OSError as exc:
-                raise WorkerStartError(f"cannot run {sys.executable} -m {WORKER_MODULE}: "
-                                       f"{exc}") from exc
+                process = process or spawn_worker(self._dir, args, self.extra_env)
+            except WorkerSpawnError as exc:
+                raise WorkerStartError(str(exc)) from exc
+            self._proc, self._log_file = process.proc, process.log_file
             self.info = await self._await_ready()
         except BaseException:
             self._kill_and_cleanup()
             raise
+        if self.use_standby:
+            self._standby_timer = asyncio.get_running_loop().call_later(
+                self.standby_delay_s, self._start_standby)
         return self.info
+
+    def _start_standby(self) -> None:
+        self._standby_timer = None
+        if self._proc is None or self._standby is not None:
+            return
+        try:
+            self._standby = Standby(self.extra_env)
+        except WorkerSpawnError:
+            pass  # the next restart spawns a fresh worker
 
     async def _await_ready(self) -> WorkerInfo:
         model = self.config.model.path
@@ -226,9 +227,16 @@ class WorkerHandle:
                 f"fmserve versions; reinstall so both match")
         return msg.info
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
-        """Ask the worker to exit (Shutdown), then SIGTERM, then SIGKILL; remove the temp dir.
-        Safe to call on a handle that is stopped, never started or already dead."""
+    async def stop(self, timeout_s: float = 5.0, keep_standby: bool = False) -> None:
+        """Ask the worker to exit (Shutdown), then SIGTERM, then SIGKILL; remove the temp dir
+        (and the standby, unless `keep_standby`: a restart). Safe to call on a handle that is
+        stopped, never started or already dead."""
+        if self._standby_timer is not None:
+            self._standby_timer.cancel()
+            self._standby_timer = None
+        if not keep_standby and self._standby is not None:
+            self._standby.discard()
+            self._standby = None
         proc = self._proc
         if proc is not None and proc.poll() is None:
             try:
@@ -244,12 +252,14 @@ class WorkerHandle:
 
     async def restart(self) -> WorkerInfo:
         """Replace the worker (dead or alive) with a fresh process: new socket, new temp dir."""
-        await self.stop(timeout_s=2.0)
+        await self.stop(timeout_s=2.0, keep_standby=True)
         return await self.start()
 
     def __del__(self) -> None:
         # A handle dropped without stop(): its worker would wait for plans forever.
         try:
+            if getattr(self, "_standby", None) is not None:
+                self._standby.discard()
             if getattr(self, "_proc", None) is not None and self._proc.poll() is None:
                 self._signal_group(signal.SIGKILL)
             if getattr(self, "_dir", None) is not None:

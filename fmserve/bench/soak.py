@@ -200,24 +200,26 @@ class Stream:
             return
 
 
-def worker_pid(service_pid: int) -> int | None:
-    kids = psutil.Process(service_pid).children()
-    return kids[0].pid if kids else None
+def worker_pid(endpoint: str) -> int | None:
+    """The first replica's worker process, as the service reports it (a child process may
+    also be the standby: worker.standby)."""
+    with Client(endpoint) as client:
+        return client.health(timeout_s=10.0).replicas[0].pid
 
 
-async def kill_workers(service_pid: int, every_s: float, deadline: float, tally: Tally,
+async def kill_workers(endpoint: str, every_s: float, deadline: float, tally: Tally,
                        console: Console) -> None:
     """SIGKILL the worker every `every_s`, each time once its replacement has served a request
     sent after the kill (a kill during a restart is another test: issue 33, item 5)."""
     while True:
         await asyncio.sleep(every_s)
-        pid = worker_pid(service_pid)
+        pid = worker_pid(endpoint)
         if time.monotonic() > deadline - 1 or pid is None:
             return
         os.kill(pid, signal.SIGKILL)
         tally.kills += 1
         since = time.monotonic()
-        while worker_pid(service_pid) in (None, pid) or tally.last_served < since:
+        while worker_pid(endpoint) in (None, pid) or tally.last_served < since:
             if time.monotonic() - since > STALL_S:
                 console.print(f"the worker did not come back {STALL_S:g} s after kill "
                               f"{tally.kills}: no more kills")
@@ -227,12 +229,12 @@ async def kill_workers(service_pid: int, every_s: float, deadline: float, tally:
                       f"request {time.monotonic() - since:.1f} s later")
 
 
-async def soak(endpoint: str, service_pid: int, args, tally: Tally, console: Console) -> None:
+async def soak(endpoint: str, args, tally: Tally, console: Console) -> None:
     ctx = zmq.asyncio.Context()
     deadline = time.monotonic() + args.minutes * 60
     streams = [Stream(ctx, endpoint, i, args.seed, args.max_new_tokens, tally)
                for i in range(args.concurrency)]
-    killer = asyncio.create_task(kill_workers(service_pid, args.kill_every_s, deadline, tally,
+    killer = asyncio.create_task(kill_workers(endpoint, args.kill_every_s, deadline, tally,
                                               console)) if args.kill_every_s else None
     await asyncio.gather(*(s.run(deadline) for s in streams))
     if killer is not None:
@@ -273,14 +275,14 @@ def run_bench_soak(args: argparse.Namespace) -> int:
         with Client(endpoint) as client:  # a request first, so that the start RSS is a working one
             client.complete(messages=[{"role": "user", "content": PROMPTS[0]}],
                             params=SamplingParams(max_new_tokens=4))
-        rss_start = rss_mib(proc.pid), rss_mib(worker_pid(proc.pid))
+        rss_start = rss_mib(proc.pid), rss_mib(worker_pid(endpoint))
         tally = Tally()
         start = time.monotonic()
-        asyncio.run(soak(endpoint, proc.pid, args, tally, console))
+        asyncio.run(soak(endpoint, args, tally, console))
         wall = time.monotonic() - start
         with Client(endpoint) as client:
             idle, stats = wait_idle(client)
-        rss_end = rss_mib(proc.pid), rss_mib(worker_pid(proc.pid))
+        rss_end = rss_mib(proc.pid), rss_mib(worker_pid(endpoint))
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -37,7 +37,7 @@ class ServiceProcess:
         """`extra`: more `fmserve serve` flags; `curve`: the client keys, for a CURVE service;
         `bind_host`: where it binds (clients connect over loopback either way)."""
         self.port, self.tport, self.http_port = free_port(), free_port(), free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.endpoint, self.curve = f"tcp://127.0.0.1:{self.port}", curve
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
@@ -65,8 +65,15 @@ class ServiceProcess:
         self.log.flush()
         return Path(self.log.name).read_text()
 
+    def worker_pids(self) -> list[int]:
+        """The service's worker processes: its children but a standby (worker.standby)."""
+        kids = child_pids(self.proc.pid)  # before the health: a standby started later is not
+        with Client(self.endpoint, curve=self.curve) as client:
+            standby = {r.standby_pid for r in client.health().replicas}
+        return [pid for pid in kids if pid not in standby]
+
     def worker_pid(self) -> int:
-        kids = child_pids(self.proc.pid)
+        kids = self.worker_pids()
         assert kids, "the service has no worker child process"
         return kids[0]
 

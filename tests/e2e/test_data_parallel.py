@@ -17,7 +17,7 @@ from ipc.client import Client
 from ipc.client_messages import Chunk, Error, Finished, Generate, Stats
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
-from tests.e2e.service_process import ServiceProcess, assert_idle, child_pids, engine_greedy
+from tests.e2e.service_process import ServiceProcess, assert_idle, engine_greedy
 from tests.tui.helpers import SIZE, make_app, screen_text, until
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -85,7 +85,7 @@ def test_concurrent_requests_run_on_both_replicas_with_the_engine_greedy_text(
     with Client(dp_service.endpoint) as client:
         before = replicas(client)
         # Each replica's worker is a child of the service, and Stats names it.
-        assert {r.pid for r in before} == set(child_pids(dp_service.proc.pid))
+        assert {r.pid for r in before} == set(dp_service.worker_pids())
         assert [r.worker_state for r in before] == ["ready", "ready"]
     got = ask_at_once(dp_service.endpoint, QUESTIONS)
     assert [got.get(q) for q in QUESTIONS] == [r.token_ids for r in reference]
@@ -173,7 +173,7 @@ def test_a_dead_replica_fails_its_request_once_while_the_other_serves_on(dp_serv
                              "replica 1 to be ready again")
             assert [r.restarts for r in stats.replicas] == [restarts[0], restarts[1] + 1]
             assert stats.replicas[1].pid != victim.pid
-            assert set(child_pids(dp_service.proc.pid)) == {r.pid for r in stats.replicas}
+            assert set(dp_service.worker_pids()) == {r.pid for r in stats.replicas}
             steps = stats.replicas[1].steps
             got = ask_at_once(dp_service.endpoint, QUESTIONS[:2])
             assert [got.get(q) for q in QUESTIONS[:2]] == [r.token_ids for r in reference[:2]]

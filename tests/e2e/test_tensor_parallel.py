@@ -168,7 +168,7 @@ def test_a_rank_that_dies_takes_the_group_down_and_the_service_restarts_it(tp_mo
             # The whole group is replaced: a new rank 0 with a new rank 1, giving the same
             # tokens again.
             deadline = time.monotonic() + 60
-            while client.health().worker_state != "ready" or len(child_pids(svc.proc.pid)) != 1:
+            while client.health().worker_state != "ready" or len(svc.worker_pids()) != 1:
                 assert time.monotonic() < deadline, client.health()
                 time.sleep(0.05)
             pids = rank_pids(svc)
