@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_args(keys)
     keys.set_defaults(func=run_keys)
 
+    worker = sub.add_parser("worker", help="a tensor-parallel rank on another machine "
+                                           "(parallel.remote_ranks)")
+    from fmserve.worker_cmd import add_worker_args, run_worker
+    add_worker_args(worker)
+    worker.set_defaults(func=run_worker)
+
     bench = sub.add_parser("bench", help="measure throughput")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="prefill and decode tokens/s vs transformers")

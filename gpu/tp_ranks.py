@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -32,9 +33,12 @@ import torch.distributed as dist
 from gpu.device import resolve_device
 from ipc.worker_config import WorkerConfig
 
-MASTER_ADDR = "127.0.0.1"  # every rank on this machine for now
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 KEEPALIVE_S = 60.0  # well below COLLECTIVE_TIMEOUT: idle ranks wait in a broadcast
+# Ranks on other machines cannot be watched as child processes: a keep-alive this often is
+# what finds one that died while the group idles.
+REMOTE_KEEPALIVE_S = 1.0
+CONFIG_KEY, GROUP_KEY = "fmserve/config", "fmserve/group"  # rank 0's store, for remote ranks
 POLL_MS = 50  # how often rank 0, idle, checks that its ranks live
 STOP_GRACE_S = 5.0
 
@@ -54,7 +58,8 @@ class RankGroup:
     def __init__(self, rank: int, size: int, backend: str,
                  followers: list[subprocess.Popen] | None = None) -> None:
         self.rank, self.size = rank, size
-        self.followers = followers or []
+        self.followers = followers or []  # empty for ranks on other machines
+        self.keepalive_s = KEEPALIVE_S  # rank 0: how often an idle group hears from it
         # Plans are bytes on the host: over NCCL they take a gloo group of the same ranks.
         self.relay_group = dist.new_group(backend="gloo") if backend == "nccl" else None
 
@@ -97,24 +102,41 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+def publish_group(store: dist.TCPStore, config_json: str) -> None:
+    """What a rank on another machine reads from rank 0's store before it joins
+    (gpu/remote_rank.py): the group's WorkerConfig, and a token naming this group (a rank
+    back from a group that went down waits for a new one, not the old store still up)."""
+    store.set(CONFIG_KEY, config_json)
+    store.set(GROUP_KEY, secrets.token_hex(8))
+
+
 def start_ranks(cfg: WorkerConfig, config_json: str) -> RankGroup:
-    """Rank 0: open the store on a free port, start ranks 1..N-1, join the group."""
-    size, backend = cfg.parallel.tp, backend_for(cfg)
-    store = dist.TCPStore(MASTER_ADDR, 0, size, True, timeout=COLLECTIVE_TIMEOUT,
-                          wait_for_workers=False)
+    """Rank 0: open the rendezvous store, start ranks 1..N-1 on this machine (or, with
+    parallel.remote_ranks, publish the config for the `fmserve worker`s elsewhere and wait
+    for them), join the group."""
+    size, backend, addr = cfg.parallel.tp, backend_for(cfg), cfg.parallel.master_addr
+    store = dist.TCPStore(addr, cfg.parallel.master_port, size, True,
+                          timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     followers = []
-    for rank in range(1, size):
-        env = {**os.environ, "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(store.port),
+    if cfg.parallel.remote_ranks:
+        publish_group(store, config_json)
+        print(f"fmserve worker {os.getpid()}: waiting for tensor-parallel ranks 1..{size - 1} "
+              f"(`fmserve worker --rank R --world-size {size} --master-addr {addr} "
+              f"--master-port {store.port}` on their machines)", file=sys.stderr, flush=True)
+    for rank in range(1, size) if not cfg.parallel.remote_ranks else ():
+        env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(store.port),
                "RANK": str(rank), "WORLD_SIZE": str(size)}
         followers.append(subprocess.Popen(
             [sys.executable, "-m", "gpu.worker_main", "--rank", str(rank), "--world-size",
-             str(size), "--master-addr", MASTER_ADDR, "--master-port", str(store.port),
+             str(size), "--master-addr", addr, "--master-port", str(store.port),
              "--config", config_json, "--parent-pid", str(os.getpid())],
             stdin=subprocess.DEVNULL, env=env, close_fds=True))  # output: rank 0's log
     # As init_method="env://" would: the default group's keys under its prefix.
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=0,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    return RankGroup(0, size, backend, followers)
+    group = RankGroup(0, size, backend, followers)
+    group.keepalive_s = REMOTE_KEEPALIVE_S if cfg.parallel.remote_ranks else KEEPALIVE_S
+    return group
 
 
 def join_ranks(cfg: WorkerConfig, rank: int, size: int, addr: str, port: int) -> RankGroup:
@@ -137,7 +159,7 @@ class RelaySocket:
         while not self.sock.poll(POLL_MS):
             if (dead := self.ranks.dead_follower()) is not None:
                 raise RankDied(dead)
-            if time.monotonic() - last >= KEEPALIVE_S:
+            if time.monotonic() - last >= self.ranks.keepalive_s:
                 self._relay(b"")
                 last = time.monotonic()
         data = self.sock.recv()

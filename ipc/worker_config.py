@@ -75,6 +75,12 @@ class ParallelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Data-parallel replicas: worker groups behind one scheduler (service/replica.py); a
     # worker is one replica and does not read it.
     dp: Annotated[int, Meta(ge=1, le=64)] = 1
+    # Ranks 1..tp-1 on other machines: each started there with `fmserve worker --rank R
+    # --world-size N --master-addr A --master-port P`; rank 0 (the service's worker) opens the
+    # rendezvous at master_addr:master_port and waits for them (gpu/tp_ranks.py).
+    remote_ranks: bool = False
+    master_addr: str = "127.0.0.1"  # where the other ranks reach rank 0's rendezvous store
+    master_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # 0: a free port (local ranks only)
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -98,6 +104,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              "\"torch\" (its batch-invariant attention is written in torch)")
         self.spec.validate()
         tp = self.parallel.tp
+        if self.parallel.remote_ranks and (tp < 2 or not self.parallel.master_port):
+            raise ValueError(f"parallel.remote_ranks = true needs parallel.tp >= 2 (it is {tp}) "
+                             f"and a fixed parallel.master_port (it is "
+                             f"{self.parallel.master_port}) for the other machines' "
+                             f"`fmserve worker --master-port` to reach")
         if tp > 1 and self.runtime.cuda_graph_max_batch:
             raise ValueError(f"parallel.tp = {tp} with runtime.cuda_graph_max_batch > 0 is not "
                              f"built yet (the decode graphs hold no collectives); set it to 0")

@@ -116,7 +116,8 @@ def worker_cpu_threads(cfg: ServiceConfig) -> int:
     if cfg.runtime.worker_cpu_threads:
         return cfg.runtime.worker_cpu_threads
     cores = len(os.sched_getaffinity(0))
-    ranks = cfg.parallel.tp * cfg.parallel.dp
+    # ranks on this machine: tensor-parallel ranks elsewhere (remote_ranks) bring their own cores
+    ranks = (1 if cfg.parallel.remote_ranks else cfg.parallel.tp) * cfg.parallel.dp
     if ranks > 1:  # tensor-parallel ranks and replicas share the cores: one team each
         return max(1, cores // ranks)
     return cores - 1 if overlap_on(cfg, "cpu") and 3 <= cores <= 8 else 0
