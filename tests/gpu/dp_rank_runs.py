@@ -8,6 +8,7 @@ the one-rank reference run."""
 from __future__ import annotations
 
 import datetime
+import time
 import traceback
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def one_rank(model_path: str, spec: SpecSettings | None, plans: list[StepPlan]) 
 def rank_main(rank: int, world: int, port: int, model_path: str, runs: list[dict],
               timeout_s: float, out_dir: str) -> None:
     """Each run: {"spec", "plans" (one list per rank), "skip_empty" (ranks that skip their
-    empty plans: a bug on purpose)} on a fresh worker. Saves, per run, this rank's tokens,
+    empty plans and then stay silent: a bug on purpose)} on a fresh worker. Saves, per run, this rank's tokens,
     idle counts, forwards and the error that stopped it (None if none)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -94,13 +95,17 @@ def rank_main(rank: int, world: int, port: int, model_path: str, runs: list[dict
         for run in runs:
             worker = Worker(config(model_path, run["spec"], world, dp_attention=True))
             found = {"tokens": [], "error": None}
+            skips = rank in run.get("skip_empty", ())
             try:
-                found["tokens"] = tokens_of(worker, run["plans"][rank],
-                                            skip_empty=rank in run.get("skip_empty", ()))
+                found["tokens"] = tokens_of(worker, run["plans"][rank], skip_empty=skips)
+                if skips:  # stay in the group, answering nothing, past the partner's timeout
+                    time.sleep(timeout_s + 2)
             except Exception:
                 found["error"] = traceback.format_exc()
             found["idle"] = dict(worker.state.idle_counts)
             found["forwards"] = worker.state.dp_attention.forwards
+            found["kv_heads"] = worker.state.kv_pool.num_kv_heads
+            found["intermediate"] = worker.state.model.config.intermediate_size
             results.append(found)
             if found["error"]:
                 break
