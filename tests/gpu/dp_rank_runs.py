@@ -85,8 +85,8 @@ def one_rank(model_path: str, spec: SpecSettings | None, plans: list[StepPlan]) 
 def rank_main(rank: int, world: int, port: int, model_path: str, runs: list[dict],
               timeout_s: float, out_dir: str) -> None:
     """Each run: {"spec", "plans" (one list per rank), "skip_empty" (ranks that skip their
-    empty plans and then stay silent: a bug on purpose)} on a fresh worker. Saves, per run, this rank's tokens,
-    idle counts, forwards and the error that stopped it (None if none)."""
+    empty plans and then stay silent: a bug on purpose)} on a fresh worker. Saves, per run,
+    this rank's tokens, idle counts, forwards, cut and the error that stopped it (or None)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
