@@ -47,21 +47,30 @@ def empty_plan(step_id: int) -> StepPlan:
     return StepPlan(step_id, [], [], [], pack_i32([]), pack_i32([]))
 
 
-def request_plans(prompt: list[int], start: int, steps: int) -> list[StepPlan]:
-    """`steps` plans of one greedy request in SLOT: empty before step `start`, then its
+def request_plans(prompt: list[int], start: int, steps: int, slot: int = SLOT,
+                  pages: list[int] = PAGES) -> list[StepPlan]:
+    """`steps` plans of one greedy request in `slot`: empty before step `start`, then its
     prefill, then decodes."""
     plans = []
     for k in range(steps):
         if k < start:
             plans.append(empty_plan(k))
         elif k == start:
-            plans.append(StepPlan(k, [NewRequest(SLOT, SamplingParams(temperature=0.0))],
-                                  [PageGrant(SLOT, 0, pack_i32(PAGES))],
-                                  [ExtendEntry(SLOT, 0, pack_i32(prompt), True)],
+            plans.append(StepPlan(k, [NewRequest(slot, SamplingParams(temperature=0.0))],
+                                  [PageGrant(slot, 0, pack_i32(pages))],
+                                  [ExtendEntry(slot, 0, pack_i32(prompt), True)],
                                   pack_i32([]), pack_i32([])))
         else:
-            plans.append(StepPlan(k, [], [], [], pack_i32([SLOT]), pack_i32([])))
+            plans.append(StepPlan(k, [], [], [], pack_i32([slot]), pack_i32([])))
     return plans
+
+
+def merged(a: list[StepPlan], b: list[StepPlan]) -> list[StepPlan]:
+    """Two requests' plans as one rank's: each step both requests' entries."""
+    return [StepPlan(x.step_id, x.new_requests + y.new_requests, x.grants + y.grants,
+                     x.extends + y.extends,
+                     pack_i32([*unpack_i32(x.decode_slots), *unpack_i32(y.decode_slots)]),
+                     pack_i32([])) for x, y in zip(a, b)]
 
 
 def is_empty(plan: StepPlan) -> bool:

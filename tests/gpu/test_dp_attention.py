@@ -20,8 +20,13 @@ SINGLE_PLAIN = [dr.request_plans(dr.PROMPT_A, 0, 5), [dr.empty_plan(k) for k in 
 SINGLE_EAGLE = [dr.request_plans(dr.PROMPT_A, 0, 4), [dr.empty_plan(k) for k in range(4)]]
 # Rank 1's request starts a step later: its prefill meets rank 0's decode.
 ONE_EACH = [dr.request_plans(dr.PROMPT_A, 0, 4), dr.request_plans(dr.PROMPT_B, 1, 4)]
+# Rank 0's second request prefills in the plan of its first one's decode (two target forwards
+# under EAGLE), while rank 1 decodes only: it must run an idle prefill part too.
+MIXED = [dr.merged(ONE_EACH[0], dr.request_plans(dr.PROMPT_B[:7], 2, 4, 2, [5, 6, 7, 8])),
+         ONE_EACH[1]]
 RUNS = [dict(spec=None, plans=SINGLE_PLAIN), dict(spec=CHAIN, plans=SINGLE_EAGLE),
-        dict(spec=None, plans=ONE_EACH), dict(spec=TREE, plans=ONE_EACH)]
+        dict(spec=None, plans=ONE_EACH), dict(spec=TREE, plans=ONE_EACH),
+        dict(spec=CHAIN, plans=MIXED)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,6 +78,15 @@ def test_one_request_per_rank_each_gets_its_single_rank_tokens(ranks, model_path
     assert zero["tokens"] == dr.one_rank(str(model_path), spec, ONE_EACH[0])
     assert one["tokens"] == dr.one_rank(str(model_path), spec, ONE_EACH[1])
     assert one["idle"]["step"] == 1 and zero["idle"].get("step", 0) == 0
+
+
+def test_an_eagle_prefill_beside_a_decode_on_one_rank_runs_idle_parts_on_the_other(
+        ranks, model_path):
+    zero, one = check_lockstep(ranks, 4)
+    assert zero["tokens"] == dr.one_rank(str(model_path), CHAIN, MIXED[0])
+    assert one["tokens"] == dr.one_rank(str(model_path), CHAIN, MIXED[1])
+    # Rank 1's step 2 (decode only) ran an idle prefill part: a target forward of no tokens.
+    assert one["idle"]["target"] >= 2 and one["idle"]["step"] == 1
 
 
 def test_a_rank_skipping_its_idle_batches_fails_its_partner_instead_of_hanging(
