@@ -119,6 +119,9 @@ class LlamaModel:
         self.embed_tokens = w("embed_tokens")
         # The token lookup; tensor parallelism swaps in its vocabulary-parallel one.
         self.embed = partial(F.embedding, weight=self.embed_tokens)
+        # DP attention's MLP communication (gpu/dp_attention.py sets it): it learns each rank's
+        # token count at the start of every forward.
+        self.dp_attention = None
         head_q4 = use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4)
         if fp32_split is not None and head_q4:
             head = (self.embed_tokens if config.tie_word_embeddings
@@ -185,6 +188,8 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         n = batch.num_tokens
         qk_heads = cfg.num_heads + cfg.num_kv_heads
+        if self.dp_attention is not None:
+            self.dp_attention.begin_forward(n)
         h = self.embed(batch.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale

@@ -79,6 +79,9 @@ class PlainStep:
         """Forward, sampling and commit, enqueued on the current (forward) stream."""
         batch = step.batch
         if batch.mode == ForwardMode.IDLE:
+            self.state.idle_counts["step"] += 1
+            if self.state.dp_attention is not None:  # the other ranks' MLP collectives wait
+                self.run_model(batch)  # for this rank's (empty) part in them
             return
         hidden = self.run_model(batch)
         if step.sample_rows.numel():  # else only non-final prefill chunks: nothing to emit
@@ -101,7 +104,10 @@ class PlainStep:
             return self.decode_graphs.run(batch)
         if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
             return self.compiled_decode.run(batch)
-        st.attn.init_forward_metadata(batch)
+        if batch.batch_size:
+            st.attn.init_forward_metadata(batch)
+        else:
+            st.idle_counts["target"] += 1
         hidden, _ = st.model.hidden_states(batch, st.attn)
         return hidden
 

@@ -124,10 +124,11 @@ class TensorShard:
         dtype = w["embed_tokens"].dtype
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            _rows(w, q4, p + "qkv_proj", qkv_rows)
-            _rows(w, q4, p + "gate_up_proj", gate_up_rows)
-            _columns(w, q4, p + "o_proj", heads.q_heads.start * hd, heads.q_heads.stop * hd, dtype)
-            _columns(w, q4, p + "down_proj", i0, i1, dtype)
+            keep_rows(w, q4, p + "qkv_proj", qkv_rows)
+            keep_rows(w, q4, p + "gate_up_proj", gate_up_rows)
+            keep_columns(w, q4, p + "o_proj", heads.q_heads.start * hd, heads.q_heads.stop * hd,
+                         dtype)
+            keep_columns(w, q4, p + "down_proj", i0, i1, dtype)
             if p + "qkv_bias" in w:
                 w[p + "qkv_bias"] = w[p + "qkv_bias"][qkv_rows].contiguous()
             if p + "qk_norm" in w:
@@ -157,7 +158,7 @@ def _head_rows(heads, head_dim: int, offset: int) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def _rows(weights: dict, q4: dict, name: str, rows: torch.Tensor) -> None:
+def keep_rows(weights: dict, q4: dict, name: str, rows: torch.Tensor) -> None:
     """A column-parallel projection: keep output rows `rows`, dense or int4 segments alike."""
     if name in weights:
         weights[name] = weights[name][rows].contiguous()
@@ -172,7 +173,7 @@ def _rows(weights: dict, q4: dict, name: str, rows: torch.Tensor) -> None:
     q4[name] = kept
 
 
-def _columns(weights: dict, q4: dict, name: str, start: int, stop: int,
+def keep_columns(weights: dict, q4: dict, name: str, start: int, stop: int,
              dtype: torch.dtype) -> None:
     """A row-parallel projection: keep inputs [start, stop). An int4 weight whose cut would
     split a quantization group is dequantized first (this projection only)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from gpu.attention.factory import make_attention_backend
 from gpu.cpu_kernels import fp32_split_applies, plan_fp32_split
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
+from gpu.dp_attention import AttentionDataParallel
 from gpu.future_map import FutureMap
 from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
@@ -62,11 +64,20 @@ class WorkerState:
             torch.set_num_threads(rt.worker_cpu_threads)
         # Tensor parallelism (parallel.tp > 1): this rank's part of the model, over the group
         # gpu/tp_ranks.py started; None on one rank.
-        self.shard = (TensorShard.join(cfg.parallel.tp, self.device) if cfg.parallel.tp > 1
-                      else None)
-        if self.shard is not None and self.device.type == "cuda":  # one GPU per rank
-            self.device = torch.device("cuda", self.shard.rank % torch.cuda.device_count())
+        # DP attention instead (parallel.dp_attention): the ranks cut the MLP only and run
+        # requests of their own, so they neither agree on tokens nor share a seed.
+        par = cfg.parallel
+        self.shard = (TensorShard.join(par.tp, self.device)
+                      if par.tp > 1 and not par.dp_attention else None)
+        self.dp_attention = (AttentionDataParallel.join(par.tp, self.device)
+                             if par.dp_attention else None)
+        ranked = self.shard or self.dp_attention  # this rank's cut of the model, or None
+        if ranked is not None and self.device.type == "cuda":  # one GPU per rank
+            self.device = torch.device("cuda", ranked.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+        # Forwards run with no request of this rank (idle batches): "step" (a plan without
+        # requests), "target" and "draft" (a target or EAGLE draft forward of zero tokens).
+        self.idle_counts: Counter[str] = Counter()
         # An fp32 model on a CPU without native bf16 keeps the codes too (gpu/cpu_kernels.py).
         split = cfg.weight_quant == "none" and fp32_split_applies(
             self.device, self.dtype, cfg.model.dtype, rt.q4_max_tokens, rt.cpu_fp32_weights)
@@ -79,13 +90,13 @@ class WorkerState:
                       if split and loaded.q4 else None)
         self.model_name = Path(cfg.model.path).name
         # The rank's heads and MLP slice (the whole model on one rank); vocab_size is the model's.
-        local = self.shard.shard_weights(loaded) if self.shard is not None else mc
+        local = ranked.shard_weights(loaded) if ranked is not None else mc
         self.model = LlamaModel(local, loaded.weights, self.device, self.dtype,
                                 weight_quant=cfg.weight_quant, q4=loaded.q4,
                                 q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4,
                                 deterministic=rt.deterministic, fp32_split=fp32_split)
-        if self.shard is not None:
-            self.shard.parallelize(self.model)
+        if ranked is not None:
+            ranked.parallelize(self.model)
         del loaded
         self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
         self.page_size = rt.page_size

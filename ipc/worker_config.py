@@ -81,6 +81,9 @@ class ParallelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_ranks: bool = False
     master_addr: str = "127.0.0.1"  # where the other ranks reach rank 0's rendezvous store
     master_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # 0: a free port (local ranks only)
+    # DP attention (gpu/dp_attention.py): the tp ranks each hold the whole attention and their
+    # own requests; only the MLP is cut across them. Built on the worker side only so far.
+    dp_attention: bool = False
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -112,6 +115,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if tp > 1 and self.runtime.cuda_graph_max_batch:
             raise ValueError(f"parallel.tp = {tp} with runtime.cuda_graph_max_batch > 0 is not "
                              f"built yet (the decode graphs hold no collectives); set it to 0")
+        if self.parallel.dp_attention and tp < 2:
+            raise ValueError("parallel.dp_attention = true needs parallel.tp >= 2: the tp ranks "
+                             "are the attention's data-parallel ranks and the MLP's "
+                             "tensor-parallel ones; set parallel.tp (--tp) to the number of ranks")
         return self
 
 

@@ -348,6 +348,11 @@ def _check_consistency(config: ServiceConfig, source: str, origins: dict[str, st
             f"{source}: service.heartbeat_interval_s = {s.heartbeat_interval_s:g} must be "
             f"smaller than service.client_timeout_s = {s.client_timeout_s:g}, or every client "
             f"would be timed out between two heartbeats")
+    if config.parallel.dp_attention:
+        raise ConfigError(f"{origins.get('parallel.dp_attention', source)}: parallel."
+                          f"dp_attention = true is built in the worker only (gpu/dp_attention."
+                          f"py): the service cannot yet send each rank a plan of its own; "
+                          f"set it to false (parallel.tp alone gives tensor parallelism)")
     try:
         config.worker_config().validate()
     except ValueError as exc:

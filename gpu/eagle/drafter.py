@@ -91,12 +91,15 @@ class Drafter:
                                                  deterministic=state.cfg.runtime.deterministic)
         self.max_position = min(state.max_context_len, hc.max_position_embeddings) - 1
         self.device = state.device
+        self.idle_counts = state.idle_counts
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft head forward over `batch` (its KV goes to the draft pool at the same
         locations); returns (hidden fed back, hidden for logits)."""
         if batch.batch_size:
             self.draft_attn.init_forward_metadata(batch)
+        else:
+            self.idle_counts["draft"] += 1
         attend = lambda q, k, v: self.draft_attn.forward(q, k, v, 0, batch)  # noqa: E731
         return self.head(batch.input_ids, hidden, batch.positions, attend)
 

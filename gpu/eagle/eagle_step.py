@@ -76,10 +76,15 @@ class EagleStep:
         waits for the device, so the host can plan the next step while this one runs
         (tests/gpu/test_host_sync.py checks it)."""
         plan, parts = step.plan, []
-        if plan.extends:
-            parts.append(self._prefill(plan.extends))
         decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
-        if len(decode_host) or not plan.extends:  # an empty plan runs the decode path idle
+        prefills, decodes = bool(plan.extends), bool(len(decode_host))
+        if not (prefills or decodes):
+            self.state.idle_counts["step"] += 1
+        if self.state.dp_attention is not None:  # every rank runs the parts any rank runs,
+            prefills, decodes = self.state.dp_attention.agree_parts(prefills, decodes)
+        if prefills:  # idle where this rank has no chunk: its target forward takes part
+            parts.append(self._prefill(plan.extends) if plan.extends else self._idle_prefill())
+        if decodes or not prefills:  # an empty plan runs the decode path idle
             start = time.perf_counter()
             parts.append(self._decode(decode_host))
             pending.decode_s = time.perf_counter() - start  # on a CPU: the forwards themselves
@@ -109,6 +114,8 @@ class EagleStep:
         st = self.state
         if batch.batch_size:
             st.attn.init_forward_metadata(batch)
+        else:
+            st.idle_counts["target"] += 1
         hidden, captured = st.model.hidden_states(batch, st.attn, self.capture_layers)
         feats = torch.cat(captured, dim=-1) if captured else hidden
         return hidden, feats.view(-1, hidden_size_for(self))
@@ -150,6 +157,17 @@ class EagleStep:
         topk_p, topk_ids = self.drafter.topk(h_logits[rows])
         st.future_map.stash_spec(sample_slots, topk_p, topk_ids, h_out[rows])
         return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
+
+    def _idle_prefill(self) -> StepPart:
+        """A prefill part of no chunks (DP attention: another rank prefills this step): the
+        target forward and the draft extend over zero tokens, the states `hidden_size_for`
+        wide."""
+        dev = self.state.device
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        batch = self.batches.make(ForwardMode.EXTEND, none, none, none, none, none, none, none)
+        _, feats = self._target(batch)
+        self.drafter.forward(batch, feats)
+        return StepPart(np.zeros(0, dtype=np.int64), {"tokens": none})
 
     def _decode(self, slots_host: np.ndarray) -> StepPart:
         st, s, dev = self.state, self.settings, self.state.device

@@ -372,6 +372,10 @@ def test_parallel_settings_reach_the_worker():
     # EAGLE runs on tensor-parallel ranks too (tests/gpu/test_tensor_parallel_eagle.py).
     spec_tp = load_config(None, {"parallel.tp": 2, "spec.algorithm": "eagle3"}).worker_config()
     assert spec_tp.parallel.tp == 2 and spec_tp.spec.enabled
+    # DP attention is built in the worker only: the service says so instead of relaying one
+    # plan to every rank.
+    assert "built in the worker only" in refused(None, {"parallel.tp": 2,
+                                                        "parallel.dp_attention": True})
 
 
 def test_tensor_parallel_ranks_and_replicas_share_the_cpu_cores(monkeypatch):
