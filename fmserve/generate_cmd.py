@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from fmserve.engine import Engine
 from fmserve.jsonl import check_output_path, jsonl_rows, write_jsonl
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
+
+if TYPE_CHECKING:  # torch: imported when a command runs the model, not by `fmserve serve`
+    from fmserve.engine import Engine
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -22,6 +25,8 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:
+    from fmserve.engine import Engine
+
     return Engine(model=args.model, device=args.device, dtype=args.dtype,
                   attention_backend=args.attention_backend, page_size=args.page_size,
                   max_kv_tokens=args.max_kv_tokens, max_running_requests=args.max_running_requests,

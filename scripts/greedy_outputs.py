@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from fmserve.bench.offline import dev_texts
+from fmserve.bench import dev_texts
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings

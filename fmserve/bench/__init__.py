@@ -7,3 +7,10 @@ from pathlib import Path
 # (github.com/yizhongw/self-instruct, Apache-2.0), "source" and "prompt" of each. Never trained
 # on: `fmserve train-eagle` evaluates heads on them.
 DEV_PROMPTS = Path(__file__).resolve().parent / "dev_prompts.jsonl"
+
+
+def dev_texts() -> list[str]:
+    """The dev set's prompts."""
+    from fmserve.jsonl import read_prompts
+
+    return read_prompts(str(DEV_PROMPTS))

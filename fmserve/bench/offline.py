@@ -17,12 +17,11 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from fmserve.bench import DEV_PROMPTS
+from fmserve.bench import dev_texts
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from fmserve.engine import Engine
-from fmserve.jsonl import read_prompts
-from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
+from ipc.worker_config import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 
 FILLER_TEXT = ("The quick brown fox jumps over the lazy dog while the scheduler batches "
@@ -39,11 +38,6 @@ class Measure:
     overlap: bool = False
     q4: bool = False  # small forwards on the GGUF's 4-bit codes (gpu/q4_linear.py)
     graphs: bool = False  # decode batches replay CUDA graphs (gpu/decode_graphs.py)
-
-
-def dev_texts() -> list[str]:
-    """The dev set's prompts."""
-    return read_prompts(str(DEV_PROMPTS))
 
 
 def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:

@@ -19,15 +19,18 @@ import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import Progress
 
 from fmserve.arg_types import add_runtime_args
-from fmserve.bench.offline import dev_texts
+from fmserve.bench import dev_texts
 from fmserve.bench.tables import print_table
-from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
+
+if TYPE_CHECKING:  # torch: imported when the bench runs, not by every `fmserve` command
+    from fmserve.engine import Engine
 
 SYSTEM = ("You are the support assistant of a company that makes small open-source language "
           "model servers. Answer the user's question helpfully and concisely, in plain English, "
@@ -143,6 +146,8 @@ def run_bench_prefix(args: argparse.Namespace) -> int:
     workloads = check_args(args)
     console = Console()
     opts = dict(device=args.device, dtype=args.dtype, progress=False, overlap=True)
+    from fmserve.engine import Engine
+
     engines = {False: Engine(model=args.model, **opts),
                True: Engine(model=args.model, prefix_cache=True, **opts)}
     # Warm-up: kernels, allocator; and the cache's own first fill is part of what is measured.

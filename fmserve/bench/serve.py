@@ -29,7 +29,7 @@ from rich.console import Console
 
 from fmserve.arg_types import (add_runtime_args, non_negative_int, positive_float, positive_int,
                                positive_int_list)
-from fmserve.bench.offline import dev_texts
+from fmserve.bench import dev_texts
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from ipc.async_client import AsyncClient

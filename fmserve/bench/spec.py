@@ -16,19 +16,21 @@ import time
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console
 from rich.progress import Progress
 
 from fmserve.arg_types import batch_limit, positive_int
 from fmserve.bench import DEV_PROMPTS
 from fmserve.bench.tables import print_table
-from fmserve.engine import Engine
 from fmserve.jsonl import read_prompts
-from gpu.q4_linear import DEFAULT_Q4_MAX_TOKENS
+from ipc.worker_config import DEFAULT_Q4_MAX_TOKENS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
+
+if TYPE_CHECKING:  # torch: imported when the bench runs, not by every `fmserve` command
+    from fmserve.engine import Engine
 
 
 @dataclass
@@ -132,6 +134,8 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     with Progress(console=console) as progress:
         task = progress.add_task("spec benchmark", total=(1 + len(names)) * len(batches))
         for name, spec in [("plain", None)] + list(settings.items()):
+            from fmserve.engine import Engine
+
             engine = Engine(**common, spec=spec)
             for b in batches:
                 progress.update(task, description=f"{name} batch {b}")
@@ -145,6 +149,8 @@ def run_bench_spec(args: argparse.Namespace) -> int:
 
 
 def render(runs: list[SpecRun], args, settings: dict, console: Console) -> list[str]:
+    import torch
+
     plain = {r.batch: r for r in runs if r.name == "plain"}
     title = (f"speculative decoding on {args.num_prompts} dev prompts, greedy, up to "
              f"{args.max_new_tokens} new tokens, dtype {args.spec_dtype}, threads "

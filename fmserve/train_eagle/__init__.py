@@ -16,3 +16,7 @@
     stages.py    the stages that build an Engine: prompts, tokens, data
     cli.py       the `train-eagle` subcommand
 """
+
+# The data stage's sizes (stages.py), here so that the CLI's help needs no torch import.
+GEN_BATCH = {"cpu": 64, "cuda": 256}  # requests generated at once (cpu: the Engine's default)
+MIN_GEN_KV_TOKENS = 65536  # the Engine's default KV pool

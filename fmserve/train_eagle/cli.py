@@ -26,7 +26,7 @@ from pathlib import Path
 
 from fmserve.arg_types import positive_int
 from fmserve.bench import DEV_PROMPTS
-from fmserve.train_eagle.stages import GEN_BATCH, MIN_GEN_KV_TOKENS
+from fmserve.train_eagle import GEN_BATCH, MIN_GEN_KV_TOKENS
 
 DEFAULT_TRAIN_PROMPTS = "/work/shared/data/prompts/train.jsonl"
 DEFAULT_EVAL_PROMPTS = str(DEV_PROMPTS)  # shipped with the package

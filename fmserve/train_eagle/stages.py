@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fmserve.train_eagle import GEN_BATCH, MIN_GEN_KV_TOKENS
 from fmserve.train_eagle.data import log
-
-GEN_BATCH = {"cpu": 64, "cuda": 256}  # requests generated at once (cpu: the Engine's default)
-MIN_GEN_KV_TOKENS = 65536  # the Engine's default KV pool
 
 
 def gen_engine_sizes(args) -> tuple[int, int]:
