@@ -32,9 +32,8 @@ import torch
 from gpu.int4_dequant import dequantized_chunks_t, dequantized_matmul, pack_codes, packed_block
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 from gpu.quantized_linear import Linear
+from ipc.worker_config import DEFAULT_Q4_MAX_TOKENS  # noqa: F401  (runtime.q4_max_tokens)
 
-# 0 turns keeping quantized weights off; otherwise see LM_HEAD_Q4_MAX_TOKENS.
-DEFAULT_Q4_MAX_TOKENS = 12
 # Forwards of at least this many rows dequantize into scratch; smaller ones run the int4 kernel
 # (measured above: the kernel 4.3x faster at 256 rows; the crossover is above that).
 DEQUANTIZE_FROM_ROWS = 1024

@@ -35,7 +35,7 @@ LaunchAhead = Literal["off", "prepare", "on", "auto"]
 # where it cannot apply), "off" never.
 CompileMode = Literal["auto", "on", "off"]
 
-DEFAULT_Q4_MAX_TOKENS = 12
+DEFAULT_Q4_MAX_TOKENS = 12  # runtime.q4_max_tokens; 0 turns keeping quantized weights off
 
 
 class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
