@@ -47,6 +47,9 @@ class AttentionRank(Replica):
     async def start(self, tokenizer: TextTokenizer, cfg: SchedulerConfig) -> WorkerInfo:
         raise RuntimeError("an attention rank starts with its group (AttentionGroup.start)")
 
+    async def step_loop(self, overlap: bool) -> None:
+        raise RuntimeError("an attention rank steps with its group (AttentionGroup.step_loop)")
+
 
 class AttentionGroup:
     def __init__(self, worker: WorkerHandle, size: int, replies: Replies,

@@ -11,9 +11,13 @@ from __future__ import annotations
 import anyio
 
 from ipc.client_messages import ReplicaStatus, WorkerState
+from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import WorkerInfo
 from service.attention_group import AttentionGroup
+from service.config import ServiceConfig
+from service.counters import ServiceCounters
 from service.replica import Replica
+from service.replies import Replies
 from service.request import RequestOutput
 from service.scheduler import Scheduler
 from service.scheduler_core import SchedulerConfig
@@ -32,7 +36,8 @@ class ReplicaSet:
         self.groups = groups if groups is not None else replicas
 
     @staticmethod
-    def build(cfg, worker_cfg, replies, counters) -> "ReplicaSet":
+    def build(cfg: ServiceConfig, worker_cfg: WorkerConfig, replies: Replies,
+              counters: ServiceCounters) -> "ReplicaSet":
         """The service's replicas from its config: parallel.dp Replicas, or one DP attention
         group of parallel.tp attention ranks."""
         def handle() -> WorkerHandle:
