@@ -196,7 +196,8 @@ def follow_plans(cfg: WorkerConfig, rank: int, size: int, addr: str, port: int) 
 
 def follow(ranks: RankGroup, worker) -> None:
     """Ranks 1..N-1: run every plan rank 0 relays on this rank's worker, until Shutdown."""
-    from ipc.worker_messages import Shutdown, StepPlan
+    from gpu.group_step import follow_group_plan
+    from ipc.worker_messages import GroupPlan, Shutdown, StepPlan
     from ipc.zmq_util import WorkerSideCodec
 
     codec = WorkerSideCodec()
@@ -209,3 +210,5 @@ def follow(ranks: RankGroup, worker) -> None:
             return
         if isinstance(msg, StepPlan):
             worker.finish(worker.launch(msg))
+        elif isinstance(msg, GroupPlan):  # DP attention: this rank's plan of the step
+            follow_group_plan(ranks, worker, msg)

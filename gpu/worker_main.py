@@ -13,6 +13,7 @@ connects (PAIR: one peer, ordered, both ways; see ipc/zmq_util.py). Conversation
 
     worker -> WorkerReady(info)           once the model is loaded
     plan   -> StepResult                  one result per plan, in order
+    GroupPlan -> GroupResult              instead, with parallel.dp_attention (gpu/group_step.py)
     Shutdown                              close and exit 0
     worker -> WorkerFailed(step_id, msg)  load (step_id None) or a step failed; then exit 1
 
@@ -136,6 +137,12 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
     if ranks is None:
         return answer_plans(sock, codec, worker, fail)
     try:  # every message also reaches the other ranks
+        if cfg.parallel.dp_attention:  # a plan per rank each step (gpu/group_step.py)
+            from gpu.group_step import answer_group_plans
+
+            code = answer_group_plans(RelaySocket(sock, ranks), codec, worker, ranks, fail,
+                                      describe_exception)
+            return EXIT_OK if code is None else code
         return answer_plans(RelaySocket(sock, ranks), codec, worker, fail)
     except RankDied as exc:
         return fail(None, f"the tensor-parallel group is down: {exc}", exc)

@@ -119,6 +119,11 @@ class ReplicaStatus(msgspec.Struct, frozen=True):
     total_slots: int
     steps: int
     standby_pid: int | None = None  # the process started ahead for its next restart (worker.standby)
+    # With parallel.dp_attention each attention rank is one entry (pid: the group's rank 0):
+    # the steps it ran as an idle batch (no request of its own while another rank had some),
+    # and its target and draft forwards of zero tokens. 0 elsewhere.
+    idle_steps: int = 0
+    idle_forwards: int = 0
 
 
 class Stats(msgspec.Struct, tag="stats", frozen=True):

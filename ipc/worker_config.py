@@ -119,6 +119,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("parallel.dp_attention = true needs parallel.tp >= 2: the tp ranks "
                              "are the attention's data-parallel ranks and the MLP's "
                              "tensor-parallel ones; set parallel.tp (--tp) to the number of ranks")
+        limit = self.spec.disable_above_batch_size
+        if self.parallel.dp_attention and self.spec.enabled and limit not in (0, "auto"):
+            # Ranks with batches either side of the limit would make different forwards.
+            raise ValueError(f"spec.disable_above_batch_size = {limit} with parallel."
+                             f"dp_attention = true is not built: each attention rank has a "
+                             f"batch of its own, and all must draft or none; set it to 0 or "
+                             f"\"auto\" (which always drafts there)")
         return self
 
 

@@ -140,5 +140,29 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
     """Scheduler -> worker: finish and exit."""
 
 
-SchedulerToWorker = StepPlan | Shutdown
-WorkerToScheduler = StepResult | WorkerReady | WorkerFailed
+class GroupPlan(msgspec.Struct, tag="group_plan", array_like=True, frozen=True):
+    """DP attention (parallel.dp_attention): one step of the whole worker group, a StepPlan per
+    attention rank (an empty one runs that rank's idle batch). Rank 0 relays it to the others;
+    each runs `plans[rank]`, and rank 0 answers one GroupResult."""
+
+    step_id: int
+    plans: list[StepPlan]
+
+
+class RankResult(msgspec.Struct, array_like=True, frozen=True):
+    """One attention rank's part of a GroupResult."""
+
+    result: StepResult
+    idle_steps: int  # this step ran as an idle batch on the rank (0 or 1)
+    idle_forwards: int  # its target and draft forwards of zero tokens in this step
+
+
+class GroupResult(msgspec.Struct, tag="group_result", array_like=True, frozen=True):
+    """Every rank's result of a GroupPlan, in rank order."""
+
+    step_id: int
+    results: list[RankResult]
+
+
+SchedulerToWorker = StepPlan | GroupPlan | Shutdown
+WorkerToScheduler = StepResult | GroupResult | WorkerReady | WorkerFailed

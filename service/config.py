@@ -102,6 +102,8 @@ def overlap_on(cfg: ServiceConfig, device: str) -> bool:
     GPU, where the worker's launches are asynchronous, and on a CPU only where the scheduler
     has a core of its own (3+ cores): on 2 cores its planning during a step stalls the worker's
     OpenMP threads, and overlap on measured 7-11% slower than off (docs/benchmarks.md)."""
+    if cfg.parallel.dp_attention:  # its group steps one at a time (service/attention_group.py)
+        return False
     if cfg.scheduling.overlap != "auto":
         return cfg.scheduling.overlap
     return device != "cpu" or len(os.sched_getaffinity(0)) >= 3
@@ -348,11 +350,11 @@ def _check_consistency(config: ServiceConfig, source: str, origins: dict[str, st
             f"{source}: service.heartbeat_interval_s = {s.heartbeat_interval_s:g} must be "
             f"smaller than service.client_timeout_s = {s.client_timeout_s:g}, or every client "
             f"would be timed out between two heartbeats")
-    if config.parallel.dp_attention:
+    if config.parallel.dp_attention and config.parallel.dp > 1:
         raise ConfigError(f"{origins.get('parallel.dp_attention', source)}: parallel."
-                          f"dp_attention = true is built in the worker only (gpu/dp_attention."
-                          f"py): the service cannot yet send each rank a plan of its own; "
-                          f"set it to false (parallel.tp alone gives tensor parallelism)")
+                          f"dp_attention = true with parallel.dp = {config.parallel.dp} is not "
+                          f"built yet (one DP attention group per service): set parallel.dp "
+                          f"to 1, or dp_attention to false for {config.parallel.dp} replicas")
     try:
         config.worker_config().validate()
     except ValueError as exc:

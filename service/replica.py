@@ -40,6 +40,7 @@ class Replica:
         self.state: WorkerState = "restarting"  # until its first worker is ready
         self.restarts = 0
         self.steps = 0
+        self.idle_steps = self.idle_forwards = 0  # DP attention's idle batches (attention_group)
         self._work = anyio.Event()
 
     async def start(self, tokenizer: TextTokenizer, cfg: SchedulerConfig) -> WorkerInfo:
@@ -51,6 +52,11 @@ class Replica:
     def wake(self) -> None:
         """New work for this replica's step loop."""
         self._work.set()
+
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        """What a worker death fails (service/worker_recovery.py): this replica's one."""
+        return [self.scheduler]
 
     def holds(self, rid: str) -> bool:
         return self.scheduler is not None and rid in self.scheduler.core.requests
@@ -69,7 +75,8 @@ class Replica:
             restarts=self.restarts, running=acc["running"], waiting=acc["waiting"],
             free_pages=acc["free_pages"], total_pages=acc["total_pages"],
             free_slots=acc["free_slots"], total_slots=acc["total_slots"], steps=self.steps,
-            standby_pid=self.worker.standby_pid)
+            standby_pid=self.worker.standby_pid, idle_steps=self.idle_steps,
+            idle_forwards=self.idle_forwards)
 
     async def step_loop(self, overlap: bool) -> None:
         """Keep the worker fed. With overlap, plan k+1 is sent before step k's result is read,

@@ -37,14 +37,12 @@ from service.http.http_server import HttpServer
 from service.metrics import ServiceMetrics
 from service.prompt_intake import PromptIntake
 from service.counters import ServiceCounters
-from service.replica import Replica
 from service.replica_set import ReplicaSet
 from service.replies import Replies
 from service.request import FinishReason, RequestOutput
 from service.scheduler_core import RequestRejected, SchedulerConfig
 from service.telemetry import TelemetryPublisher
 from service.tokenizer import TextTokenizer
-from service.worker_supervisor import WorkerHandle
 
 log = logging.getLogger("fmserve.service")
 
@@ -76,12 +74,8 @@ class Service:
                                       lambda: self.worker_state, cfg.spec)
         self.replies = Replies(self.router, self.clients, self.counters, self.metrics,
                                self._abort)
-        worker_cfg, dp = worker_config_for(cfg, model_path), cfg.parallel.dp
-        self.replicas = ReplicaSet([Replica(i, dp, WorkerHandle(
-            worker_cfg, ready_timeout_s=cfg.worker.ready_timeout_s,
-            step_timeout_s=cfg.worker.step_timeout_s, standby=cfg.worker.standby),
-            self.replies, self.counters, cfg.worker)
-            for i in range(dp)])
+        self.replicas = ReplicaSet.build(cfg, worker_config_for(cfg, model_path), self.replies,
+                                         self.counters)
         self.admin = AdminOps(cfg.service.admin_token, self._abort, self.replies)
         self.draining = False  # from a signal (or the shutdown) on: new requests refused
         self.http = HttpServer(OpenAIApp(self, cfg.http.api_key, cfg.http.max_body_bytes).app,
@@ -112,17 +106,19 @@ class Service:
         bind_endpoint(self.cfg.service, "client_endpoint", self.router.bind)
         self.bound_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         bind_endpoint(self.cfg.service, "telemetry_endpoint", lambda _: self.telemetry.bind())
+        n = len(self.replicas)
         log.info("serving %s on %s (telemetry %s)%s", info.model_name, self.bound_endpoint,
-                 self.telemetry.endpoint, f", {len(self.replicas)} data-parallel replicas"
-                 if len(self.replicas) > 1 else "")
+                 self.telemetry.endpoint, f", {n} DP attention ranks (overlap off)"
+                 if self.cfg.parallel.dp_attention else f", {n} data-parallel replicas"
+                 if n > 1 else "")
         if self.http is not None:
             log.info("OpenAI-compatible API on %s/v1", await self.http.start())
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signal_watch, tg)
                 tg.start_soon(self._receive_loop)
-                for replica in self.replicas:
-                    tg.start_soon(replica.step_loop, self.overlap)
+                for group in self.replicas.groups:  # a replica, or a DP attention group
+                    tg.start_soon(group.step_loop, self.overlap)
                 tg.start_soon(self._housekeeping_loop)
                 if ready is not None:
                     ready.set()

@@ -27,11 +27,12 @@ MAX_RESTART_BACKOFF_S = 30.0
 
 
 class Restartable(Protocol):
-    """A replica (service/replica.py), as far as restarting its worker goes."""
+    """A replica (service/replica.py) or a DP attention group (service/attention_group.py), as
+    far as restarting its worker goes."""
 
     label: str  # "" with one replica, "replica 1: " with several
     worker: WorkerHandle
-    scheduler: Scheduler
+    schedulers: list[Scheduler]  # every request of theirs fails when the worker dies
     replies: Replies
     counters: ServiceCounters  # the service's: worker_restarts sums every replica's
     policy: object  # the config's [worker] section
@@ -45,8 +46,9 @@ async def restart_worker(replica: Restartable, message: str) -> WorkerInfo | Non
     log.error("%sworker died: %s", name, message)
     # Requests that arrive during the restart wait in the queue; only a worker that stays down
     # refuses them (`refuse_all`, once the service no longer admits any).
-    for out in replica.scheduler.fail_all(f"the model worker died during a step: {message}"):
-        await replica.replies.terminal(out, code="worker_died")
+    for scheduler in replica.schedulers:
+        for out in scheduler.fail_all(f"the model worker died during a step: {message}"):
+            await replica.replies.terminal(out, code="worker_died")
     # The replacement's WorkerInfo says it until its first step.
     replica.counters.decode_compile = None
     backoff = RESTART_BACKOFF_S

@@ -38,8 +38,9 @@ import zmq
 import zmq.asyncio
 
 from ipc.worker_config import WorkerConfig
-from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, Shutdown, StepPlan, StepResult,
-                                 WorkerFailed, WorkerInfo, WorkerReady, WorkerToScheduler)
+from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, GroupPlan, GroupResult, Shutdown,
+                                 StepPlan, StepResult, WorkerFailed, WorkerInfo, WorkerReady,
+                                 WorkerToScheduler)
 from ipc.zmq_util import SchedulerSideCodec, configure_socket, ipc_endpoint, make_ipc_dir
 from service.worker_spawn import Standby, WorkerSpawnError, describe_returncode, spawn_worker
 
@@ -318,8 +319,8 @@ class WorkerHandle:
         await self.send_plan(plan)
         return await self.next_result()
 
-    async def send_plan(self, plan: StepPlan) -> None:
-        """Queue a plan for the worker without waiting for its result."""
+    async def send_plan(self, plan: StepPlan | GroupPlan) -> None:
+        """Queue a plan (a GroupPlan with DP attention) without waiting for its result."""
         self._check_usable()
         try:
             await self._sock.send(self._codec.encode(plan), flags=zmq.DONTWAIT)
@@ -328,7 +329,7 @@ class WorkerHandle:
                              f"(step {plan.step_id})") from None
         self._inflight.append(plan.step_id)
 
-    async def next_result(self) -> StepResult:
+    async def next_result(self) -> StepResult | GroupResult:
         """The result of the oldest plan in flight. Raises WorkerDied promptly if the process
         exits, reports a failure, or exceeds step_timeout_s (then it is killed)."""
         self._check_usable()
@@ -346,8 +347,9 @@ class WorkerHandle:
                              f"(step_timeout_s); the worker (pid {self.pid}) was killed") from None
         if isinstance(msg, WorkerFailed):
             raise self._died(msg.message)
-        if not isinstance(msg, StepResult) or msg.step_id != step_id:
-            got = type(msg).__name__ + (f" {msg.step_id}" if isinstance(msg, StepResult) else "")
+        if not isinstance(msg, StepResult | GroupResult) or msg.step_id != step_id:
+            got = type(msg).__name__ + (f" {msg.step_id}" if isinstance(
+                msg, StepResult | GroupResult) else "")
             self._signal_group(signal.SIGKILL)
             raise self._died(f"protocol error: expected the result of step {step_id}, "
                              f"the worker sent {got}; it was killed")

@@ -159,6 +159,8 @@ def replicas_text(snap: TelemetrySnapshot) -> Text:
         out.append(word, style=style)
         out.append(f" pid {r.pid or NA}  run {r.running} wait {r.waiting}  KV "
                    f"{r.total_pages - r.free_pages}/{r.total_pages}")
+        if r.idle_steps:  # a DP attention rank's idle batches
+            out.append(f"  idle {r.idle_steps}", style="dim")
         if r.restarts:
             out.append(f"  restarts {r.restarts}", style="red")
     return out

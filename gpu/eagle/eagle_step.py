@@ -61,9 +61,10 @@ class EagleStep:
         state.future_map.enable_spec(settings.topk, self.head.config.hidden_size, state.dtype)
         self.max_position = drafter.max_position
         # Deterministic mode must not choose by timing: there "auto" always drafts. Nor must
-        # tensor-parallel ranks, each timing itself: they must all take the same way.
+        # tensor-parallel or DP-attention ranks, each timing itself: every rank must make the
+        # same forwards (their collectives pair up).
         timed = (state.device.type == "cpu" and not state.cfg.runtime.deterministic
-                 and state.shard is None)
+                 and state.shard is None and state.dp_attention is None)
         self.gate = SpecGate(settings.disable_above_batch_size, measured=timed)
 
     # -- the interface the Worker calls ------------------------------------------------------

@@ -372,10 +372,17 @@ def test_parallel_settings_reach_the_worker():
     # EAGLE runs on tensor-parallel ranks too (tests/gpu/test_tensor_parallel_eagle.py).
     spec_tp = load_config(None, {"parallel.tp": 2, "spec.algorithm": "eagle3"}).worker_config()
     assert spec_tp.parallel.tp == 2 and spec_tp.spec.enabled
-    # DP attention is built in the worker only: the service says so instead of relaying one
-    # plan to every rank.
-    assert "built in the worker only" in refused(None, {"parallel.tp": 2,
-                                                        "parallel.dp_attention": True})
+    # DP attention: one group of tp attention ranks (tests/e2e/test_dp_attention_service.py);
+    # not several such groups yet, and no overlap (the group steps one plan at a time).
+    dpa = load_config(None, {"parallel.tp": 2, "parallel.dp_attention": True})
+    assert dpa.worker_config().parallel.dp_attention and not overlap_on(dpa, "cuda:0")
+    assert "not built yet" in refused(None, {"parallel.tp": 2, "parallel.dp": 2,
+                                             "parallel.dp_attention": True})
+    assert "needs parallel.tp >= 2" in refused(None, {"parallel.dp_attention": True})
+    # The attention ranks' batches differ: a fixed drafting limit would split their forwards.
+    assert "all must draft or none" in refused(None, {
+        "parallel.tp": 2, "parallel.dp_attention": True, "spec.algorithm": "eagle3",
+        "spec.disable_above_batch_size": 4})
 
 
 def test_tensor_parallel_ranks_and_replicas_share_the_cpu_cores(monkeypatch):

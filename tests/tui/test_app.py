@@ -505,3 +505,19 @@ def test_kv_gauge_shows_the_prefix_cache_only_when_it_is_on():
     assert "prefix cache" not in off and "64/256 pages" in off
     on = msgspec.structs.replace(snapshot(1.0), prefix_cache_hit_share=0.6, cached_pages=12)
     assert "prefix cache 12 pages, 60% of prompts reused" in kv_gauge_text(on, 40).plain
+
+
+def test_replica_lines_show_a_dp_attention_ranks_idle_batches():
+    from ipc.client_messages import ReplicaStatus
+    from tui.widgets import replicas_text
+
+    def rank(index: int, idle_steps: int) -> ReplicaStatus:
+        return ReplicaStatus(index=index, worker_state="ready", pid=4242, restarts=0,
+                             running=1 - index, waiting=0, free_pages=100, total_pages=128,
+                             free_slots=7, total_slots=8, steps=30, idle_steps=idle_steps,
+                             idle_forwards=idle_steps)
+
+    text = replicas_text(msgspec.structs.replace(snapshot(1.0),
+                                                 replicas=[rank(0, 0), rank(1, 12)])).plain
+    lines = text.strip().splitlines()
+    assert "idle" not in lines[0] and lines[1].endswith("idle 12"), lines
