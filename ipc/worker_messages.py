@@ -14,7 +14,7 @@ import numpy as np
 
 from ipc.sampling import SamplingParams
 
-WORKER_PROTOCOL_VERSION = 1
+WORKER_PROTOCOL_VERSION = 2  # 2: GroupPlan / GroupResult (DP attention)
 # The compiled decode step (gpu/compiled_decode.py): "off" (decode steps run eagerly), "building"
 # (compiled on a thread; eager meanwhile), "on" (in use), "failed" (eager; the worker log says why)
 DecodeCompile = Literal["off", "building", "on", "failed"]
