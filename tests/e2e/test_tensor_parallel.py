@@ -59,6 +59,18 @@ def tp_eagle_model(tmp_path_factory):
     return path, head_dir
 
 
+def complete_at_once(svc: ServiceProcess) -> list[list[int]]:
+    """The three prompts greedy, the first seeded and the second unseeded, all at once."""
+    def complete(job):
+        prompt, params = job
+        with Client(svc.endpoint) as client:
+            return client.complete(token_ids=prompt, params=params).token_ids
+
+    jobs = list(zip(PROMPTS + [PROMPTS[0], PROMPTS[1]], [GREEDY] * 3 + [SEEDED, UNSEEDED]))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(complete, jobs))
+
+
 def rank_pids(svc: ServiceProcess) -> list[int]:
     """Rank 0 (the service's worker) and the ranks it started."""
     rank0 = svc.worker_pid()
@@ -75,14 +87,7 @@ def test_two_ranks_give_the_one_rank_tokens_through_the_service(tp_model):
     try:
         assert len(rank_pids(svc)) == 2
 
-        def complete(job):
-            prompt, params = job
-            with Client(svc.endpoint) as client:
-                return client.complete(token_ids=prompt, params=params).token_ids
-
-        jobs = list(zip(PROMPTS + [PROMPTS[0], PROMPTS[1]], [GREEDY] * 3 + [SEEDED, UNSEEDED]))
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(complete, jobs))
+        got = complete_at_once(svc)
         assert got[:4] == expected
         # Unseeded: the ranks drew one shared seed (their same-token check would have failed
         # the step otherwise, FMSERVE_WRWR_CHECK being on under test).
@@ -108,14 +113,7 @@ def test_eagle3_tree_on_two_ranks_gives_one_ranks_tokens_through_the_service(tp_
                          "--draft-model", str(head), "--spec-topk", "2",
                          "--spec-num-draft-tokens", "6")
     try:
-        def complete(job):
-            prompt, params = job
-            with Client(svc.endpoint) as client:
-                return client.complete(token_ids=prompt, params=params).token_ids
-
-        jobs = list(zip(PROMPTS + [PROMPTS[0], PROMPTS[1]], [GREEDY] * 3 + [SEEDED, UNSEEDED]))
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(complete, jobs))
+        got = complete_at_once(svc)
         assert got[:3] == expected
         # Seeded: speculative sampling draws the same on both ranks as on one.
         assert got[3] == spec_runs[3].token_ids

@@ -49,11 +49,16 @@ def standby_dir(pid: int) -> Path:
     return Path(args[args.index(b"--cleanup-dir") + 1].decode())
 
 
-@pytest.mark.anyio
-async def test_a_restart_takes_the_standby_and_starts_the_next(tiny_model):
-    handle = WorkerHandle(worker_config(model_path=tiny_model, **TINY), ready_timeout_s=60,
+async def started_with_standby(model: str) -> WorkerHandle:
+    handle = WorkerHandle(worker_config(model_path=model, **TINY), ready_timeout_s=60,
                           step_timeout_s=60, env=WORKER_ENV, standby=True, standby_delay_s=0.5)
     await handle.start()
+    return handle
+
+
+@pytest.mark.anyio
+async def test_a_restart_takes_the_standby_and_starts_the_next(tiny_model):
+    handle = await started_with_standby(tiny_model)
     try:
         assert handle.standby_pid is None  # started a little after the worker is ready
         await wait_for(lambda: handle.standby_pid is not None)
@@ -81,9 +86,7 @@ async def test_a_restart_takes_the_standby_and_starts_the_next(tiny_model):
 
 @pytest.mark.anyio
 async def test_a_dead_standby_is_replaced_by_a_fresh_worker(tiny_model):
-    handle = WorkerHandle(worker_config(model_path=tiny_model, **TINY), ready_timeout_s=60,
-                          step_timeout_s=60, env=WORKER_ENV, standby=True, standby_delay_s=0.5)
-    await handle.start()
+    handle = await started_with_standby(tiny_model)
     try:
         await wait_for(lambda: handle.standby_pid is not None)
         dead = handle.standby_pid
