@@ -141,23 +141,24 @@ class SamplingState:
         ], dtype=torch.float32))
         self.int_params[slot] = self._to_device(
             torch.tensor([top_k, seed, int(greedy), params.min_new_tokens]))
-        self.generated_len[slot] = 0
+        # In-place fills on views: `t[slot] = 0` copies a CPU scalar in, which syncs on CUDA.
+        self.generated_len[slot].zero_()
 
         penalised = params.has_penalties
         if penalised and self.prompt_seen is None:
             self.prompt_seen = self._table(torch.bool)
             self.output_counts = self._table(torch.int32)
         if self.prompt_seen is not None:
-            self.prompt_seen[slot] = False
-            self.output_counts[slot] = 0
+            self.prompt_seen[slot].fill_(False)
+            self.output_counts[slot].zero_()
 
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         min_tokens = params.min_new_tokens > 0 and bool(banned)
         if min_tokens:
             if self.min_tokens_ban is None:
                 self.min_tokens_ban = self._table(torch.bool)
-            self.min_tokens_ban[slot] = False
-            self.min_tokens_ban[slot, self._to_device(torch.tensor(banned))] = True
+            self.min_tokens_ban[slot].fill_(False)
+            self.min_tokens_ban[slot].index_fill_(0, self._to_device(torch.tensor(banned)), True)
 
         self._greedy[slot] = greedy
         self._penalised[slot] = penalised
@@ -187,7 +188,7 @@ class SamplingState:
         if not self._penalised[slot] or len(ids) == 0:
             return
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        self.prompt_seen[slot, ids] = True
+        self.prompt_seen[slot].index_fill_(0, ids, True)
 
     def record_outputs(self, slots: torch.Tensor, token_ids: torch.Tensor,
                        weights: torch.Tensor | None = None) -> None:

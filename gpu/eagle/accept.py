@@ -87,7 +87,7 @@ def accept_greedy(tree: DraftTree, target_argmax: Tensor) -> AcceptResult:
     alive = torch.ones(bs, dtype=torch.bool, device=dev)
     accept_lens = torch.zeros(bs, dtype=torch.long, device=dev)
     path = torch.full((bs, d + 1), -1, dtype=torch.long, device=dev)
-    path[:, 0] = 0
+    path[:, 0].zero_()
     for step in range(1, d + 1):
         want = target_argmax.gather(1, cur[:, None])  # [bs, 1]
         match = (tree.parent == cur[:, None]) & (tree.tokens == want) & alive[:, None]
@@ -127,7 +127,7 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, seeds: Tensor,
     removed = torch.zeros(bs, dtype=torch.float32, device=dev)  # mass rejected at cur
     accept_lens = torch.zeros(bs, dtype=torch.long, device=dev)
     path = torch.full((bs, d + 1), -1, dtype=torch.long, device=dev)
-    path[:, 0] = 0
+    path[:, 0].zero_()
     # Columns are in parent-before-child order and siblings in column order, so one pass over
     # the columns tries the current node's children in order and then, after an acceptance,
     # the accepted child's children (all in later columns).

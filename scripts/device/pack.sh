@@ -20,7 +20,8 @@ rm -rf "$OUT" && mkdir -p "$OUT/p1/whl" "$OUT/p2" "$OUT/p3"
 # Versions are this venv's, so both machines run the same code.
 version() { "$PY" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 specs=()
-for name in msgspec pyzmq gguf textual mdit-py-plugins platformdirs pytest-textual-snapshot syrupy; do
+for name in msgspec pyzmq gguf textual mdit-py-plugins platformdirs pytest-textual-snapshot syrupy \
+        httpx2 httpcore2 truststore starlette uvicorn httptools prometheus-client; do
     v="$(version "$name")"
     [[ -n "$v" ]] || { echo "pack: $name is not installed in this venv (run make setup)" >&2; exit 1; }
     specs+=("$name==$v")
