@@ -11,7 +11,7 @@ streamed or not), abort some mid-stream and vanish with others in flight. The in
 - afterwards every page and slot is free and nothing runs or waits.
 
 The same with the prefix cache on, whose cached pages then come and go under that pressure.
-FMSERVE_SOAK_S sets the load's duration per service (default 10 s; longer runs in the notes).
+FMSERVE_SOAK_S sets the load's least duration per service (default 7 s; longer runs in the notes).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import random
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -33,6 +34,10 @@ from ipc.sampling import SamplingParams
 from tests.e2e.service_process import ServiceProcess, assert_idle
 
 SOAK_S = float(os.environ.get("FMSERVE_SOAK_S", "7"))
+# The load runs SOAK_S and until MIN_DONE requests have completed (a slow machine runs longer
+# rather than failing on a throughput floor); SOAK_CAP_S ends a service that stalls.
+MIN_DONE = 14
+SOAK_CAP_S = SOAK_S + 90
 PROMPTS = ["What is 2+2?", "Write a haiku about rain.", "Explain gravity to a child.",
            "List four animals, one per line."]
 CLIENTS = 5
@@ -69,7 +74,7 @@ def random_params(rng: random.Random) -> SamplingParams:
     return rng.choice(PARAMS)
 
 
-def client_loop(endpoint: str, seed: int, deadline: float, done: list[Sent],
+def client_loop(endpoint: str, seed: int, running: Callable[[], bool], done: list[Sent],
                 vanished: list[Sent], problems: list[str]) -> None:
     """One client thread: connections one after another, up to 3 requests in flight on each;
     a connection ends by draining its requests, or (1 in 6) by vanishing with them in flight."""
@@ -77,7 +82,7 @@ def client_loop(endpoint: str, seed: int, deadline: float, done: list[Sent],
     ctx = zmq.Context()
     n = 0
     try:
-        while time.monotonic() < deadline:
+        while running():
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
@@ -92,7 +97,7 @@ def client_loop(endpoint: str, seed: int, deadline: float, done: list[Sent],
                     vanished.extend(inflight.values())
                     inflight.clear()
                     break
-                if to_send and len(inflight) < 3 and now < deadline:
+                if to_send and len(inflight) < 3 and running():
                     n += 1
                     s = Sent(f"c{seed}-{n}", rng.choice(PROMPTS), random_params(rng),
                              stream=rng.random() < 0.8,
@@ -103,13 +108,13 @@ def client_loop(endpoint: str, seed: int, deadline: float, done: list[Sent],
                     inflight[s.rid] = s
                     to_send -= 1
                     continue
-                if not to_send and now >= deadline and not inflight:
+                if not to_send and not running() and not inflight:
                     break
                 if now - last_ping > PING_EVERY_S:
                     sock.send(PING)
                     last_ping = now
                 if not sock.poll(50):
-                    if not inflight and (not to_send or now >= deadline):
+                    if not inflight and (not to_send or not running()):
                         break
                     continue
                 msg = decode_service_reply(sock.recv())
@@ -202,14 +207,19 @@ def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache, l
         done: list[Sent] = []
         vanished: list[Sent] = []
         problems: list[str] = []
-        deadline = time.monotonic() + SOAK_S
+        start = time.monotonic()
+
+        def running() -> bool:  # SOAK_S of load and MIN_DONE answers; a stuck service: the cap
+            elapsed = time.monotonic() - start
+            return elapsed < SOAK_S or (len(done) < MIN_DONE and elapsed < SOAK_CAP_S)
+
         threads = [threading.Thread(target=client_loop,
-                                    args=(svc.endpoint, 100 + i, deadline, done, vanished,
+                                    args=(svc.endpoint, 100 + i, running, done, vanished,
                                           problems)) for i in range(CLIENTS)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=SOAK_S + 120)
+            t.join(timeout=SOAK_CAP_S + 120)
             assert not t.is_alive(), "a client thread hung"
         outputs = defaultdict(list)
         for s in done:
@@ -220,7 +230,8 @@ def test_soak_mixed_load_keeps_every_invariant(model_path, spec, prefix_cache, l
             if any(r != runs[0] for r in runs[1:]):
                 problems.append(f"same prompt and parameters, different tokens: {key}: {runs}")
         assert not problems, "\n".join(problems[:20])
-        assert len(done) >= 2 * SOAK_S, f"only {len(done)} requests completed in {SOAK_S} s"
+        assert len(done) >= MIN_DONE, (f"only {len(done)} requests completed in "
+                                       f"{SOAK_CAP_S:.0f} s: the service stalled")
         with Client(svc.endpoint) as client:
             time.sleep(2.5)  # the vanished clients' requests are aborted after 2 s of silence
             assert_idle(client)
