@@ -88,8 +88,10 @@ def add_runtime_args(p, dtype: str | None = "auto", attention: bool = True, chec
         p.add_argument("--dtype", default=dtype, choices=DTYPES if checked else None,
                        help=dtype_help)
     if attention:
-        p.add_argument("--attention-backend", default="torch",
-                       choices=["torch", "triton"] if checked else None)
+        p.add_argument("--attention-backend", default="auto",
+                       choices=["auto", "torch", "triton"] if checked else None,
+                       help="auto: triton on CUDA (its kernels read no host lengths, so "
+                            "decode batches replay CUDA graphs), torch on a CPU")
 
 
 def endpoint(text: str) -> str:

@@ -24,6 +24,13 @@ from gpu.worker_state import WorkerState
 from ipc.worker_messages import StepPlan, StepResult, pack_f32, pack_i32, unpack_i32
 
 
+def graphs_apply(state: WorkerState) -> bool:
+    """Decode CUDA graphs where they can be captured: a CUDA device, an attention backend that
+    reads no host lengths (triton) and one rank (the graphs hold no collectives)."""
+    return (state.device.type == "cuda" and not state.attn.needs_cpu_seq_lens
+            and state.cfg.parallel.tp == 1)
+
+
 class PlainStep:
     def __init__(self, state: WorkerState, background_compile: bool = False) -> None:
         """`background_compile`: build the compiled decode step on a thread while decode
@@ -32,7 +39,7 @@ class PlainStep:
         self.needs_cpu_seq_lens = state.attn.needs_cpu_seq_lens
         self.decode_graphs: DecodeGraphs | None = None
         max_batch = state.cfg.runtime.cuda_graph_max_batch
-        if max_batch and state.device.type == "cuda":
+        if max_batch and graphs_apply(state):
             self.decode_graphs = self.make_decode_graphs(max_batch)
             try:
                 self.decode_graphs.capture()
@@ -49,7 +56,7 @@ class PlainStep:
         compile starts it); None where decode steps run eagerly."""
         st, rt = self.state, self.state.cfg.runtime
         mode = compile_mode(rt.compile)
-        if not compile_applies(mode, st.device, st.dtype, rt.attention_backend,
+        if not compile_applies(mode, st.device, st.dtype, st.attention_backend,
                                rt.deterministic, tp=st.cfg.parallel.tp,
                                fp16_packs=st.model.fp16_packs > 0):
             return None

@@ -134,8 +134,9 @@ class Worker:
         graphs = self.step.decode_graphs if isinstance(self.step, PlainStep) else None
         if graphs is not None:
             note += f", CUDA graphs for decode batches up to {graphs.max_batch}"
-        elif cfg.runtime.cuda_graph_max_batch:
-            note += ", no CUDA graphs (they need a CUDA device and no speculative decoding)"
+        elif cfg.runtime.cuda_graph_max_batch and self.state.device.type == "cuda":
+            note += (", no CUDA graphs (they need the triton attention backend, one rank and "
+                     "no speculative decoding)")
         compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
         if compiled is not None and compiled.background is not None:
             note += (f", decode compiled for batches up to {compiled.max_batch}, batch 1 "

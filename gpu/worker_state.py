@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu.attention.factory import make_attention_backend
+from gpu.attention.factory import make_attention_backend, resolve_attention_backend
 from gpu.cpu_kernels import fp32_split_applies, plan_fp32_split
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.dp_attention import AttentionDataParallel
@@ -109,7 +109,9 @@ class WorkerState:
         self.req_to_token = ReqToTokenPool(self.num_slots,
                                            self.max_context_len + cfg.spec.reserve_tokens,
                                            rt.page_size, self.device)
-        self.attn = make_attention_backend(rt.attention_backend, self.kv_pool, self.req_to_token,
+        self.attention_backend = resolve_attention_backend(rt.attention_backend, self.device,
+                                                           rt.deterministic)
+        self.attn = make_attention_backend(self.attention_backend, self.kv_pool, self.req_to_token,
                                            local.num_heads, local.num_kv_heads, mc.head_dim,
                                            mc.sliding_window, deterministic=rt.deterministic,
                                            scale=mc.attn_scale, window_layers=mc.window_layers)
@@ -128,7 +130,7 @@ class WorkerState:
         return WorkerInfo(
             protocol_version=WORKER_PROTOCOL_VERSION, model_name=self.model_name,
             device=device_kind(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            attention_backend=self.cfg.runtime.attention_backend, num_layers=mc.num_layers,
+            attention_backend=self.attention_backend, num_layers=mc.num_layers,
             vocab_size=mc.vocab_size, max_context_len=self.max_context_len,
             page_size=self.page_size, num_pages=self.kv_pool.num_pages,
             num_slots=self.num_slots, eos_token_ids=list(mc.eos_token_ids),

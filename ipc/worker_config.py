@@ -20,7 +20,7 @@ from msgspec import Meta
 
 from ipc.spec_settings import SpecSettings
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on a CPU
 # The worker's order when plan k+1 is already waiting while step k is launched but not sent:
 #   off:     finish and send step k, then prepare and launch k+1
 #   prepare: prepare k+1 (bookkeeping and batch, on the schedule stream), send k, launch k+1:
@@ -51,7 +51,7 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """config.toml [runtime]; config.toml explains each key."""
 
-    attention_backend: Literal["torch", "triton"] = "torch"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     page_size: Annotated[int, Meta(ge=1, le=1024)] = 16
     max_kv_tokens: Annotated[int, Meta(ge=1, le=1 << 26)] = 65536
     max_running_requests: Annotated[int, Meta(ge=1, le=4096)] = 64
@@ -63,7 +63,7 @@ class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     q4_max_tokens: Annotated[int, Meta(ge=0, le=4096)] = DEFAULT_Q4_MAX_TOKENS  # 0: never
     # A CPU without native bf16 (gpu/cpu_kernels.py): "split" keeps codes + fp16 packs
     cpu_fp32_weights: Literal["dense", "split"] = "dense"
-    cuda_graph_max_batch: Annotated[int, Meta(ge=0, le=4096)] = 0  # 0: never
+    cuda_graph_max_batch: Annotated[int, Meta(ge=0, le=4096)] = 64  # 0: never; where it applies
     deterministic: bool = False  # batch-invariant forwards (gpu/rowwise_linear.py)
     compile: CompileMode = "auto"  # FMSERVE_COMPILE decides what "auto" means when set
 
@@ -102,9 +102,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.runtime.max_kv_tokens < self.runtime.page_size:
             raise ValueError(f"runtime.max_kv_tokens = {self.runtime.max_kv_tokens} must be at "
                              f"least runtime.page_size = {self.runtime.page_size} (one page)")
-        if self.runtime.deterministic and self.runtime.attention_backend != "torch":
+        if self.runtime.deterministic and self.runtime.attention_backend == "triton":
             raise ValueError("runtime.deterministic = true needs runtime.attention_backend = "
-                             "\"torch\" (its batch-invariant attention is written in torch)")
+                             "\"torch\" or \"auto\" (its batch-invariant attention is written in "
+                             "torch)")
         self.spec.validate()
         tp = self.parallel.tp
         if self.parallel.remote_ranks and (tp < 2 or not self.parallel.master_port):
@@ -112,9 +113,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"and a fixed parallel.master_port (it is "
                              f"{self.parallel.master_port}) for the other machines' "
                              f"`fmserve worker --master-port` to reach")
-        if tp > 1 and self.runtime.cuda_graph_max_batch:
-            raise ValueError(f"parallel.tp = {tp} with runtime.cuda_graph_max_batch > 0 is not "
-                             f"built yet (the decode graphs hold no collectives); set it to 0")
         if self.parallel.dp_attention and tp < 2:
             raise ValueError("parallel.dp_attention = true needs parallel.tp >= 2: the tp ranks "
                              "are the attention's data-parallel ranks and the MLP's "

@@ -7,8 +7,18 @@ from typing import TYPE_CHECKING
 from ipc.worker_config import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
+    import torch
+
     from gpu.attention.base import AttentionBackend
     from gpu.kv_cache import KVPool, ReqToTokenPool
+
+
+def resolve_attention_backend(name: str, device: "torch.device", deterministic: bool) -> str:
+    """"auto" -> "triton" on CUDA (no host lengths: decode batches can replay CUDA graphs),
+    "torch" on a CPU (Triton there runs only interpreted) or in deterministic mode."""
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" and not deterministic else "torch"
 
 
 def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTokenPool",

@@ -85,7 +85,7 @@ class Drafter:
                              f"{settings.draft_model} is an '{hc.algorithm}' head")
         self.draft_kv = KVPool(1, state.kv_pool.num_pages, state.page_size, hc.num_kv_heads,
                                hc.head_dim, state.dtype, state.device)
-        self.draft_attn = make_attention_backend(state.cfg.runtime.attention_backend,
+        self.draft_attn = make_attention_backend(state.attention_backend,
                                                  self.draft_kv, state.req_to_token,
                                                  hc.num_heads, hc.num_kv_heads, hc.head_dim,
                                                  deterministic=state.cfg.runtime.deterministic)
