@@ -19,6 +19,7 @@ from fmserve.gemma3_model import ENV_WHEELS, cached_gemma3_path, gemma3_model_pa
 from ipc.sampling import SamplingParams
 from service.tokenizer import TextTokenizer
 from tests.engine_runs import prompt_logits
+from tests.hf_reference import hf_causal_lm, hf_tokenizer
 from tests.gpu.teacher_forcing import TEXT
 from tests.service.test_gguf_spm_tokenizer import strings
 
@@ -38,13 +39,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def reference(path):
-    import transformers
-
-    kw = dict(gguf_file=path.name)
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), dtype=torch.float32, attn_implementation="eager", **kw).eval()
-    return tok, model
+    return hf_tokenizer(path), hf_causal_lm(path, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")

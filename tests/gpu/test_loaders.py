@@ -16,12 +16,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.load import load_model
 from gpu.loader.hf_loader import hf_model_config
 from gpu.model_config import RopeScaling
+from tests.hf_reference import hf_causal_lm
 
 @pytest.fixture(scope="module")
 def ours(gguf_path):
@@ -30,8 +31,7 @@ def ours(gguf_path):
 
 @pytest.fixture(scope="module")
 def reference(gguf_path):
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+    model = hf_causal_lm(gguf_path)
     return model.config, {k: v.detach() for k, v in model.state_dict().items()}
 
 

@@ -9,6 +9,7 @@ import torch
 from fmserve.engine import Engine
 from ipc.sampling import SamplingParams
 from tests.engine_runs import prompt_logits
+from tests.hf_reference import hf_causal_lm
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -20,10 +21,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def hf_model(model_path):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
-    return model.eval()
+    pytest.importorskip("transformers")
+    return hf_causal_lm(model_path)
 
 
 @pytest.fixture(scope="module")

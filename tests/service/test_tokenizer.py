@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from service.chat_template import ChatTemplate, ChatTemplateError
 from service.detokenizer import IncrementalDetokenizer
 from service.tokenizer import TextTokenizer, TokenizerLoadError
+from tests.hf_reference import hf_tokenizer
 
 
 TEXTS = [
@@ -52,7 +53,7 @@ def ours(gguf_path) -> TextTokenizer:
 
 @pytest.fixture(scope="module")
 def reference(gguf_path):
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return hf_tokenizer(gguf_path)
 
 
 def _ids(out) -> list[int]:
