@@ -25,6 +25,9 @@ from service.worker_recovery import refuse_all, restart_worker
 from service.worker_spawn import describe_returncode
 from service.worker_supervisor import POLL_INTERVAL_S, WorkerDied, WorkerHandle
 
+# Plans in flight with overlap: step k computing while plan k+1 waits in the worker.
+OVERLAP_DEPTH = 2
+
 
 class Replica:
     def __init__(self, index: int, dp: int, worker: WorkerHandle, replies: Replies,
@@ -82,7 +85,7 @@ class Replica:
         """Keep the worker fed. With overlap, plan k+1 is sent before step k's result is read,
         so this process's planning, detokenising and streaming run while the worker computes;
         the worker reads step k's tokens for plan k+1 from its FutureMap."""
-        depth = 2 if overlap else 1
+        depth = OVERLAP_DEPTH if overlap else 1
         inflight: deque[tuple[object, float, bool]] = deque()  # (plan, sent at, idle counts)
         waited = True  # the worker's idle before a step that follows a wait for work is not ours
         scheduler = self.scheduler
@@ -119,11 +122,36 @@ class Replica:
                 await self._on_worker_death(str(exc))
                 continue
             plan, sent, idle_counts = inflight.popleft()
-            for out in scheduler.process_result(result):
-                await self.replies.output(out)
+            outputs = scheduler.process_result(result)  # stop strings end requests here
             self.steps += 1
             self.counters.record_step(plan, result, sent, idle_counts)
+            # With overlap the next plan goes out before this step's replies: the worker
+            # computes while they are metered and sent (at 32 streams on a GPU the replies
+            # take about as long as the step). A worker that died meanwhile is handled after
+            # them, so they come before any terminal message its death sends.
+            died = await self._send_next_plan(inflight) if overlap else None
+            for out in outputs:
+                await self.replies.output(out)
+            if died is not None:
+                inflight.clear()
+                await self._on_worker_death(str(died))
+                continue
             await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
+
+    async def _send_next_plan(self, inflight: deque) -> WorkerDied | None:
+        """Plan and send the next step if there is room and work; the WorkerDied if sending
+        failed (the plan is then lost with the worker, as at the top of step_loop)."""
+        if len(inflight) >= OVERLAP_DEPTH or not self.scheduler.has_work:
+            return None
+        plan = self.scheduler.plan_step()
+        if plan is None:
+            return None
+        try:
+            await self.worker.send_plan(plan)
+        except WorkerDied as exc:
+            return exc
+        inflight.append((plan, time.perf_counter(), True))
+        return None
 
     async def _on_worker_death(self, message: str) -> None:
         # Meanwhile requests may still be routed here (when every replica is restarting): they
