@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,12 +26,12 @@ def _saved_dir(gguf: Path, what: str) -> Path:
     return model_cache_dir() / "hf-reference" / key / what
 
 
-def _save(obj, target: Path) -> None:
-    """Saved into a temporary folder renamed into place: a run stopped halfway leaves nothing
-    that a later run would take for a complete reference."""
+def _save(write: Callable[[Path], None], target: Path) -> None:
+    """`write` fills a temporary folder renamed into place: a run stopped halfway leaves
+    nothing that a later run would take for a complete reference."""
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    obj.save_pretrained(partial)
+    write(partial)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
@@ -44,7 +45,7 @@ def hf_tokenizer(gguf: Path):
     if saved.is_dir():
         return AutoTokenizer.from_pretrained(saved)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    _save(tok, saved)
+    _save(tok.save_pretrained, saved)
     return tok
 
 
@@ -65,21 +66,17 @@ def hf_causal_lm(gguf: Path, attn_implementation: str | None = None):
         return model.eval()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                  dtype=torch.float32, **kw).eval()
-    _save(_Weights(model), saved)
+    _save(lambda folder: _save_weights(model, folder), saved)
     return model
 
 
-class _Weights:
-    """save_pretrained for _save: the config and the weights (tied ones once)."""
+def _save_weights(model, folder: Path) -> None:
+    """The config and the weights (tied ones once); the weights are dense, so the config
+    loses its GGUF marker."""
+    from safetensors.torch import save_model
 
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def save_pretrained(self, folder: Path) -> None:
-        from safetensors.torch import save_model
-
-        self.model.config.save_pretrained(folder)
-        config = Path(folder) / "config.json"  # the weights saved are dense: no GGUF marker
-        config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
-                                      if k != "quantization_config"}, indent=2))
-        save_model(self.model, str(Path(folder) / "model.safetensors"))
+    model.config.save_pretrained(folder)
+    config = folder / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "quantization_config"}, indent=2))
+    save_model(model, str(folder / "model.safetensors"))
