@@ -215,7 +215,12 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         """Ask the service to stop a request; its stream then ends with Finished("abort")."""
-        await self._start().send(encode(Abort(id=request_id)))
+        sock = self._start()
+        try:  # may wait to send like generate(): bounded the same way
+            async with asyncio.timeout(self.service_timeout_s):
+                await sock.send(encode(Abort(id=request_id)))
+        except TimeoutError:
+            raise no_answer(self.endpoint, self.service_timeout_s) from None
 
     async def health(self, timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S) -> Stats:
         """The service's state; `ServiceUnavailable` if it does not answer within timeout_s."""
@@ -325,8 +330,12 @@ class AsyncClient:
                 continue
             if now - pinged_at >= self.heartbeat_interval_s - 1e-3:
                 pinged_at = now
-                try:
-                    await self._socket.send(encode(Ping()))
+                try:  # bounded: a DEALER with no connection (CURVE refused) waits to send,
+                    # and this loop must go on to notice the silence
+                    async with asyncio.timeout(tick):
+                        await self._socket.send(encode(Ping()))
+                except TimeoutError:
+                    continue
                 except zmq.ZMQError:
                     return
 

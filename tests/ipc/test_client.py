@@ -6,6 +6,8 @@ import asyncio
 import time
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from ipc.async_client import AsyncClient
 from ipc.client import Client
@@ -156,3 +158,34 @@ def test_sync_client():
     with Client(free_endpoint()) as client:
         with pytest.raises(ServiceUnavailable):
             client.health(timeout_s=0.2)
+
+
+def test_a_service_gone_after_taking_the_request_fails_it_even_when_pings_cannot_be_sent():
+    # IMMEDIATE: once the service's socket closes the client keeps no pipe to queue on, so its
+    # pings wait to send (as under a CURVE refusal); the silence must still fail the request.
+    ctx = zmq.asyncio.Context()
+    ctx.setsockopt(zmq.IMMEDIATE, 1)
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+
+    async def main():
+        async with AsyncClient(f"tcp://127.0.0.1:{port}", heartbeat_interval_s=0.1,
+                               service_timeout_s=0.8, context=ctx) as client:
+            async def request():
+                async for _ in client.generate("held forever"):
+                    pass
+
+            task = asyncio.create_task(request())
+            while not server.poll(0):
+                await asyncio.sleep(0.01)
+            server.close(linger=0)  # took the request, then went away
+            started = time.monotonic()
+            with pytest.raises(ServiceUnavailable, match="has not answered"):
+                await asyncio.wait_for(task, timeout=10)
+            return time.monotonic() - started
+
+    try:
+        assert asyncio.run(main()) < 5
+    finally:
+        server.close(linger=0)
+        ctx.term()
