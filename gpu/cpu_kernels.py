@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.loader.gguf_q4 import Q4_GROUP
+from gpu import cpu_q4_kernel
+from gpu.cpu_q4_kernel import Q4Rows
+from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
 from gpu.q4_linear import q4_kernel_available
 from gpu.quantized_linear import Fp16Linear
 from ipc.cache_dirs import model_cache_dir
@@ -80,7 +82,9 @@ def _cpu_key(in_features: int, out_features: int) -> str:
                       if ln.startswith("flags")), "")
     except OSError:
         model = platform.processor()
-    raw = f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{in_features}x{out_features}"
+    kernel = "c" if cpu_q4_kernel.available() else "torch"
+    raw = (f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}|"
+           f"{in_features}x{out_features}")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -107,6 +111,14 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
     def int4(x: torch.Tensor) -> torch.Tensor:  # as Q4Linear runs it on fp32 activations
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), packed, Q4_GROUP, scales_and_zeros).float()
+
+    if cpu_q4_kernel.available():  # the kernel CodesLinear runs instead (gpu/cpu_q4_kernel.py)
+        rows_form = Q4Rows.from_weight(Int4Weight(Q4Blocks(
+            codes.to(torch.uint8), scales_and_zeros[..., 0].t().float(),
+            scales_and_zeros[..., 1].t().float()), in_features))
+
+        def int4(x: torch.Tensor) -> torch.Tensor:  # noqa: F811
+            return cpu_q4_kernel.q4_matmul(x, rows_form)
 
     best = 0
     for rows in CANDIDATE_ROWS:

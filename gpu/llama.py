@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.cpu_kernels import Fp32Split
+from gpu.cpu_q4_kernel import CodesLinear, codes_linear_ok
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, head_rms_norm, rms_norm
 from gpu.loader.gguf_q4 import Int4Weight
@@ -96,6 +97,9 @@ class LlamaModel:
                                              or q4_applies(device, dtype, q4_max_tokens))
         self.q4_projections = 0
         self.fp16_packs = 0  # FBGEMM fp16 packs (fp32_split), which torch.compile cannot trace
+        # The most rows a decoder forward takes without reaching a projection's fp16 pack
+        # (None: no pack): the compiled decode step's largest batch (gpu/compiled_decode.py).
+        self.fp16_free_rows: int | None = None
 
         def quantized(parts: Int4Weight | list[Int4Weight], dense: torch.Tensor | None,
                       rows: int, fp16_rows: int) -> Q4Linear | Fp16Linear:
@@ -103,13 +107,20 @@ class LlamaModel:
                 return Q4Linear(parts, rows)
             fp16 = Fp16Linear(dense)
             self.fp16_packs += 1
-            return Q4Linear(parts, fp16_rows, dense=fp16, fp32_input=True) if fp16_rows else fp16
+            if not fp16_rows:
+                return fp16
+            if codes_linear_ok(parts):  # fmserve's C kernel (gpu/cpu_q4_kernel.py)
+                return CodesLinear(parts, fp16_rows, dense=fp16)
+            return Q4Linear(parts, fp16_rows, dense=fp16, fp32_input=True)
 
         def linear(name: str) -> Projection:
             if not use_q4 or name not in q4 or not q4_shape_ok(q4[name]):
                 return rowwise(make_linear(w(name), weight_quant))
             self.q4_projections += 1
             split_rows = fp32_split.projection_rows if fp32_split else 0
+            if fp32_split:
+                self.fp16_free_rows = min(split_rows, self.fp16_free_rows if
+                                          self.fp16_free_rows is not None else split_rows)
             return rowwise(quantized(q4[name], w(name) if fp32_split else None, q4_max_tokens,
                                      split_rows))
 

@@ -35,10 +35,12 @@ def test_compile_applies_to_cpu_bf16_and_fp32_with_the_torch_backend():
     assert compile_applies("auto", CPU, torch.float32, "torch", False)
     # no all-reduce traced: eager for these
     assert not compile_applies("auto", CPU, torch.float32, "torch", False, tp=2)
-    # FBGEMM's packed weights (gpu/cpu_kernels.py) cannot be traced: eager, and "on" refused
-    assert not compile_applies("auto", CPU, torch.float32, "torch", False, fp16_packs=True)
-    with pytest.raises(ValueError, match="opaque to torch.compile"):
-        compile_applies("on", CPU, torch.float32, "torch", False, fp16_packs=True)
+    # FBGEMM's packed weights (gpu/cpu_kernels.py) cannot be traced: where one stream's
+    # forward reaches them, eager, and "on" refused; where its rows stay on the codes, compiled
+    assert not compile_applies("auto", CPU, torch.float32, "torch", False, fp16_free_rows=0)
+    with pytest.raises(ValueError, match="cannot trace"):
+        compile_applies("on", CPU, torch.float32, "torch", False, fp16_free_rows=0)
+    assert compile_applies("auto", CPU, torch.float32, "torch", False, fp16_free_rows=1)
     assert not compile_applies("off", CPU, torch.float32, "torch", False)
     for device, dtype, backend, det in [(torch.device("cuda"), torch.bfloat16, "torch", False),
                                         (CPU, torch.float16, "torch", False),

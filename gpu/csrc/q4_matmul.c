@@ -1,0 +1,105 @@
+/* y = x W^T for an int4 weight in the GGUF Q4_1 form, for the few rows of a CPU decode step.
+ *
+ * W [n, k]: per output row, blocks of 32 inputs, each 16 bytes of nibbles (byte j holds input j
+ * in its low half and input j + 16 in its high half), a scale s and a minimum m (fp32):
+ * w = q s + m. x [rows, k] fp32 is quantized per block of 32 to int8 with its own scale d
+ * (as llama.cpp's Q8_1), so a block's dot product is integer work:
+ *     sum_j w_j x_j ~= s d sum_j q_j x8_j + m d sum_j x8_j
+ * With AVX2 the integer sums take two instructions per block (maddubs, madd). Output rows
+ * are shared among OpenMP threads, as many as torch uses (its own pool: this library needs the
+ * libgomp.so.1 that torch has already loaded). Built at first use by gpu/cpu_q4_kernel.py. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+
+/* x [rows, k] -> x8 [rows, k] int8, d [rows, k/32] (the scale) and dsum [rows, k/32] (d sum x8). */
+static void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d, float *dsum) {
+    int nb = k / GROUP;
+    for (int r = 0; r < rows; r++) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * k + b * GROUP;
+            int8_t *qb = x8 + (size_t)r * k + b * GROUP;
+            float amax = 0.f;
+            for (int j = 0; j < GROUP; j++) {
+                float a = fabsf(xb[j]);
+                amax = a > amax ? a : amax;
+            }
+            float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int j = 0; j < GROUP; j++) {
+                int q = (int)lrintf(xb[j] * inv);
+                qb[j] = (int8_t)q;
+                sum += q;
+            }
+            d[(size_t)r * nb + b] = scale;
+            dsum[(size_t)r * nb + b] = scale * (float)sum;
+        }
+    }
+}
+
+static float row_dot(const uint8_t *qs, const float *s, const float *m, const int8_t *x8,
+                     const float *d, const float *dsum, int nb) {
+    float mins = 0.f;
+#ifdef __AVX2__
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m128i t = _mm_loadu_si128((const __m128i *)(qs + b * 16));
+        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x8 + b * GROUP));
+        __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[b]), _mm256_cvtepi32_ps(pairs), acc);
+        mins += m[b] * dsum[b];
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h) + mins;
+#else
+    float total = 0.f;
+    for (int b = 0; b < nb; b++) {
+        int sum = 0;
+        for (int j = 0; j < 16; j++) {
+            sum += (qs[b * 16 + j] & 0x0F) * x8[b * GROUP + j];
+            sum += (qs[b * 16 + j] >> 4) * x8[b * GROUP + j + 16];
+        }
+        total += s[b] * d[b] * (float)sum;
+        mins += m[b] * dsum[b];
+    }
+    return total + mins;
+#endif
+}
+
+/* y [rows, n] = x [rows, k] W^T on `threads` threads; k a multiple of 32. Returns 0, or -1
+ * if out of memory. */
+int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
+              const float *m, int n, float *y, int threads) {
+    int nb = k / GROUP;
+    int8_t *x8 = malloc((size_t)rows * k);
+    float *d = malloc(sizeof(float) * (size_t)rows * nb * 2);
+    if (!x8 || !d) {
+        free(x8);
+        free(d);
+        return -1;
+    }
+    float *dsum = d + (size_t)rows * nb;
+    quantize_rows(x, rows, k, x8, d, dsum);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int o = 0; o < n; o++) {
+        const uint8_t *qo = qs + (size_t)o * nb * 16;
+        const float *so = s + (size_t)o * nb, *mo = m + (size_t)o * nb;
+        for (int r = 0; r < rows; r++)
+            y[(size_t)r * n + o] = row_dot(qo, so, mo, x8 + (size_t)r * k, d + (size_t)r * nb,
+                                           dsum + (size_t)r * nb, nb);
+    }
+    free(x8);
+    free(d);
+    return 0;
+}

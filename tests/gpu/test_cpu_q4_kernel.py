@@ -1,0 +1,110 @@
+"""gpu/cpu_q4_kernel.py: fmserve's C kernel for a decode step's few rows on 4-bit codes, the
+form it keeps them in (checked against gguf's dequantize), CodesLinear in the fp32 model of a
+CPU without native bf16, and the op torch.compile traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu import cpu_q4_kernel
+from gpu.cpu_q4_kernel import CodesLinear, Q4Rows, codes_linear_ok, q4_matmul
+from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
+from gpu.quantized_linear import Fp16Linear
+from tests.gpu.test_q4_linear import int4, quantized
+
+pytestmark = pytest.mark.skipif(not cpu_q4_kernel.available(),
+                                reason="no C compiler to build the kernel with")
+
+
+def random_rows(out: int, width: int, seed: int = 0) -> Q4Rows:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, width), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(out, width // Q4_GROUP, generator=gen) * 0.02
+    zero = (torch.rand(out, width // Q4_GROUP, generator=gen) - 0.5) * 0.1
+    return Q4Rows.from_weight(Int4Weight(Q4Blocks(codes, scale, zero), width))
+
+
+def emulated(x: torch.Tensor, w: Q4Rows) -> torch.Tensor:
+    """What the kernel computes, written out in torch (float64 sums): the input quantized to
+    int8 per block of 32 (scale max|x| / 127, rounded to nearest even), integer dot products
+    with the codes, then the scales and the minimums."""
+    rows, width = x.shape
+    xb = x.view(rows, -1, Q4_GROUP)
+    amax = xb.abs().amax(-1)
+    d = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    x8 = torch.round(xb * inv[..., None])
+    pairs = w.nibbles.view(w.nibbles.shape[0], -1, 16)
+    q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).double()
+    dots = torch.einsum("obj,rbj->rob", q, x8.double())  # [rows, out, blocks]
+    scaled = dots * w.scale.double()[None] * d.double()[:, None]
+    mins = w.minimum.double()[None] * (d.double() * x8.double().sum(-1))[:, None]
+    return (scaled + mins).sum(-1).float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("out,width", [(48, 64), (576, 576), (40, 1536)])
+def test_the_kernel_computes_what_it_says(rows, out, width):
+    w = random_rows(out, width, seed=rows)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(out))
+    x[0, :Q4_GROUP] = 0  # an all-zero block: scale 0, no division by it
+    y = q4_matmul(x, w)
+    torch.testing.assert_close(y, emulated(x, w), rtol=1e-5, atol=1e-5)
+    # and close to the exact product: only the input's int8 rounding differs
+    exact = x @ w.dequantize().t()
+    assert ((y - exact).norm() / exact.norm()).item() < 0.01
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_kernels_form_holds_the_files_weights(type_name):
+    raw, exact = quantized(type_name, rows=48, cols=96)
+    weight = int4(raw, type_name, exact.shape)
+    rows_form = Q4Rows.from_weight(weight)
+    assert rows_form.nibbles.dtype == torch.uint8
+    assert rows_form.nibbles.numel() == weight.shape.out_features * weight.shape.width // 2
+    got = weight.shape.fold(rows_form.dequantize())
+    # q s + (z - 8 s) in fp32 against gguf's d q + m: equal up to fp32 rounding of the sum
+    torch.testing.assert_close(got, exact, rtol=0, atol=2e-6 * exact.abs().max().item())
+
+
+def test_a_wrong_width_is_refused():
+    with pytest.raises(ValueError, match="input width 32 does not match the weight's 64"):
+        q4_matmul(torch.randn(1, 32), random_rows(16, 64))
+
+
+def test_codes_linear_runs_small_forwards_on_the_kernel_and_wide_ones_on_the_pack():
+    raw, exact = quantized("Q4_1", rows=64, cols=128)
+    weight = int4(raw, "Q4_1", exact.shape)
+    assert codes_linear_ok(weight)
+    layer = CodesLinear(weight, 2, dense=Fp16Linear(exact))
+    torch.testing.assert_close(layer.weight, exact, rtol=0, atol=2e-6 * exact.abs().max().item())
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 128, generator=gen)
+        y = layer(x)
+        if rows <= 2:
+            assert torch.equal(y, q4_matmul(x, layer.rows[0])), rows
+        else:
+            assert torch.equal(y, layer.dense(x)), rows
+        reference = x @ exact.t()  # the kernel's int8 input costs well under 1% of the norm
+        assert ((y - reference).norm() / reference.norm()).item() < 0.01, rows
+
+
+def test_q6_k_digits_stay_off_the_kernel():
+    blocks = Q4Blocks(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
+                      torch.zeros(16, 2))
+    assert codes_linear_ok(Int4Weight(blocks, 64))
+    assert not codes_linear_ok(Int4Weight(blocks, 32, "digits16"))  # x and 16 x in one block
+
+
+def test_torch_compile_traces_the_kernel_as_one_op():
+    raw, exact = quantized("Q4_1", rows=64, cols=128)
+    layer = CodesLinear(int4(raw, "Q4_1", exact.shape), 4, dense=Fp16Linear(exact))
+    x = torch.randn(1, 128)
+
+    def step(h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(layer(h)) * 2
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), step(x))
