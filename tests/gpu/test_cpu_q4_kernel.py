@@ -14,7 +14,7 @@ from gpu.quantized_linear import Fp16Linear
 from tests.gpu.test_q4_linear import int4, quantized
 
 pytestmark = pytest.mark.skipif(not cpu_q4_kernel.available(),
-                                reason="no C compiler to build the kernel with")
+                                reason="the C kernel is not built here (no C compiler, or FMSERVE_NO_C_KERNEL set)")
 
 
 def random_rows(out: int, width: int, seed: int = 0) -> Q4Rows:
