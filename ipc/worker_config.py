@@ -62,7 +62,7 @@ class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_cpu_threads: Annotated[int, Meta(ge=0, le=1024)] = 0  # 0: auto (the service's rule)
     q4_max_tokens: Annotated[int, Meta(ge=0, le=4096)] = DEFAULT_Q4_MAX_TOKENS  # 0: never
     # A CPU without native bf16 (gpu/cpu_kernels.py): "split" keeps codes + fp16 packs
-    cpu_fp32_weights: Literal["dense", "split"] = "dense"
+    cpu_fp32_weights: Literal["dense", "split"] = "split"
     cuda_graph_max_batch: Annotated[int, Meta(ge=0, le=4096)] = 64  # 0: never; where it applies
     deterministic: bool = False  # batch-invariant forwards (gpu/rowwise_linear.py)
     compile: CompileMode = "auto"  # FMSERVE_COMPILE decides what "auto" means when set

@@ -79,6 +79,9 @@ class PeerConfig:
     prompt_lookup_tokens: int
     assistant_model: str
     llama_server: str = ""  # the binary, "" when there is none
+    # --dtype as given: fmserve's peers take "auto" as such (on an AVX2-only CPU it keeps the
+    # 4-bit codes, where an explicit fp32 is dense); `dtype` is what it resolves to
+    fmserve_dtype: str = "auto"
 
 
 @dataclass

@@ -192,7 +192,8 @@ def peer_config(args, model_path: Path, device: str, prompts: list[list[int]]) -
                       max_context=longest + args.max_new_tokens + 16, spec=spec,
                       prompt_lookup_tokens=args.prompt_lookup_tokens,
                       assistant_model=args.assistant_model,
-                      llama_server=find_llama_server(args.llama_server))
+                      llama_server=find_llama_server(args.llama_server),
+                      fmserve_dtype=args.dtype)
 
 
 # --- running ------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def device_section(device: str, cfg: dict, results: dict[str, PeerResult], plots
     ran = [r for r in results.values() if not r.skipped and r.points]
     title = "CPU" if device == "cpu" else f"GPU ({meta['machine'].get('gpu', device)})"
     lines = [f"## {title}", "",
-             f"dtype {cfg['dtype']}, attention backend {cfg['attention_backend']}, "
+             f"dtype {cfg['dtype']} (fmserve's peers: --dtype {cfg.get('fmserve_dtype', 'auto')}), "
+             f"attention backend {cfg['attention_backend']}, "
              f"KV cache of the fmserve peers {cfg['max_kv_tokens']} tokens. "
              f"Baseline: {results[BASELINE].peer.label}"
              + ("" if base else " — **it did not run, so every ratio is skipped**") + ".", ""]

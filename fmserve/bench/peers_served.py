@@ -4,11 +4,15 @@ processes) started per peer, driven by C concurrent clients over ZMQ."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from fmserve.bench.peak_rss import RssSampler, tree_pids
 from fmserve.bench.peer_types import Peer, PeerConfig, PointResult, req_from_stamps
+
+# How long a served peer waits for its worker's compiled decode step before measuring.
+COMPILE_WAIT_S = 300.0
 
 
 class ServedPeer:
@@ -24,17 +28,41 @@ class ServedPeer:
             extra += ["--spec-algorithm", algorithm, "--spec-num-steps", str(steps),
                       "--spec-topk", str(topk), "--spec-num-draft-tokens", str(tokens)]
             extra += ["--draft-model", draft] if draft else []
-        ns = SimpleNamespace(dtype=cfg.dtype, device=cfg.device,
+        ns = SimpleNamespace(dtype=cfg.fmserve_dtype, device=cfg.device,
                              attention_backend=cfg.attention_backend)
         self.cfg = cfg
         self.proc, self.endpoint = start_service(ns, Path(cfg.model_path), peer.overlap, extra,
                                                  max_running_requests=max(cfg.concurrency))
+        self.compiled_waited = False
+
+    def _warm_up(self, prompt: list[int]) -> None:
+        from fmserve.bench.serve import run_closed_loop
+        from ipc.sampling import SamplingParams
+        asyncio.run(run_closed_loop(self.endpoint, [prompt[:8]], 1,
+                                    SamplingParams(max_new_tokens=2)))
+
+    def _wait_for_the_compiled_step(self, prompt: list[int]) -> None:
+        """The worker builds its compiled decode step on a thread once it is ready (~20 s
+        warm, a minute or more cold on 2 cores), decoding eagerly meanwhile; the other peers
+        are measured fully loaded, so this one is too. Its steps report the state."""
+        from ipc.client import Client
+        deadline = time.monotonic() + COMPILE_WAIT_S
+        with Client(self.endpoint) as client:
+            while client.health().decode_compile == "building":
+                if time.monotonic() > deadline:
+                    print(f"the compiled decode step was still building after "
+                          f"{COMPILE_WAIT_S:.0f} s: measuring anyway", flush=True)
+                    return
+                time.sleep(1.0)
+                self._warm_up(prompt)
 
     def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
         from fmserve.bench.serve import run_closed_loop
         from ipc.sampling import SamplingParams
-        asyncio.run(run_closed_loop(self.endpoint, [requests[0][:8]], 1,
-                                    SamplingParams(max_new_tokens=2)))  # warm-up
+        self._warm_up(requests[0])
+        if not self.compiled_waited:
+            self._wait_for_the_compiled_step(requests[0])
+            self.compiled_waited = True
         params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
                                 ignore_eos=True)
         with RssSampler(lambda: tree_pids(self.proc.pid)) as rss:

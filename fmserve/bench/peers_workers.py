@@ -149,7 +149,7 @@ class OfflineGroup:
         from ipc.spec_settings import SpecSettings
         self.cfg = cfg
         spec = SpecSettings(*cfg.spec[spec_name]) if spec_name != "off" else None
-        self.engine = Engine(model=cfg.model_path, device=cfg.device, dtype=cfg.dtype,
+        self.engine = Engine(model=cfg.model_path, device=cfg.device, dtype=cfg.fmserve_dtype,
                              attention_backend=cfg.attention_backend,
                              max_running_requests=max(cfg.concurrency),
                              max_kv_tokens=cfg.max_kv_tokens, progress=False, spec=spec)

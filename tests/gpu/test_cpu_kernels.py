@@ -42,7 +42,7 @@ def test_only_dtype_auto_on_the_cpu_takes_the_split():
     assert not fp32_split_applies(CPU, torch.float32, "fp32", 12)  # explicit fp32 stays exact
     assert not fp32_split_applies(CPU, torch.bfloat16, "auto", 12)  # bf16 CPUs: q4_linear.py
     assert not fp32_split_applies(CPU, torch.float32, "auto", 0)  # q4_max_tokens 0: nothing
-    assert not fp32_split_applies(CPU, torch.float32, "auto", 12, "dense")  # the default
+    assert not fp32_split_applies(CPU, torch.float32, "auto", 12, "dense")  # fp32 copies
 
 
 def test_the_split_keeps_codes_and_an_fp16_pack_and_no_fp32_copy(split_model):
