@@ -24,6 +24,7 @@ from ipc.cache_dirs import compile_cache_dir
 from ipc.sampling import SamplingParams
 from tests.engine_runs import assert_accounting_empty
 from tests.gpu import family_models as fm
+from tests.gpu.teacher_forcing import prompt_logits
 
 CPU = torch.device("cpu")
 # Budgets differ, so one batch shrinks 4, 3, 2, 1: buckets 4, 4 (one padding row), 2 and 1.
@@ -157,3 +158,36 @@ def test_a_windowed_model_decodes_compiled_as_transformers(tmp_path):
     prompt = [fm.BOS] + [(7 * i * i + 3 * i) % 300 for i in range(13)]
     assert greedy(engine, [prompt], [10]) == [fm.reference_greedy(model, prompt, 10)]
     assert compiled.runs >= 9
+
+
+def test_a_cpu_without_native_bf16_compiles_one_streams_step_on_the_c_kernel(model_path,
+                                                                            monkeypatch):
+    """dtype "auto" where it means fp32 (an AVX2-only CPU, as resolve_dtype says there): the
+    projections keep the file's codes for a decode step's rows (gpu/cpu_q4_kernel.py) and
+    FBGEMM fp16 packs above; the compiled step traces the C kernel. Its tokens are not always
+    the eager step's: the kernel rounds its input to int8, so the fused norms' last-bit
+    differences can move a near-tie. So each compiled token is checked against the model's
+    own logits for the text so far (one eager forward), which must rank it first or within a
+    near-tie of first."""
+    from gpu import cpu_q4_kernel, worker_state
+    if not cpu_q4_kernel.available():
+        pytest.skip("the C kernel is not built here")
+    monkeypatch.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+    engine = Engine(model=str(model_path), device="cpu", dtype="auto", compile="on",
+                    max_kv_tokens=2048, max_running_requests=2, progress=False)
+    model, compiled = engine.worker.state.model, engine.worker.step.compiled_decode
+    assert model.fp16_packs > 0 and model.fp16_free_rows >= 1
+    assert compiled is not None and compiled.ready == {1}, compiled and compiled.failed
+    assert compiled.max_batch <= model.fp16_free_rows  # no bucket reaches a pack
+    prompts = [engine.encode(p) for p in itertools.islice(read_prompts(str(DEV_PROMPTS)), 2)]
+    runs = compiled.runs
+    on = [greedy(engine, [p], [10])[0] for p in prompts]
+    assert compiled.runs - runs >= 2 * 8
+    engine.worker.step.compiled_decode = None
+    eager = [greedy(engine, [p], [10])[0] for p in prompts]
+    assert [t[:3] for t in eager] == [t[:3] for t in on]
+    for prompt, tokens in zip(prompts, on):
+        logits = prompt_logits(model, prompt + tokens)[len(prompt) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        gaps = logits.max(-1).values - chosen
+        assert gaps.max().item() < 0.3, gaps
