@@ -15,6 +15,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from gpu.worker_inbox import next_message
 from ipc.worker_messages import GroupPlan, GroupResult, RankResult, Shutdown
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -55,21 +56,16 @@ def follow_group_plan(ranks, worker, group: GroupPlan) -> None:
     gather_to_rank0(ranks, _encode(run_own_plan(ranks, worker, group)))
 
 
-def answer_group_plans(sock, codec, worker, ranks, fail, describe_exception) -> int | None:
+def answer_group_plans(sock, codec, worker, ranks, fail) -> int | None:
     """Rank 0: answer every GroupPlan with a GroupResult until Shutdown (None) or a failure
     (`fail`'s exit code, after WorkerFailed). `sock` relays what it receives."""
     while True:
-        data = sock.recv()
-        try:
-            msg = codec.decode(data)
-        except Exception as exc:
-            return fail(None, f"the worker received a message it cannot decode: "
-                              f"{describe_exception(exc)}")
+        msg, code = next_message(sock, codec, fail, (GroupPlan, Shutdown),
+                                 "GroupPlan and Shutdown, with parallel.dp_attention")
+        if code is not None:
+            return code
         if isinstance(msg, Shutdown):
             return None
-        if not isinstance(msg, GroupPlan):
-            return fail(None, f"the worker received a {type(msg).__name__}; with "
-                              f"parallel.dp_attention it takes GroupPlan and Shutdown only")
         try:
             mine = run_own_plan(ranks, worker, msg)
             theirs = gather_to_rank0(ranks, b"\0")  # rank 0's own result stays here

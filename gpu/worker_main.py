@@ -36,6 +36,7 @@ import traceback
 import msgspec
 import zmq
 
+from gpu.worker_inbox import describe_exception, next_message
 from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import Shutdown, StepPlan, WorkerFailed, WorkerReady
 from ipc.zmq_util import WorkerSideCodec, configure_socket
@@ -85,16 +86,6 @@ def parse_worker_config(text: str) -> WorkerConfig:
     return msgspec.structs.replace(cfg, progress=False).validate()
 
 
-def describe_exception(exc: BaseException) -> str:
-    """One line for people: the error and the innermost frame it came from."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        f = frames[-1]
-        text += f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
-    return text
-
-
 def serve(sock: zmq.Socket, config_json: str) -> int:
     """Load, announce, then answer plans until Shutdown. Returns the exit code."""
     codec = WorkerSideCodec()
@@ -140,8 +131,7 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
         if cfg.parallel.dp_attention:  # a plan per rank each step (gpu/group_step.py)
             from gpu.group_step import answer_group_plans
 
-            code = answer_group_plans(RelaySocket(sock, ranks), codec, worker, ranks, fail,
-                                      describe_exception)
+            code = answer_group_plans(RelaySocket(sock, ranks), codec, worker, ranks, fail)
             return EXIT_OK if code is None else code
         return answer_plans(RelaySocket(sock, ranks), codec, worker, fail)
     except RankDied as exc:
@@ -179,15 +169,10 @@ def answer_plans(sock: zmq.Socket, codec: WorkerSideCodec, worker, fail) -> int:
         if worker.background_compile_pending and (time.monotonic() >= compile_by
                                                   or not sock.poll(COMPILE_WHEN_IDLE_MS)):
             worker.start_background_compile()
-        data = sock.recv()
-        try:
-            msg = codec.decode(data)
-        except Exception as exc:
-            return fail(None, f"the worker received a message it cannot decode: "
-                              f"{describe_exception(exc)}")
-        if not isinstance(msg, (StepPlan, Shutdown)):
-            return fail(None, f"the worker received a {type(msg).__name__}, which it does not "
-                              f"handle (it takes StepPlan and Shutdown)")
+        msg, code = next_message(sock, codec, fail, (StepPlan, Shutdown),
+                                 "StepPlan and Shutdown")
+        if code is not None:
+            return code
         step, failure = None, None
         if isinstance(msg, StepPlan):
             try:

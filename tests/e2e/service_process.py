@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ipc.client import Client
 from ipc.client_errors import ServiceUnavailable
+from ipc.client_messages import Stats
 from ipc.curve import CurveClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,3 +109,12 @@ def engine_greedy(model_path, questions: list[str], params) -> list:
         return engine.generate([[{"role": "user", "content": q}] for q in questions], params)
     finally:
         torch.set_num_threads(threads)
+
+
+def wait_for_stats(client: Client, cond, what: str, timeout_s: float = 120.0) -> Stats:
+    """The service's health once `cond` holds for it; fails naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not cond(stats := client.health()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {stats}"
+        time.sleep(0.02)
+    return stats

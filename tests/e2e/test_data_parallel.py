@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from ipc.client import Client
-from ipc.client_messages import Chunk, Error, Finished, Generate, Stats
+from ipc.client_messages import Chunk, Error, Finished, Generate
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
-from tests.e2e.service_process import ServiceProcess, assert_idle, engine_greedy
+from tests.e2e.service_process import ServiceProcess, assert_idle, engine_greedy, wait_for_stats
 from tests.tui.helpers import SIZE, make_app, screen_text, until
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -53,14 +53,6 @@ def replicas(client: Client) -> list:
     stats = client.health()
     assert len(stats.replicas) == 2, stats
     return stats.replicas
-
-
-def wait_for(client: Client, cond, what: str, timeout_s: float = 120.0) -> Stats:
-    deadline = time.monotonic() + timeout_s
-    while not cond(stats := client.health()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {stats}"
-        time.sleep(0.02)
-    return stats
 
 
 def ask_at_once(endpoint: str, questions: list[str]) -> dict[str, list[int]]:
@@ -125,12 +117,12 @@ def test_a_dead_replica_fails_its_request_once_while_the_other_serves_on(dp_serv
             restarts = [r.restarts for r in replicas(client)]
             for rid in ("long-a", "long-b"):  # one each: the idle replica is the least loaded
                 dealer.send(encode(Generate(rid, text="Count to one thousand.", params=long)))
-            stats = wait_for(client, lambda s: [r.running for r in s.replicas] == [1, 1],
+            stats = wait_for_stats(client, lambda s: [r.running for r in s.replicas] == [1, 1],
                              "one request running on each replica")
             victim = stats.replicas[1]
             os.kill(victim.pid, signal.SIGKILL)
             # Replica 1 restarts; meanwhile the service answers, on replica 0.
-            wait_for(client, lambda s: s.replicas[1].worker_state == "restarting",
+            wait_for_stats(client, lambda s: s.replicas[1].worker_state == "restarting",
                      "replica 1 to restart")
             samples = replica_metrics(dp_service)
             assert samples[("fmserve:replica_worker_state",
@@ -169,7 +161,7 @@ def test_a_dead_replica_fails_its_request_once_while_the_other_serves_on(dp_serv
                        if isinstance(m, Chunk)) == 120
 
             # Replica 1 is back, with its own restart counted, and takes work again.
-            stats = wait_for(client, lambda s: s.replicas[1].worker_state == "ready",
+            stats = wait_for_stats(client, lambda s: s.replicas[1].worker_state == "ready",
                              "replica 1 to be ready again")
             assert [r.restarts for r in stats.replicas] == [restarts[0], restarts[1] + 1]
             assert stats.replicas[1].pid != victim.pid

@@ -16,11 +16,11 @@ import zmq
 
 from fmserve.engine import Engine
 from ipc.client import Client
-from ipc.client_messages import Error, Finished, Generate, Stats
+from ipc.client_messages import Error, Finished, Generate
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
-from tests.e2e.service_process import ServiceProcess, assert_idle
+from tests.e2e.service_process import ServiceProcess, assert_idle, wait_for_stats
 from tests.e2e.test_tensor_parallel import (PROMPTS, rank_pids,  # noqa: F401 (fixtures)
                                             tp_eagle_model, tp_model)
 from tests.gpu import family_models as fm
@@ -32,14 +32,6 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 def one_rank_greedy(path, prompts, spec: SpecSettings | None = None) -> list[list[int]]:
     engine = Engine(model=str(path), dtype="fp32", progress=False, spec=spec)
     return [c.token_ids for c in engine.generate(prompts, [GREEDY] * len(prompts))]
-
-
-def wait_for(client: Client, cond, what: str, timeout_s: float = 60.0) -> Stats:
-    deadline = time.monotonic() + timeout_s
-    while not cond(stats := client.health()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {stats}"
-        time.sleep(0.02)
-    return stats
 
 
 class Dealer:
@@ -159,7 +151,7 @@ def test_a_dead_rank_fails_every_request_of_the_group_once_and_the_group_restart
             rank0, rank1 = rank_pids(dp_service)
             dealer.send("long-a", PROMPTS[0], long)
             dealer.send("long-b", PROMPTS[1], long)
-            wait_for(client, lambda s: [r.running for r in s.replicas] == [1, 1],
+            wait_for_stats(client, lambda s: [r.running for r in s.replicas] == [1, 1],
                      "one request running on each attention rank")
             time.sleep(0.3)
             os.kill(rank1, signal.SIGKILL)
@@ -170,7 +162,7 @@ def test_a_dead_rank_fails_every_request_of_the_group_once_and_the_group_restart
                 [("Error", "worker_died")] * 2, ends
 
             # The whole group is replaced, both ranks' accounting emptied, and it answers.
-            stats = wait_for(client, lambda s: s.worker_state == "ready"
+            stats = wait_for_stats(client, lambda s: s.worker_state == "ready"
                              and s.worker_restarts == restarts + 1
                              and len(dp_service.worker_pids()) == 1, "the group to restart")
             assert [r.restarts for r in stats.replicas] == [1, 1]
