@@ -48,6 +48,9 @@ CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
 CALIBRATION_REPEATS = 5
 # Above this share of the cores busy with other work, a measurement is used but not cached.
 BUSY_CORES = 0.5
+# Fixes the hand-over instead of measuring it (a few seconds on a busy 2-core machine, at every
+# start while it stays busy): the test suite sets it, as it sets FMSERVE_COMPILE.
+ENV_CODES_ROWS = "FMSERVE_CPU_CODES_ROWS"
 # A wider lm_head (Gemma 3's 262,144 tokens) is measured on this many of its outputs: the
 # hand-over depends on the rows, and a full-size random copy would cost ~1 GB for a moment.
 CALIBRATION_MAX_OUT = 32768
@@ -165,6 +168,12 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> in
 
 def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = True) -> Fp32Split:
     """The hand-over rows for a model's projections (measured on its MLP's up projection, the
-    largest) and for its lm_head."""
+    largest) and for its lm_head; $FMSERVE_CPU_CODES_ROWS, where set, gives both instead."""
+    if rows := os.environ.get(ENV_CODES_ROWS, "").strip():
+        try:
+            return Fp32Split(int(rows), int(rows))
+        except ValueError:
+            raise ValueError(f"{ENV_CODES_ROWS}={rows!r}: give a whole number of rows (0: "
+                             f"every forward on the fp16 packs), or unset it to measure") from None
     return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache),
                      int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache))

@@ -18,6 +18,10 @@ os.environ.setdefault("FMSERVE_SYNC_CHECK", "1")
 # runtime.compile = "auto" means off under test: compiling the decode step costs seconds to a
 # minute per model. tests/gpu/test_compiled_decode.py asks for it with compile="on".
 os.environ.setdefault("FMSERVE_COMPILE", "off")
+# On a CPU without native bf16 the fp32 model's hand-over between its 4-bit codes and its fp16
+# packs is measured at every worker start while the machine is busy (gpu/cpu_kernels.py): a
+# few seconds each under the suite. Fixed here; tests/gpu/test_cpu_kernels.py measures it.
+os.environ.setdefault("FMSERVE_CPU_CODES_ROWS", "2")
 
 
 @pytest.fixture(scope="session")

@@ -128,3 +128,11 @@ def test_a_hand_over_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypa
     monkeypatch.setattr(cpu_kernels.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     assert int4_max_rows(64, 128) in (0, *cpu_kernels.CANDIDATE_ROWS)
     assert not (tmp_path / "cpu_kernels.json").exists()  # measured again at the next start
+
+
+def test_the_environment_can_fix_the_hand_over(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV_CODES_ROWS, "3")
+    assert cpu_kernels.plan_fp32_split(576, 1536, 49152) == Fp32Split(3, 3)
+    monkeypatch.setenv(cpu_kernels.ENV_CODES_ROWS, "many")
+    with pytest.raises(ValueError, match="FMSERVE_CPU_CODES_ROWS='many': give a whole number"):
+        cpu_kernels.plan_fp32_split(576, 1536, 49152)
