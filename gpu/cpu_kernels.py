@@ -111,17 +111,17 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
     scales_and_zeros = (torch.rand(in_features // Q4_GROUP, out_features, 2, generator=gen)
                         .to(torch.bfloat16))
 
-    def int4(x: torch.Tensor) -> torch.Tensor:  # as Q4Linear runs it on fp32 activations
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), packed, Q4_GROUP, scales_and_zeros).float()
-
-    if cpu_q4_kernel.available():  # the kernel CodesLinear runs instead (gpu/cpu_q4_kernel.py)
+    if cpu_q4_kernel.available():  # the kernel CodesLinear runs (gpu/cpu_q4_kernel.py)
         rows_form = Q4Rows.from_weight(Int4Weight(Q4Blocks(
             codes.to(torch.uint8), scales_and_zeros[..., 0].t().float(),
             scales_and_zeros[..., 1].t().float()), in_features))
 
-        def int4(x: torch.Tensor) -> torch.Tensor:  # noqa: F811
+        def int4(x: torch.Tensor) -> torch.Tensor:
             return cpu_q4_kernel.q4_matmul(x, rows_form)
+    else:
+        def int4(x: torch.Tensor) -> torch.Tensor:  # as Q4Linear runs it on fp32 activations
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), packed, Q4_GROUP, scales_and_zeros).float()
 
     best = 0
     for rows in CANDIDATE_ROWS:

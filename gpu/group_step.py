@@ -15,7 +15,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from gpu.worker_inbox import next_message
+from gpu.worker_inbox import describe_exception, next_message
 from ipc.worker_messages import GroupPlan, GroupResult, RankResult, Shutdown
 
 _encode = msgspec.msgpack.Encoder().encode
