@@ -149,14 +149,10 @@ class CodesLinear(Q4Linear):
     kernel's form of the codes is resident (no torch int4 pack, no fp32 copy)."""
 
     def __init__(self, segments: Int4Weight | list[Int4Weight], max_tokens: int,
-                 dense: Linear) -> None:  # noqa: D107 (Q4Linear's packing is not wanted)
-        weights = segments if isinstance(segments, list) else [segments]
-        self.segments = [w.shape for w in weights]
-        self.in_features = self.segments[0].in_features
-        self.out_features = sum(s.out_features for s in self.segments)
-        self.max_tokens = max_tokens
-        self.dense = dense
-        self.fp32_input = True
+                 dense: Linear) -> None:
+        super().__init__(segments, max_tokens, dense, fp32_input=True)
+
+    def keep_codes(self, weights: list[Int4Weight]) -> None:
         self.rows = [Q4Rows.from_weight(w) for w in weights]
 
     @property

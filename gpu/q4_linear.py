@@ -74,13 +74,16 @@ class Q4Linear:
     def __init__(self, segments: Int4Weight | list[Int4Weight], max_tokens: int,
                  dense: Linear | None = None, fp32_input: bool = False) -> None:
         weights = segments if isinstance(segments, list) else [segments]
-        # The codes are packed and dropped: only the kernel's form stays.
         self.segments = [w.shape for w in weights]
         self.in_features = self.segments[0].in_features
         self.out_features = sum(s.out_features for s in self.segments)
         self.max_tokens = max_tokens
         self.dense = dense
         self.fp32_input = fp32_input
+        self.keep_codes(weights)
+
+    def keep_codes(self, weights: list[Int4Weight]) -> None:
+        """The codes are packed for the kernel and dropped: only the kernel's form stays."""
         self.dequantize_from = DEQUANTIZE_FROM_ROWS
         self.block = packed_block()
         # Per segment: the packed codes and [width / 32, out, 2] (scale, zero) in bf16.
