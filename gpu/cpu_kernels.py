@@ -170,10 +170,9 @@ def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = Tr
     """The hand-over rows for a model's projections (measured on its MLP's up projection, the
     largest) and for its lm_head; $FMSERVE_CPU_CODES_ROWS, where set, gives both instead."""
     if rows := os.environ.get(ENV_CODES_ROWS, "").strip():
-        try:
-            return Fp32Split(int(rows), int(rows))
-        except ValueError:
-            raise ValueError(f"{ENV_CODES_ROWS}={rows!r}: give a whole number of rows (0: "
-                             f"every forward on the fp16 packs), or unset it to measure") from None
+        if not rows.isdigit():
+            raise ValueError(f"{ENV_CODES_ROWS}={rows!r}: give a whole number of rows >= 0 "
+                             f"(0: every forward on the fp16 packs), or unset it to measure")
+        return Fp32Split(int(rows), int(rows))
     return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache),
                      int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache))

@@ -133,6 +133,7 @@ def test_a_hand_over_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypa
 def test_the_environment_can_fix_the_hand_over(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_CODES_ROWS, "3")
     assert cpu_kernels.plan_fp32_split(576, 1536, 49152) == Fp32Split(3, 3)
-    monkeypatch.setenv(cpu_kernels.ENV_CODES_ROWS, "many")
-    with pytest.raises(ValueError, match="FMSERVE_CPU_CODES_ROWS='many': give a whole number"):
-        cpu_kernels.plan_fp32_split(576, 1536, 49152)
+    for bad in ("many", "-1"):
+        monkeypatch.setenv(cpu_kernels.ENV_CODES_ROWS, bad)
+        with pytest.raises(ValueError, match=f"FMSERVE_CPU_CODES_ROWS='{bad}': give a whole"):
+            cpu_kernels.plan_fp32_split(576, 1536, 49152)
