@@ -33,7 +33,10 @@ from ipc.cache_dirs import model_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "q4_matmul.c"
+CSRC = Path(__file__).with_name("csrc")
+# The kernel and the decode step built on it (gpu/cpu_decode_step.py), one library.
+SOURCES = (CSRC / "q4_matmul.c", CSRC / "decode_step.c")
+HEADERS = (CSRC / "q4_matmul.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -76,7 +79,7 @@ def _build(compiler: str, target: Path) -> None:
     # Built beside the target and renamed: two workers starting at once never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(built, target)
 
@@ -86,10 +89,11 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("FMSERVE_NO_C_KERNEL"):
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or not SOURCE.exists():
+    if compiler is None or not all(f.exists() for f in SOURCES + HEADERS):
         log.info("no C compiler found: 4-bit decode stays on torch's kernels")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(FLAGS).encode()
+    text = b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+    key = hashlib.sha256(text + compiler.encode() + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     target = model_cache_dir() / "cpu_kernels" / f"q4_matmul-{key}.so"
     try:
@@ -105,7 +109,13 @@ def _library() -> ctypes.CDLL | None:
     lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_int]
+    lib.decode_step.restype = ctypes.c_int
     return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built library (None without a compiler or with FMSERVE_NO_C_KERNEL set)."""
+    return _library()
 
 
 def available() -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu import cpu_decode_step
 from gpu.compiled_decode import CompiledDecode, compile_applies, compile_mode
 from gpu.decode_graphs import DecodeGraphs
 from gpu.device import host_to_device
@@ -48,7 +49,19 @@ class PlainStep:
                     f"capturing CUDA graphs for decode batches up to "
                     f"{self.decode_graphs.max_batch} failed ({type(exc).__name__}: {exc}); set "
                     f"runtime.cuda_graph_max_batch = 0 to run without them") from exc
-        self.compiled_decode = self.make_compiled_decode(background_compile)
+        self.native_decode = self.make_native_decode()
+        self.compiled_decode = (None if self.native_decode is not None else
+                                self.make_compiled_decode(background_compile))
+
+    def make_native_decode(self) -> cpu_decode_step.NativeDecode | None:
+        """The decoder as one C call where it applies (gpu/cpu_decode_step.py), unless
+        runtime.compile = "on" asks for the compiled torch step: it is faster than that one
+        and needs no compile."""
+        st = self.state
+        if compile_mode(st.cfg.runtime.compile) == "on" or st.cfg.runtime.deterministic or \
+                st.cfg.parallel.tp > 1 or cpu_decode_step.why_not(st.model, st.attn):
+            return None
+        return cpu_decode_step.NativeDecode(st.model, st.attn)
 
     def make_compiled_decode(self, background: bool = False) -> CompiledDecode | None:
         """The compiled decoder where runtime.compile says so (gpu/compiled_decode.py), its
@@ -112,6 +125,8 @@ class PlainStep:
         st.future_map.publish(batch.slots, batch.seq_lens)  # see the module docstring
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
+        if self.native_decode is not None and self.native_decode.can_run(batch):
+            return self.native_decode.run(batch)
         if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
             return self.compiled_decode.run(batch)
         if batch.batch_size:

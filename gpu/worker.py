@@ -59,7 +59,11 @@ class Worker:
 
     @property
     def decode_compile(self) -> DecodeCompile:
-        compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
+        if not isinstance(self.step, PlainStep):
+            return "off"
+        if self.step.native_decode is not None:
+            return "native"
+        compiled = self.step.compiled_decode
         return "off" if compiled is None else compiled.state
 
     def run_step(self, plan: StepPlan) -> StepResult:
@@ -138,7 +142,10 @@ class Worker:
             note += (", no CUDA graphs (they need the triton attention backend, one rank and "
                      "no speculative decoding)")
         compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
-        if compiled is not None and compiled.background is not None:
+        if isinstance(self.step, PlainStep) and self.step.native_decode is not None:
+            note += (f", decode batches up to {self.step.native_decode.max_batch} in C "
+                     f"(gpu/cpu_decode_step.py)")
+        elif compiled is not None and compiled.background is not None:
             note += (f", decode compiled for batches up to {compiled.max_batch}, batch 1 "
                      f"being built while decode steps run eagerly")
         elif compiled is not None:

@@ -16,8 +16,9 @@ from ipc.sampling import SamplingParams
 
 WORKER_PROTOCOL_VERSION = 2  # 2: GroupPlan / GroupResult (DP attention)
 # The compiled decode step (gpu/compiled_decode.py): "off" (decode steps run eagerly), "building"
-# (compiled on a thread; eager meanwhile), "on" (in use), "failed" (eager; the worker log says why)
-DecodeCompile = Literal["off", "building", "on", "failed"]
+# (compiled on a thread; eager meanwhile), "on" (in use), "failed" (eager; the worker log says
+# why), "native" (small decode batches run the decoder in C instead: gpu/cpu_decode_step.py)
+DecodeCompile = Literal["off", "building", "on", "failed", "native"]
 
 
 def pack_i32(values) -> bytes:

@@ -103,7 +103,9 @@ def header_text(snap: TelemetrySnapshot | None, status: FeedStatus, paused: bool
         else:
             out.append("DOWN", style="bold red")
         out.append(f" restarts {w.restarts}", style="red" if w.restarts else "")
-        if w.decode_compile != "off":  # "building": decode steps run eagerly meanwhile
+        if w.decode_compile == "native":
+            out.append("  decode in C")
+        elif w.decode_compile != "off":  # "building": decode steps run eagerly meanwhile
             out.append(f"  compiled decode {w.decode_compile}",
                        style="yellow" if w.decode_compile == "building" else "")
         if snap.draining:

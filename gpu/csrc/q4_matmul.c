@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "q4_matmul.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif

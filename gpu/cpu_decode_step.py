@@ -1,0 +1,130 @@
+"""The decode step of a Llama model on the 4-bit codes as one C call (gpu/csrc/decode_step.c).
+
+On a CPU without native bf16 an fp32 model's projections run fmserve's C kernel on the GGUF's
+codes (gpu/cpu_q4_kernel.py). Even compiled, a one-stream step then spends a quarter of its
+time in Python: inductor's wrapper makes ~420 calls a step, 120 of them projections through
+torch's dispatcher. This step makes one: the decoder (norms, projections, RoPE, the KV write,
+attention, SwiGLU, residuals) runs in C over the model's own tensors, as llama.cpp runs it.
+The embedding lookup, the cos/sin gather and the lm_head stay in torch.
+
+It applies to decode batches up to the projections' hand-over to their fp16 packs, on a model
+with the plain Llama decoder: fp32 weights and KV cache, every projection a one-part
+CodesLinear, one RoPE table, no biases, q/k norms, sandwich norms or sliding windows, SiLU.
+Elsewhere `why_not` says what is missing and decode steps stay on torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.cpu_q4_kernel import CodesLinear, library
+from gpu.forward_batch import ForwardBatch, ForwardMode
+
+_PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Q4Weight(ctypes.Structure):
+    _fields_ = [("nibbles", _PTR), ("scale", _PTR), ("minimum", _PTR), ("out", _INT),
+                ("in_features", _INT)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Q4Weight),
+                ("o", _Q4Weight), ("gate_up", _Q4Weight), ("down", _Q4Weight),
+                ("k_cache", _PTR), ("v_cache", _PTR)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("layers", _INT), ("hidden", _INT), ("heads", _INT), ("kv_heads", _INT),
+                ("head_dim", _INT), ("intermediate", _INT), ("eps", _FLOAT),
+                ("attn_scale", _FLOAT), ("final_norm", _PTR), ("layer", ctypes.POINTER(_Layer))]
+
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def why_not(model, attn) -> str | None:
+    """Why this model's decode steps cannot run in C (None: they can)."""
+    cfg = model.config
+    if library() is None:
+        return "the C kernel is not built (no C compiler, or FMSERVE_NO_C_KERNEL)"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return f"it runs fp32 models on the CPU (this one: {model.dtype} on {model.device})"
+    if not isinstance(attn, TorchAttentionBackend) or attn.kv_pool.dtype != torch.float32:
+        return "it reads an fp32 KV cache of the torch attention backend"
+    if attn.windows != (None,) or len(model.ropes) != 1 or model.dp_attention is not None:
+        return "sliding windows, a second RoPE table and DP attention are not written in C"
+    if (cfg.qkv_bias or cfg.qk_norm or cfg.sandwich_norms or cfg.mlp_activation != "silu"
+            or cfg.num_heads % cfg.num_kv_heads):
+        return "its decoder is not the plain Llama one (biases, q/k or sandwich norms, GELU)"
+    for layer in model.layers:
+        for name in _PROJECTIONS:
+            proj = getattr(layer, name)
+            if not isinstance(proj, CodesLinear) or len(proj.rows) != 1 or \
+                    proj.segments[0].widening != "none":
+                return f"{name} is not one 4-bit matrix on the C kernel"
+    return None
+
+
+def _q4(proj: CodesLinear) -> _Q4Weight:
+    rows = proj.rows[0]
+    return _Q4Weight(rows.nibbles.data_ptr(), rows.scale.data_ptr(), rows.minimum.data_ptr(),
+                     proj.out_features, proj.in_features)
+
+
+class NativeDecode:
+    """The decoder of `model` over decode batches of up to `max_batch` rows, in C."""
+
+    def __init__(self, model, attn: TorchAttentionBackend) -> None:
+        reason = why_not(model, attn)
+        if reason is not None:
+            raise ValueError(f"the C decode step cannot run this model: {reason}")
+        self.model, self.attn, self.lib = model, attn, library()
+        cfg = model.config
+        self.max_batch = min(getattr(layer, name).max_tokens for layer in model.layers
+                             for name in _PROJECTIONS)
+        kv = attn.kv_pool
+        # The structs hold raw pointers: every tensor they name lives as long as the model.
+        self._layers = (_Layer * cfg.num_layers)(*[
+            _Layer(layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(),
+                   _q4(layer.qkv_proj), _q4(layer.o_proj), _q4(layer.gate_up_proj),
+                   _q4(layer.down_proj), kv.k_buffer[i].data_ptr(), kv.v_buffer[i].data_ptr())
+            for i, layer in enumerate(model.layers)])
+        self._decoder = _Decoder(cfg.num_layers, cfg.hidden_size, cfg.num_heads,
+                                 cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                 cfg.rms_norm_eps, attn.scale, model.final_norm.data_ptr(),
+                                 self._layers)
+        self.runs = 0  # decode steps that ran here (tests and benchmarks read it)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.mode == ForwardMode.DECODE and 0 < batch.batch_size <= self.max_batch
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The decoder over a decode batch: final hidden states [bs, H]."""
+        model = self.model
+        h = model.embed(batch.input_ids).contiguous()  # a fresh tensor: the C step adds into it
+        if model.embed_scale is not None:
+            h.mul_(model.embed_scale)
+        rope = model.ropes[0]
+        positions = batch.positions
+        cos = rope.cos[positions].contiguous()
+        sin = rope.signed_sin[positions, 1].contiguous()
+        max_len = batch.max_seq_len
+        key_locs = self.attn.req_to_token.req_to_token[batch.slots, :max_len].contiguous()
+        seq_lens = batch.seq_lens.to(torch.int64).contiguous()
+        out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        out = torch.empty_like(h)
+        status = self.lib.decode_step(
+            ctypes.byref(self._decoder), batch.batch_size, _PTR(h.data_ptr()),
+            _PTR(cos.data_ptr()), _PTR(sin.data_ptr()), _PTR(key_locs.data_ptr()), max_len,
+            _PTR(seq_lens.data_ptr()), _PTR(out_loc.data_ptr()), _PTR(out.data_ptr()),
+            torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"the C decode step could not allocate its scratch for "
+                              f"{batch.batch_size} rows of up to {max_len} keys")
+        self.runs += 1
+        return out

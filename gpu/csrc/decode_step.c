@@ -1,0 +1,193 @@
+/* A Llama decoder's decode step for a few rows, every op in C (gpu/cpu_decode_step.py).
+ *
+ * At one stream on a 2-core CPU the compiled torch step spends ~7 ms of its ~25 ms in Python:
+ * the ~420 calls of inductor's wrapper (120 projections through the dispatcher, the attention's
+ * bmm, the fused pointwise loops). Here the whole decoder is one call, as in llama.cpp: per
+ * layer RMSNorm, the fused q/k/v projection on the 4-bit codes (q4_matmul.c), rotate-half RoPE,
+ * the new key and value written to the KV pool, attention over each request's keys, o_proj,
+ * the residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up, down_proj, the residual;
+ * then the final RMSNorm. fp32 throughout, as the torch step of an fp32 model computes it. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "q4_matmul.h"
+
+typedef struct {
+    const uint8_t *nibbles;  /* the kernel's form (q4_matmul.c) */
+    const float *scale, *minimum;
+    int out, in;
+} q4_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    q4_weight qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [locations, kv_heads, head_dim] */
+} decoder_layer;
+
+typedef struct {
+    int layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, attn_scale;
+    const float *final_norm;
+    const decoder_layer *layer;
+} decoder;
+
+/* Scratch for one step: every buffer a row-major [rows, width] matrix. */
+typedef struct {
+    float *x, *qkv, *attn, *proj, *gate_up, *act, *scores;
+} scratch;
+
+static void rms_norm(const float *x, const float *w, float eps, int rows, int n, float *y) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * n;
+        double squares = 0.0;
+        for (int i = 0; i < n; i++)
+            squares += (double)xr[i] * xr[i];
+        float inv = 1.0f / sqrtf((float)(squares / n) + eps);
+        for (int i = 0; i < n; i++)
+            y[(size_t)r * n + i] = xr[i] * inv * w[i];
+    }
+}
+
+/* Rotate-half RoPE of the q and k heads of each row in place; cos, sin [rows, head_dim / 2]. */
+static void rope(float *qkv, int rows, int width, int heads, int head_dim, const float *cos,
+                 const float *sin) {
+    int half = head_dim / 2;
+    for (int r = 0; r < rows; r++) {
+        const float *c = cos + (size_t)r * half, *s = sin + (size_t)r * half;
+        for (int h = 0; h < heads; h++) {
+            float *x = qkv + (size_t)r * width + (size_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                float a = x[i], b = x[i + half];
+                x[i] = a * c[i] - b * s[i];
+                x[i + half] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+static float dot(const float *a, const float *b, int n) {
+    float acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++)
+            acc[j] += a[i + j] * b[i + j];
+    float total = 0.f;
+    for (; i < n; i++)
+        total += a[i] * b[i];
+    for (int j = 0; j < 8; j++)
+        total += acc[j];
+    return total;
+}
+
+/* out [rows, heads * head_dim]: each query head over its request's keys (key_locs [rows,
+ * max_len], the first seq_lens[r] of them), its kv head shared by heads / kv_heads heads. */
+static void attend(const decoder *m, const decoder_layer *l, const float *qkv, int rows,
+                   const int32_t *key_locs, int max_len, const int64_t *seq_lens, float *out,
+                   float *scores, int threads) {
+    int d = m->head_dim, width = l->qkv.out, group = m->heads / m->kv_heads;
+    size_t kv_row = (size_t)m->kv_heads * d;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int r = 0; r < rows; r++) {
+        for (int h = 0; h < m->heads; h++) {
+            const float *q = qkv + (size_t)r * width + (size_t)h * d;
+            const int32_t *locs = key_locs + (size_t)r * max_len;
+            float *p = scores + ((size_t)r * m->heads + h) * max_len;
+            int len = (int)seq_lens[r], g = h / group;
+            float best = -INFINITY;
+            for (int j = 0; j < len; j++) {
+                p[j] = dot(q, l->k_cache + (size_t)locs[j] * kv_row + (size_t)g * d, d) *
+                       m->attn_scale;
+                best = p[j] > best ? p[j] : best;
+            }
+            float total = 0.f;
+            for (int j = 0; j < len; j++) {
+                p[j] = expf(p[j] - best);
+                total += p[j];
+            }
+            float *o = out + (size_t)r * m->heads * d + (size_t)h * d;
+            memset(o, 0, sizeof(float) * d);
+            for (int j = 0; j < len; j++) {
+                const float *v = l->v_cache + (size_t)locs[j] * kv_row + (size_t)g * d;
+                float w = p[j] / total;
+                for (int i = 0; i < d; i++)
+                    o[i] += w * v[i];
+            }
+        }
+    }
+}
+
+static int matmul(const q4_weight *w, const float *x, int rows, float *y, int threads) {
+    return q4_matmul(x, rows, w->in, w->nibbles, w->scale, w->minimum, w->out, y, threads);
+}
+
+static int layer_step(const decoder *m, const decoder_layer *l, float *h, int rows,
+                      const float *cos, const float *sin, const int32_t *key_locs, int max_len,
+                      const int64_t *seq_lens, const int64_t *out_loc, scratch *s,
+                      int threads) {
+    int n = m->hidden, d = m->head_dim, width = l->qkv.out;
+    size_t kv_row = (size_t)m->kv_heads * d;
+    rms_norm(h, l->input_norm, m->eps, rows, n, s->x);
+    if (matmul(&l->qkv, s->x, rows, s->qkv, threads))
+        return -1;
+    rope(s->qkv, rows, width, m->heads + m->kv_heads, d, cos, sin);
+    for (int r = 0; r < rows; r++) { /* the new key and value, before attention reads them */
+        const float *k = s->qkv + (size_t)r * width + (size_t)m->heads * d;
+        memcpy(l->k_cache + (size_t)out_loc[r] * kv_row, k, sizeof(float) * kv_row);
+        memcpy(l->v_cache + (size_t)out_loc[r] * kv_row, k + kv_row, sizeof(float) * kv_row);
+    }
+    attend(m, l, s->qkv, rows, key_locs, max_len, seq_lens, s->attn, s->scores, threads);
+    if (matmul(&l->o, s->attn, rows, s->proj, threads))
+        return -1;
+    for (size_t i = 0; i < (size_t)rows * n; i++)
+        h[i] += s->proj[i];
+    rms_norm(h, l->post_norm, m->eps, rows, n, s->x);
+    if (matmul(&l->gate_up, s->x, rows, s->gate_up, threads))
+        return -1;
+    int inter = m->intermediate;
+    for (int r = 0; r < rows; r++) {
+        const float *gate = s->gate_up + (size_t)r * 2 * inter, *up = gate + inter;
+        for (int i = 0; i < inter; i++)
+            s->act[(size_t)r * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    if (matmul(&l->down, s->act, rows, s->proj, threads))
+        return -1;
+    for (size_t i = 0; i < (size_t)rows * n; i++)
+        h[i] += s->proj[i];
+    return 0;
+}
+
+/* h [rows, hidden]: the tokens' embeddings in, the residual stream out; out [rows, hidden]:
+ * the final normed hidden states. cos, sin [rows, head_dim / 2] at each row's position;
+ * key_locs [rows, max_len] each request's KV locations (its new token's included: seq_lens
+ * counts it), out_loc [rows] where its new key and value go. Returns 0, or -1 if out of
+ * memory. */
+int decode_step(const decoder *m, int rows, float *h, const float *cos, const float *sin,
+                const int32_t *key_locs, int max_len, const int64_t *seq_lens,
+                const int64_t *out_loc, float *out, int threads) {
+    size_t qkv = 0, inter = (size_t)m->intermediate;
+    for (int i = 0; i < m->layers; i++)
+        qkv = (size_t)m->layer[i].qkv.out > qkv ? (size_t)m->layer[i].qkv.out : qkv;
+    size_t per_row = (size_t)m->hidden * 2 + qkv + (size_t)m->heads * m->head_dim + 3 * inter +
+                     (size_t)m->heads * max_len;
+    float *buf = malloc(sizeof(float) * per_row * rows);
+    if (!buf)
+        return -1;
+    scratch s;
+    s.x = buf;
+    s.proj = s.x + (size_t)rows * m->hidden;
+    s.qkv = s.proj + (size_t)rows * m->hidden;
+    s.attn = s.qkv + (size_t)rows * qkv;
+    s.gate_up = s.attn + (size_t)rows * m->heads * m->head_dim;
+    s.act = s.gate_up + (size_t)rows * 2 * inter;
+    s.scores = s.act + (size_t)rows * inter;
+    int status = 0;
+    for (int i = 0; i < m->layers && status == 0; i++)
+        status = layer_step(m, &m->layer[i], h, rows, cos, sin, key_locs, max_len, seq_lens,
+                            out_loc, &s, threads);
+    if (status == 0)
+        rms_norm(h, m->final_norm, m->eps, rows, m->hidden, out);
+    free(buf);
+    return status;
+}

@@ -1,0 +1,9 @@
+/* The 4-bit matmul of q4_matmul.c, shared with the decode step of decode_step.c. */
+#ifndef FMSERVE_Q4_MATMUL_H
+#define FMSERVE_Q4_MATMUL_H
+#include <stdint.h>
+
+int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
+              const float *m, int n, float *y, int threads);
+
+#endif

@@ -1,0 +1,106 @@
+"""The decode step in C (gpu/cpu_decode_step.py, gpu/csrc/decode_step.c): where it applies,
+that one decoder layer of it gives the torch decoder's numbers on the same kernel, and that the
+real model decodes with it, each token the model's own first choice or within a near-tie.
+
+The model is the default one with dtype "auto" resolved to fp32, as on an AVX2-only CPU
+(resolve_dtype patched), so its projections keep the file's 4-bit codes on the C kernel."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fmserve.bench import DEV_PROMPTS
+from fmserve.engine import Engine
+from fmserve.jsonl import read_prompts
+from gpu import cpu_decode_step, cpu_q4_kernel, worker_state
+from ipc.sampling import SamplingParams
+from tests.engine_runs import assert_accounting_empty
+from tests.gpu.teacher_forcing import prompt_logits
+
+pytestmark = pytest.mark.skipif(not cpu_q4_kernel.available(),
+                                reason="the C kernel is not built here (no C compiler)")
+
+
+@pytest.fixture(scope="module")
+def codes_engine(model_path):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+        yield Engine(model=str(model_path), device="cpu", dtype="auto", max_kv_tokens=2048,
+                     max_running_requests=3, progress=False)
+
+
+def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    out = [c.token_ids for c in engine.generate(prompts, params)]
+    assert_accounting_empty(engine)
+    return out
+
+
+def dev_prompts(engine: Engine, n: int) -> list[list[int]]:
+    return [engine.encode(p) for p in itertools.islice(read_prompts(str(DEV_PROMPTS)), n)]
+
+
+def test_it_replaces_the_compiled_step_where_it_applies(codes_engine, tiny_llama):
+    step = codes_engine.worker.step
+    assert step.native_decode is not None and step.compiled_decode is None
+    # Up to the projections' hand-over to their fp16 packs (tests/conftest.py fixes it at 2).
+    assert step.native_decode.max_batch == codes_engine.worker.state.model.fp16_free_rows == 2
+    assert codes_engine.worker.info().decode_compile == "native"
+    dense = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", max_kv_tokens=256,
+                   max_running_requests=2, progress=False)
+    assert dense.worker.step.native_decode is None
+    reason = cpu_decode_step.why_not(dense.worker.state.model, dense.worker.state.attn)
+    assert "4-bit matrix" in reason
+    with pytest.raises(ValueError, match="cannot run this model: .*4-bit"):
+        cpu_decode_step.NativeDecode(dense.worker.state.model, dense.worker.state.attn)
+
+
+def test_one_layer_gives_the_torch_decoders_numbers_on_the_same_kernel(codes_engine):
+    """Two requests of different lengths, one decoder layer each way: C against the model's
+    own torch code with the same C kernel for its projections. Over all 30 layers the two
+    drift apart (the kernel rounds its input to int8, so last-bit differences of a norm can
+    move a rounding), which the next test bounds on the tokens."""
+    step, model = codes_engine.worker.step, codes_engine.worker.state.model
+    native, run_model = step.native_decode, step.run_model
+    diffs = []
+
+    def both(batch):
+        if not native.can_run(batch):
+            return run_model(batch)
+        layers = model.layers
+        native._decoder.layers = 1
+        try:
+            ours = native.run(batch)
+            step.native_decode, model.layers = None, layers[:1]
+            theirs = run_model(batch)
+        finally:
+            native._decoder.layers, model.layers, step.native_decode = len(layers), layers, native
+        diffs.append(((ours - theirs).abs().max() / theirs.abs().max()).item())
+        return run_model(batch)
+
+    step.run_model = both
+    try:
+        greedy(codes_engine, dev_prompts(codes_engine, 2), 4)
+    finally:
+        del step.run_model
+    # ~1e-7 of the largest value; ~1e-5 where a last-bit difference moved one int8 rounding.
+    # A wrong op (a sign in RoPE, a key of another head or request) is of order 1e-1.
+    assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
+
+
+def test_the_real_model_decodes_in_c_with_its_own_top_choices(codes_engine):
+    """Each token of a C step against one eager forward over the text so far (its prefill
+    on the fp16 packs): ranked first, or within a near-tie of first."""
+    step, model = codes_engine.worker.step, codes_engine.worker.state.model
+    prompts = dev_prompts(codes_engine, 2)
+    runs = step.native_decode.runs
+    tokens = greedy(codes_engine, prompts, 12)
+    assert step.native_decode.runs - runs >= 11  # both prompts decode in one batch
+    for prompt, out in zip(prompts, tokens):
+        logits = prompt_logits(model, prompt + out)[len(prompt) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+        gaps = logits.max(-1).values - chosen
+        assert gaps.max().item() < 0.5, gaps
