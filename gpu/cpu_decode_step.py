@@ -7,8 +7,8 @@ torch's dispatcher. This step makes one: the decoder (norms, projections, RoPE, 
 attention, SwiGLU, residuals) runs in C over the model's own tensors, as llama.cpp runs it.
 The embedding lookup, the cos/sin gather and the lm_head stay in torch.
 
-It applies to decode batches up to the projections' hand-over to their fp16 packs, on a model
-with the plain Llama decoder: fp32 weights and KV cache, every projection a one-part
+It applies to decode batches of up to NATIVE_MAX_BATCH rows, on a model with the plain Llama
+decoder: fp32 weights and KV cache, every projection a one-part
 CodesLinear, one RoPE table, no biases, q/k norms, sandwich norms or sliding windows, SiLU.
 Elsewhere `why_not` says what is missing and decode steps stay on torch.
 """
@@ -16,12 +16,22 @@ Elsewhere `why_not` says what is missing and decode steps stay on torch.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
 from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.cpu_kernels import ENV_CODES_ROWS
 from gpu.cpu_q4_kernel import CodesLinear, library
 from gpu.forward_batch import ForwardBatch, ForwardMode
+
+# Decode batches of up to this many rows run in C, even where the projections hand wider
+# forwards to their fp16 packs sooner: the C step saves the torch step's per-op cost, which
+# a few rows' extra integer work does not outweigh. Measured on the 2-core AVX2 EPYC with
+# SmolLM2-135M (offline decode tok/s, C against the torch step on the fp16 packs): 4 rows 167
+# against 84, 8 rows 177 against 115, 16 rows ~155 against ~175. $FMSERVE_CPU_CODES_ROWS, where
+# set, fixes this too (the test suite).
+NATIVE_MAX_BATCH = 8
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -84,8 +94,9 @@ class NativeDecode:
             raise ValueError(f"the C decode step cannot run this model: {reason}")
         self.model, self.attn, self.lib = model, attn, library()
         cfg = model.config
-        self.max_batch = min(getattr(layer, name).max_tokens for layer in model.layers
-                             for name in _PROJECTIONS)
+        rows = os.environ.get(ENV_CODES_ROWS, "").strip()
+        self.max_batch = int(rows) if rows.isdigit() else max(NATIVE_MAX_BATCH,
+                                                              model.fp16_free_rows or 0)
         kv = attn.kv_pool
         # The structs hold raw pointers: every tensor they name lives as long as the model.
         self._layers = (_Layer * cfg.num_layers)(*[

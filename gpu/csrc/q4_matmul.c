@@ -1,4 +1,5 @@
-/* y = x W^T for an int4 weight in the GGUF Q4_1 form, for the few rows of a CPU decode step.
+/* y = x W^T for an int4 weight in the GGUF Q4_1 form (and, at the end, a Q8_0 one), for the
+ * few rows of a CPU decode step.
  *
  * W [n, k]: per output row, blocks of 32 inputs, each 16 bytes of nibbles (byte j holds input j
  * in its low half and input j + 16 in its high half), a scale s and a minimum m (fp32):
@@ -101,6 +102,60 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
             y[(size_t)r * n + o] = row_dot(qo, so, mo, x8 + (size_t)r * k, d + (size_t)r * nb,
                                            dsum + (size_t)r * nb, nb);
     }
+    free(x8);
+    free(d);
+    return 0;
+}
+
+/* A Q8_0 weight (llama.cpp's usual lm_head): W [n, k] int8 codes q with one scale s per block
+ * of 32 inputs (w = q s), against the same int8 input. maddubs wants one unsigned operand: |q|
+ * times x8 carrying q's sign (as llama.cpp does); |q| <= 128 and |x8| <= 127 keep its pair
+ * sums within int16. */
+static float row_dot8(const int8_t *qs, const float *s, const int8_t *x8, const float *d,
+                      int nb) {
+#ifdef __AVX2__
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + b * GROUP));
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x8 + b * GROUP));
+        __m256i pairs = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[b]), _mm256_cvtepi32_ps(pairs), acc);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+#else
+    float total = 0.f;
+    for (int b = 0; b < nb; b++) {
+        int sum = 0;
+        for (int j = 0; j < GROUP; j++)
+            sum += qs[b * GROUP + j] * x8[b * GROUP + j];
+        total += s[b] * d[b] * (float)sum;
+    }
+    return total;
+#endif
+}
+
+/* y [rows, n] = x [rows, k] W^T for a Q8_0 weight (codes qs [n, k], scales s [n, k/32]). */
+int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,
+              float *y, int threads) {
+    int nb = k / GROUP;
+    int8_t *x8 = malloc((size_t)rows * k);
+    float *d = malloc(sizeof(float) * (size_t)rows * nb * 2);
+    if (!x8 || !d) {
+        free(x8);
+        free(d);
+        return -1;
+    }
+    quantize_rows(x, rows, k, x8, d, d + (size_t)rows * nb);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int o = 0; o < n; o++)
+        for (int r = 0; r < rows; r++)
+            y[(size_t)r * n + o] = row_dot8(qs + (size_t)o * k, s + (size_t)o * nb,
+                                            x8 + (size_t)r * k, d + (size_t)r * nb, nb);
     free(x8);
     free(d);
     return 0;

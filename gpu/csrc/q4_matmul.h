@@ -5,5 +5,7 @@
 
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads);
+int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,
+              float *y, int threads);
 
 #endif

@@ -1,6 +1,6 @@
-"""gpu/cpu_q4_kernel.py: fmserve's C kernel for a decode step's few rows on 4-bit codes, the
-form it keeps them in (checked against gguf's dequantize), CodesLinear in the fp32 model of a
-CPU without native bf16, and the op torch.compile traces."""
+"""gpu/cpu_q4_kernel.py: fmserve's C kernel for a decode step's few rows on 4-bit codes (and
+Q8_0's 8-bit ones), the form it keeps them in (checked against gguf's dequantize), CodesLinear
+in the fp32 model of a CPU without native bf16, and the ops torch.compile traces."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu import cpu_q4_kernel
-from gpu.cpu_q4_kernel import CodesLinear, Q4Rows, codes_linear_ok, q4_matmul
+from gpu.cpu_q4_kernel import CodesLinear, Q4Rows, Q8Rows, codes_linear_ok, q4_matmul, q8_matmul
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
 from gpu.quantized_linear import Fp16Linear
 from tests.gpu.test_q4_linear import int4, quantized
@@ -25,16 +25,19 @@ def random_rows(out: int, width: int, seed: int = 0) -> Q4Rows:
     return Q4Rows.from_weight(Int4Weight(Q4Blocks(codes, scale, zero), width))
 
 
+def int8_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input as the kernels quantize it: per block of 32, scale max|x| / 127 and the values
+    rounded to nearest even."""
+    xb = x.view(x.shape[0], -1, Q4_GROUP)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xb * inv[..., None]), amax / 127
+
+
 def emulated(x: torch.Tensor, w: Q4Rows) -> torch.Tensor:
     """What the kernel computes, written out in torch (float64 sums): the input quantized to
-    int8 per block of 32 (scale max|x| / 127, rounded to nearest even), integer dot products
-    with the codes, then the scales and the minimums."""
-    rows, width = x.shape
-    xb = x.view(rows, -1, Q4_GROUP)
-    amax = xb.abs().amax(-1)
-    d = amax / 127
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    x8 = torch.round(xb * inv[..., None])
+    int8, integer dot products with the codes, then the scales and the minimums."""
+    x8, d = int8_input(x)
     pairs = w.nibbles.view(w.nibbles.shape[0], -1, 16)
     q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).double()
     dots = torch.einsum("obj,rbj->rob", q, x8.double())  # [rows, out, blocks]
@@ -68,6 +71,33 @@ def test_the_kernels_form_holds_the_files_weights(type_name):
     torch.testing.assert_close(got, exact, rtol=0, atol=2e-6 * exact.abs().max().item())
 
 
+def test_a_q8_0_weight_is_kept_as_its_int8_codes_and_multiplied_as_they_say():
+    raw, exact = quantized("Q8_0", rows=48, cols=96)
+    weight = int4(raw, "Q8_0", exact.shape)  # the loader's 4-bit pair
+    codes = Q8Rows.from_pair(weight)
+    assert codes is not None and codes.codes.dtype == torch.int8
+    assert torch.equal(codes.dequantize(), exact)  # q d in fp32, as gguf computes it
+    layer = CodesLinear(weight, 4, dense=Fp16Linear(exact))
+    assert isinstance(layer.rows[0], Q8Rows) and torch.equal(layer.weight, exact)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5))
+    x8, d = int8_input(x)
+    dots = torch.einsum("obj,rbj->rob", codes.codes.double().view(48, -1, Q4_GROUP), x8.double())
+    expected = (dots * codes.scale.double()[None] * d.double()[:, None]).sum(-1).float()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer(x), q8_matmul(x, codes))
+    with pytest.raises(ValueError, match="input width 32 does not match the weight's 96"):
+        q8_matmul(torch.randn(1, 32), codes)
+
+
+def test_other_pairs_of_4_bit_parts_stay_4_bit():
+    gen = torch.Generator().manual_seed(2)
+    parts = [Q4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=gen),
+                      torch.rand(16, 2, generator=gen), torch.zeros(16, 2)) for _ in range(2)]
+    pair = Int4Weight.from_parts(parts)  # widened by "repeat", as Q5_K's two digits
+    assert Q8Rows.from_pair(pair) is None
+    assert isinstance(CodesLinear(pair, 2, dense=Fp16Linear(pair.dequantize())).rows[0], Q4Rows)
+
+
 def test_a_wrong_width_is_refused():
     with pytest.raises(ValueError, match="input width 32 does not match the weight's 64"):
         q4_matmul(torch.randn(1, 32), random_rows(16, 64))
@@ -98,9 +128,10 @@ def test_q6_k_digits_stay_off_the_kernel():
     assert not codes_linear_ok(Int4Weight(blocks, 32, "digits16"))  # x and 16 x in one block
 
 
-def test_torch_compile_traces_the_kernel_as_one_op():
-    raw, exact = quantized("Q4_1", rows=64, cols=128)
-    layer = CodesLinear(int4(raw, "Q4_1", exact.shape), 4, dense=Fp16Linear(exact))
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_torch_compile_traces_the_kernel_as_one_op(type_name):
+    raw, exact = quantized(type_name, rows=64, cols=128)
+    layer = CodesLinear(int4(raw, type_name, exact.shape), 4, dense=Fp16Linear(exact))
     x = torch.randn(1, 128)
 
     def step(h: torch.Tensor) -> torch.Tensor:
