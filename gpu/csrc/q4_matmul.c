@@ -80,6 +80,46 @@ static float row_dot(const uint8_t *qs, const float *s, const float *m, const in
 #endif
 }
 
+#ifdef __AVX2__
+#define ROW_TILE 4
+
+static float hsum(__m256 acc) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* row_dot for ROW_TILE input rows at once (x8, d, dsum at the tile's first row; y[i * n] gets
+ * row i): a block's codes are unpacked once for all of them. Each row's sums run in
+ * row_dot's order, so a row's result does not depend on the rows beside it. */
+static void tile_dot(const uint8_t *qs, const float *s, const float *m, const int8_t *x8,
+                     const float *d, const float *dsum, int nb, int k, float *y, size_t n) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    float mins[ROW_TILE];
+    for (int i = 0; i < ROW_TILE; i++) {
+        acc[i] = _mm256_setzero_ps();
+        mins[i] = 0.f;
+    }
+    for (int b = 0; b < nb; b++) {
+        __m128i t = _mm_loadu_si128((const __m128i *)(qs + b * 16));
+        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);
+        for (int i = 0; i < ROW_TILE; i++) {
+            const int8_t *xr = x8 + (size_t)i * k + b * GROUP;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)xr);
+            __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[(size_t)i * nb + b]),
+                                     _mm256_cvtepi32_ps(pairs), acc[i]);
+            mins[i] += m[b] * dsum[(size_t)i * nb + b];
+        }
+    }
+    for (int i = 0; i < ROW_TILE; i++)
+        y[(size_t)i * n] = hsum(acc[i]) + mins[i];
+}
+#endif
+
 /* y [rows, n] = x [rows, k] W^T on `threads` threads; k a multiple of 32. Returns 0, or -1
  * if out of memory. */
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
@@ -98,7 +138,13 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
     for (int o = 0; o < n; o++) {
         const uint8_t *qo = qs + (size_t)o * nb * 16;
         const float *so = s + (size_t)o * nb, *mo = m + (size_t)o * nb;
-        for (int r = 0; r < rows; r++)
+        int r = 0;
+#ifdef __AVX2__
+        for (; r + ROW_TILE <= rows; r += ROW_TILE)
+            tile_dot(qo, so, mo, x8 + (size_t)r * k, d + (size_t)r * nb, dsum + (size_t)r * nb,
+                     nb, k, y + (size_t)r * n + o, n);
+#endif
+        for (; r < rows; r++)
             y[(size_t)r * n + o] = row_dot(qo, so, mo, x8 + (size_t)r * k, d + (size_t)r * nb,
                                            dsum + (size_t)r * nb, nb);
     }
