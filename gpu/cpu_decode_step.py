@@ -27,11 +27,11 @@ from gpu.forward_batch import ForwardBatch, ForwardMode
 
 # Decode batches of up to this many rows run in C, even where the projections hand wider
 # forwards to their fp16 packs sooner: the C step saves the torch step's per-op cost, which
-# a few rows' extra integer work does not outweigh. Measured on the 2-core AVX2 EPYC with
-# SmolLM2-135M (offline decode tok/s, C against the torch step on the fp16 packs): 4 rows 167
-# against 84, 8 rows 177 against 115, 16 rows ~155 against ~175. $FMSERVE_CPU_CODES_ROWS, where
-# set, fixes this too (the test suite).
-NATIVE_MAX_BATCH = 8
+# the extra integer work of more rows does not outweigh. Measured on the 2-core AVX2 EPYC with
+# SmolLM2-135M (offline decode tok/s, C against the torch step on the fp16 packs, best of 2):
+# 4 rows 167 against 88, 8 rows 221 against 185, 16 rows 211 against 152, 32 rows 231 against
+# 205. $FMSERVE_CPU_CODES_ROWS, where set, fixes this too (the test suite).
+NATIVE_MAX_BATCH = 32
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

@@ -13,6 +13,7 @@ and EAGLE's relay of its draft state are the step classes' own.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -51,6 +52,17 @@ class PrefillChunks:
     extend_lens: torch.Tensor  # [n] int64
     starts: torch.Tensor  # [n] int64: each chunk's first row in input_ids
     extend_lens_host: np.ndarray  # [n] int64
+
+
+def release_free_heap() -> None:
+    """Hand the load's freed temporaries (the file's blocks, fp32 weights packed to fp16) back
+    to the system: glibc keeps freed heap memory for reuse, so a worker's RSS stayed ~160 MB
+    above what it holds (SmolLM2-135M split on an AVX2 CPU: 1,092 MB after load, 932 after
+    this). A no-op where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class WorkerState:
@@ -98,6 +110,7 @@ class WorkerState:
         if ranked is not None:
             ranked.parallelize(self.model)
         del loaded
+        release_free_heap()
         self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
         self.page_size = rt.page_size
         self.num_slots = rt.max_running_requests + 1  # slot 0 is padding
