@@ -25,6 +25,9 @@ from ipc.worker_config import WorkerConfig
 
 JOIN_TIMEOUT = timedelta(seconds=20)  # one attempt to reach rank 0; then say so and retry
 RETRY_S = 0.5
+# After a failed set-up, how long rank 0 has to take a dead group's store down or publish the
+# next group before this rank takes the failure for its own.
+GROUP_GONE_WAIT_S = 3.0
 
 
 def say(rank: int, text: str) -> None:
@@ -43,6 +46,17 @@ def group_config(store: dist.TCPStore, model: str | None, threads: int) -> Worke
         cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model))
     runtime = msgspec.structs.replace(cfg.runtime, worker_cpu_threads=threads)
     return msgspec.structs.replace(cfg, runtime=runtime, progress=False).validate()
+
+
+def group_gone(addr: str, port: int, size: int, group: bytes) -> bool:
+    """Whether rank 0's group `group` is over, asked after GROUP_GONE_WAIT_S: its store is
+    unreachable, or names the next group."""
+    time.sleep(GROUP_GONE_WAIT_S)
+    try:
+        store = dist.TCPStore(addr, port, size, False, timeout=timedelta(seconds=5))
+        return store.get(GROUP_KEY) != group
+    except dist.DistError:
+        return True
 
 
 def serve_remote_rank(rank: int, size: int, addr: str, port: int, model: str | None = None,
@@ -73,9 +87,16 @@ def serve_remote_rank(rank: int, size: int, addr: str, port: int, model: str | N
         say(rank, f"joined group {group.decode()} of {size} ranks ({cfg.model.path})")
         try:
             worker = Worker(cfg)  # a model that cannot load here stops this rank: raised
-        except Exception:
+        except Exception as exc:
             dist.destroy_process_group()
-            raise
+            if not group_gone(addr, port, size, group):
+                raise
+            # Joined in the moment rank 0 went down (a rank started right after another died
+            # joins the dying group): the group's end, not this rank's.
+            say(rank, f"the group went down while this rank set up ({type(exc).__name__}: "
+                      f"{exc}); waiting for the next")
+            waiting_since = time.monotonic()
+            continue
         try:
             follow(RankGroup(rank, size, backend_for(cfg)), worker)
             say(rank, "rank 0 shut the group down")

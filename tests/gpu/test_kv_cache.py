@@ -1,22 +1,41 @@
 """The KV pool on the CPU: zero, written where told, and resident only where used."""
 
-import psutil
 import torch
 
 from gpu.kv_cache import KVPool
 
 
+def resident_bytes(buffer: torch.Tensor) -> int:
+    """The resident bytes of the memory mappings that hold `buffer` (/proc/self/smaps; numpy's
+    huge-page advice can split one allocation into several): the buffer's own pages, whatever
+    other threads of the test process allocate meanwhile."""
+    first = buffer.data_ptr()
+    last = first + buffer.numel() * buffer.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < last and first < end
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) << 10
+    return total
+
+
 def test_a_fresh_pool_is_zero_and_costs_no_memory_until_written():
-    before = psutil.Process().memory_info().rss
     # 4 layers of K and V, 64 MiB each: 512 MiB if the pool were written at allocation.
     pool = KVPool(4, num_pages=2048, page_size=16, num_kv_heads=8, head_dim=128,
                   dtype=torch.bfloat16, device="cpu")
-    grew = psutil.Process().memory_info().rss - before
-    total = sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
+    buffers = pool.k_buffer + pool.v_buffer
+    total = sum(b.numel() * b.element_size() for b in buffers)
     assert total == 512 << 20
-    assert grew < total // 8, f"a fresh pool made the process {grew >> 20} MiB larger"
+    resident = sum(resident_bytes(b) for b in buffers)
+    assert resident < total // 8, f"a fresh pool holds {resident >> 20} MiB resident"
     assert all(b.dtype == torch.bfloat16 and b.is_contiguous() and not b.any()
-               for b in pool.k_buffer + pool.v_buffer)
+               for b in buffers)
+    buffers[0][:1024].fill_(1.0)  # written pages become resident: the measure can tell
+    assert resident_bytes(buffers[0]) >= 1024 * 8 * 128 * 2
 
 
 def test_writes_land_at_their_locations():
