@@ -1,5 +1,9 @@
 """The KV pool on the CPU: zero, written where told, and resident only where used."""
 
+import ctypes
+
+import numpy as np
+import pytest
 import torch
 
 from gpu.kv_cache import KVPool
@@ -46,3 +50,24 @@ def test_writes_land_at_their_locations():
     pool.write(1, loc, k, v)
     assert torch.equal(pool.k_buffer[1][loc], k) and torch.equal(pool.v_buffer[1][loc], v)
     assert not pool.k_buffer[0].any() and pool.k_buffer[1].count_nonzero() == k.count_nonzero()
+
+
+def test_a_pool_allocated_where_the_heap_has_a_free_block_is_not_resident_either():
+    """calloc reuses a large free block of the heap and clears it by hand (resident); the pool
+    maps memory of its own. The heap's mmap threshold is raised so that a freed 256 MiB block
+    stays in the heap, as blocks freed after a model load do."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):
+        pytest.skip("this C library has no mallopt")
+    m_mmap_threshold = -3
+    assert libc.mallopt(m_mmap_threshold, 1 << 30) == 1
+    try:
+        block = np.ones(256 << 20, dtype=np.uint8)  # in the heap, written: resident
+        del block  # a free block the next large calloc would reuse
+        pool = KVPool(2, num_pages=1024, page_size=16, num_kv_heads=8, head_dim=128,
+                      dtype=torch.bfloat16, device="cpu")
+        resident = sum(resident_bytes(b) for b in pool.k_buffer + pool.v_buffer)
+        assert resident < 16 << 20, f"a fresh pool holds {resident >> 20} MiB resident"
+        assert not any(b.any() for b in pool.k_buffer + pool.v_buffer)
+    finally:
+        libc.mallopt(m_mmap_threshold, 128 << 10)  # glibc's default threshold
