@@ -46,6 +46,16 @@ static void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d,
     }
 }
 
+#ifdef __AVX2__
+/* The sum of a vector's eight floats. */
+static float hsum(__m256 acc) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 static float row_dot(const uint8_t *qs, const float *s, const float *m, const int8_t *x8,
                      const float *d, const float *dsum, int nb) {
     float mins = 0.f;
@@ -61,10 +71,7 @@ static float row_dot(const uint8_t *qs, const float *s, const float *m, const in
         acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[b]), _mm256_cvtepi32_ps(pairs), acc);
         mins += m[b] * dsum[b];
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h) + mins;
+    return hsum(acc) + mins;
 #else
     float total = 0.f;
     for (int b = 0; b < nb; b++) {
@@ -82,13 +89,6 @@ static float row_dot(const uint8_t *qs, const float *s, const float *m, const in
 
 #ifdef __AVX2__
 #define ROW_TILE 4
-
-static float hsum(__m256 acc) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 
 /* row_dot for ROW_TILE input rows at once (x8, d, dsum at the tile's first row; y[i * n] gets
  * row i): a block's codes are unpacked once for all of them. Each row's sums run in
@@ -169,10 +169,7 @@ static float row_dot8(const int8_t *qs, const float *s, const int8_t *x8, const 
             _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[b]), _mm256_cvtepi32_ps(pairs), acc);
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return hsum(acc);
 #else
     float total = 0.f;
     for (int b = 0; b < nb; b++) {
