@@ -65,7 +65,7 @@ def compile_mode(configured: str) -> str:
 
 
 def compile_applies(mode: str, device: torch.device, dtype: torch.dtype, attention_backend: str,
-                    deterministic: bool, tp: int = 1, fp16_free_rows: int | None = None
+                    deterministic: bool, tp: int = 1, kernel_max_rows: int | None = None
                     ) -> bool:
     """Whether plain decode steps run compiled. "auto": a CPU model in bf16 or fp32 with the
     torch attention backend (on CUDA decode CUDA graphs are the tool). "on" where "auto" would
@@ -84,10 +84,10 @@ def compile_applies(mode: str, device: torch.device, dtype: torch.dtype, attenti
         why_not = "runtime.deterministic's row-at-a-time forwards run eagerly"
     elif tp > 1:  # all-reduces inside the graph are not traced
         why_not = f"tensor-parallel ranks (parallel.tp = {tp}) run eagerly"
-    elif fp16_free_rows == 0:  # dynamo cannot pass FBGEMM's packed-weight objects to the op
-        why_not = ("one stream's projections run on FBGEMM fp16 packs (a CPU without native "
-                   "bf16, gpu/cpu_kernels.py), which torch.compile cannot trace; --dtype "
-                   "fp32 compiles")
+    elif kernel_max_rows == 0:  # C calls on raw pointers, FBGEMM's packed-weight objects
+        why_not = ("one stream's projections take the wide path (scratch dequantization or "
+                   "FBGEMM fp16 packs, a CPU without native bf16, gpu/cpu_kernels.py), which "
+                   "torch.compile cannot trace; --dtype fp32 compiles")
     if why_not and mode == "on":
         raise ValueError(f"runtime.compile = \"on\" cannot apply: {why_not}; set it to "
                          f"\"auto\" or \"off\"")

@@ -26,9 +26,10 @@ from gpu.cpu_q4_kernel import CodesLinear, library
 from gpu.forward_batch import ForwardBatch, ForwardMode
 
 # Decode batches of up to this many rows run in C, even where the projections hand wider
-# forwards to their fp16 packs sooner: the C step saves the torch step's per-op cost, which
+# forwards to their wide path sooner: the C step saves the torch step's per-op cost, which
 # the extra integer work of more rows does not outweigh. Measured on the 2-core AVX2 EPYC with
-# SmolLM2-135M (offline decode tok/s, C against the torch step on the fp16 packs, best of 2):
+# SmolLM2-135M (offline decode tok/s, C against the torch step on FBGEMM fp16 packs, the wide
+# path then, best of 2):
 # 4 rows 167 against 88, 8 rows 221 against 185, 16 rows 211 against 152, 32 rows 231 against
 # 205. $FMSERVE_CPU_CODES_ROWS, where set, fixes this too (the test suite).
 NATIVE_MAX_BATCH = 32
@@ -96,7 +97,7 @@ class NativeDecode:
         cfg = model.config
         rows = os.environ.get(ENV_CODES_ROWS, "").strip()
         self.max_batch = int(rows) if rows.isdigit() else max(NATIVE_MAX_BATCH,
-                                                              model.fp16_free_rows or 0)
+                                                              model.kernel_max_rows or 0)
         kv = attn.kv_pool
         # The structs hold raw pointers: every tensor they name lives as long as the model.
         self._layers = (_Layer * cfg.num_layers)(*[

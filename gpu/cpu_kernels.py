@@ -11,12 +11,15 @@ projections (ms per forward, best of 5):
     int4 codes, bf16 act   14     26    361
     fp16 (FBGEMM)          19     26     48
 
-So on such a CPU a projection keeps both the codes (few rows: the fewest bytes) and an FBGEMM
-fp16 pack (many rows: the int4 kernel's cost grows with the rows there, FBGEMM's barely), and
-no fp32 copy: 0.56 + 2 bytes a weight instead of 4. Where one hands over to the other differs
-between CPUs, so it is measured once on this machine at start-up (a few hundred ms on one
-projection shape) and kept in the fmserve cache dir, keyed by the CPU, its flags, torch's
-version and the shape.
+So on such a CPU a projection keeps only the codes: few rows run fmserve's C kernel on them
+(gpu/cpu_q4_kernel.py: 6.4 ms at one row), many rows (prefill) dequantize the weight a piece
+at a time into a reused fp32 buffer for torch's GEMM (`scratch_matmul`: 0.16 ms to dequantize
+the 3072x576 gate/up projection, 1.0-1.2x FBGEMM fp16's time from 64 rows up, 1.3x at
+128-256), with no dense copy resident (FBGEMM packs used to hold 2 bytes a weight beside the
+codes). Where one hands over to the other differs between CPUs, so it is measured once on
+this machine at start-up (a few hundred ms on one projection shape) and kept in the fmserve
+cache dir, keyed by the CPU, its flags, torch's version and the shape. Without a C compiler
+torch's int4 kernel takes the few rows and FBGEMM fp16 packs the many.
 
 Only `model.dtype = "auto"` takes this path: an explicit "fp32" keeps the exact dense fp32
 weights (the references the tests compare against).
@@ -44,7 +47,7 @@ from ipc.cache_dirs import model_cache_dir
 log = logging.getLogger(__name__)
 
 # The row counts the hand-over is chosen among (decode batches are bucketed the same way).
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
 CALIBRATION_REPEATS = 5
 # Above this share of the cores busy with other work, a measurement is used but not cached.
 BUSY_CORES = 0.5
@@ -85,7 +88,7 @@ def _cpu_key(in_features: int, out_features: int) -> str:
                       if ln.startswith("flags")), "")
     except OSError:
         model = platform.processor()
-    kernel = "c" if cpu_q4_kernel.available() else "torch"
+    kernel = "c+scratch" if cpu_q4_kernel.available() else "torch+fbgemm"
     raw = (f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}|"
            f"{in_features}x{out_features}")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -102,23 +105,28 @@ def _best_ms(fn, x: torch.Tensor) -> float:
 
 
 def measure_int4_max_rows(in_features: int, out_features: int) -> int:
-    """The most rows (of CANDIDATE_ROWS) at which the int4 kernel is still at least as fast as
-    FBGEMM fp16 on a random [out, in] weight; 0 where it never is."""
+    """The most rows (of CANDIDATE_ROWS) at which the 4-bit kernel is still at least as fast
+    as the wide path (scratch dequantization, or FBGEMM fp16 without the C kernel) on a
+    random [out, in] weight; 0 where it never is."""
     gen = torch.Generator().manual_seed(0)
-    fp16 = Fp16Linear(torch.randn(out_features, in_features, generator=gen) * 0.02)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=gen)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_and_zeros = (torch.rand(in_features // Q4_GROUP, out_features, 2, generator=gen)
                         .to(torch.bfloat16))
 
-    if cpu_q4_kernel.available():  # the kernel CodesLinear runs (gpu/cpu_q4_kernel.py)
+    if cpu_q4_kernel.available():  # the kernels CodesLinear runs (gpu/cpu_q4_kernel.py)
         rows_form = Q4Rows.from_weight(Int4Weight(Q4Blocks(
             codes.to(torch.uint8), scales_and_zeros[..., 0].t().float(),
             scales_and_zeros[..., 1].t().float()), in_features))
 
         def int4(x: torch.Tensor) -> torch.Tensor:
             return cpu_q4_kernel.q4_matmul(x, rows_form)
+
+        def wide(x: torch.Tensor) -> torch.Tensor:
+            return cpu_q4_kernel.scratch_matmul(x, rows_form)
     else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        wide = Fp16Linear(torch.randn(out_features, in_features, generator=gen) * 0.02)
+
         def int4(x: torch.Tensor) -> torch.Tensor:  # as Q4Linear runs it on fp32 activations
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), packed, Q4_GROUP, scales_and_zeros).float()
@@ -128,8 +136,8 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
         x = torch.randn(rows, in_features, generator=gen)
         # Interleaved pairs: a machine busy with other work slows both alike.
         t_int4 = min(_best_ms(int4, x) for _ in range(2))
-        t_fp16 = min(_best_ms(fp16, x) for _ in range(2))
-        if t_int4 > t_fp16:
+        t_wide = min(_best_ms(wide, x) for _ in range(2))
+        if t_int4 > t_wide:
             break
         best = rows
     return best
@@ -149,7 +157,7 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> in
             return known[key]
     start = time.perf_counter()
     rows = measure_int4_max_rows(in_features, out_features)
-    log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, FBGEMM fp16 above "
+    log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, the wide path above "
              "(measured in %.2f s)", rows, time.perf_counter() - start)
     busy = os.getloadavg()[0] - 1.0  # this process's own measuring counts as one
     if cache and busy > BUSY_CORES * (os.cpu_count() or 1):

@@ -19,6 +19,7 @@ stay in that form, with no dense copy, as `Q4Linear`s on torch's int4 kernel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.cpu_kernels import Fp32Split
-from gpu.cpu_q4_kernel import CodesLinear, codes_linear_ok
+from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, codes_linear_ok
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, head_rms_norm, rms_norm
 from gpu.loader.gguf_q4 import Int4Weight
@@ -92,26 +93,26 @@ class LlamaModel:
 
         # The file's quantized weights as they are, where it has them (gpu/q4_linear.py).
         # An fp32 model on a CPU without native bf16 (`fp32_split`, gpu/cpu_kernels.py) keeps
-        # them too, with an FBGEMM fp16 pack for its wider forwards instead of an fp32 copy.
+        # them too, as codes only: wider forwards dequantize a piece at a time into scratch.
         use_q4 = weight_quant == "none" and (fp32_split is not None
                                              or q4_applies(device, dtype, q4_max_tokens))
         self.q4_projections = 0
-        self.fp16_packs = 0  # FBGEMM fp16 packs (fp32_split), which torch.compile cannot trace
-        # The most rows a decoder forward takes without reaching a projection's fp16 pack
-        # (None: no pack): the compiled decode step's largest batch (gpu/compiled_decode.py).
-        self.fp16_free_rows: int | None = None
+        # Projections whose wider forwards (fp32_split) take a path torch.compile cannot trace
+        # (the scratch dequantization's C calls, FBGEMM's packed weights).
+        self.wide_paths = 0
+        # The most rows a decoder forward takes without reaching such a path (None: none):
+        # the compiled decode step's largest batch (gpu/compiled_decode.py).
+        self.kernel_max_rows: int | None = None
 
-        def quantized(parts: Int4Weight | list[Int4Weight], dense: torch.Tensor | None,
-                      rows: int, fp16_rows: int) -> Q4Linear | Fp16Linear:
+        def quantized(parts: Int4Weight | list[Int4Weight], dense: Callable[[], torch.Tensor],
+                      rows: int, split_rows: int) -> Q4Linear | Fp16Linear:
             if fp32_split is None:
                 return Q4Linear(parts, rows)
-            fp16 = Fp16Linear(dense)
-            self.fp16_packs += 1
-            if not fp16_rows:
-                return fp16
-            if codes_linear_ok(parts):  # fmserve's C kernel (gpu/cpu_q4_kernel.py)
-                return CodesLinear(parts, fp16_rows, dense=fp16)
-            return Q4Linear(parts, fp16_rows, dense=fp16, fp32_input=True)
+            self.wide_paths += 1
+            if codes_linear_ok(parts):  # fmserve's C kernel, scratch dequant above split_rows
+                return CodesLinear(parts, split_rows)
+            fp16 = Fp16Linear(dense())  # Q6_K's digits16 parts: torch's int4 kernel + FBGEMM
+            return Q4Linear(parts, split_rows, dense=fp16, fp32_input=True) if split_rows else fp16
 
         def linear(name: str) -> Projection:
             if not use_q4 or name not in q4 or not q4_shape_ok(q4[name]):
@@ -119,25 +120,33 @@ class LlamaModel:
             self.q4_projections += 1
             split_rows = fp32_split.projection_rows if fp32_split else 0
             if fp32_split:
-                self.fp16_free_rows = min(split_rows, self.fp16_free_rows if
-                                          self.fp16_free_rows is not None else split_rows)
-            return rowwise(quantized(q4[name], w(name) if fp32_split else None, q4_max_tokens,
-                                     split_rows))
+                self.kernel_max_rows = min(split_rows, self.kernel_max_rows if
+                                           self.kernel_max_rows is not None else split_rows)
+            return rowwise(quantized(q4[name], partial(w, name), q4_max_tokens, split_rows))
 
         def rowwise(layer: Linear | Q4Linear) -> Projection:
             return RowwiseLinear(layer) if deterministic else layer
 
-        self.embed_tokens = w("embed_tokens")
+        head_q4 = use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4)
+        split_head = fp32_split is not None and head_q4
+        if split_head:
+            self.lm_head = quantized(lm_head_q4, lambda: lm_head_q4.dequantize().to(
+                device=device, dtype=dtype), 0, fp32_split.lm_head_rows)
+        # A tied table the lm_head keeps as the file's Q8_0 codes (fp32_split): the lookup
+        # dequantizes the rows it reads, so no fp32 table is resident.
+        head_rows = getattr(self.lm_head, "rows", None) if split_head else None
+        self.embed_codes = (head_rows[0] if config.tie_word_embeddings and head_rows
+                            and len(head_rows) == 1 and isinstance(head_rows[0], Q8Rows)
+                            else None)
+        self._embed_table = None if self.embed_codes is not None else w("embed_tokens")
         # The token lookup; tensor parallelism swaps in its vocabulary-parallel one.
-        self.embed = partial(F.embedding, weight=self.embed_tokens)
+        self.embed = (partial(F.embedding, weight=self._embed_table)
+                      if self._embed_table is not None else self.embed_codes.lookup)
         # DP attention's MLP communication (gpu/dp_attention.py sets it): it learns each rank's
         # token count at the start of every forward.
         self.dp_attention = None
-        head_q4 = use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4)
-        if fp32_split is not None and head_q4:
-            head = (self.embed_tokens if config.tie_word_embeddings
-                    else lm_head_q4.dequantize().to(device=device, dtype=dtype))
-            self.lm_head = quantized(lm_head_q4, head, 0, fp32_split.lm_head_rows)
+        if split_head:
+            pass  # built above
         elif config.tie_word_embeddings:
             self.lm_head = make_linear(self.embed_tokens, weight_quant, both_layouts=True)
             if head_q4:
@@ -177,6 +186,13 @@ class LlamaModel:
                                               config.max_context_len, device, dtype))
             self.rope_of_layer = [int(config.layer_window(i) is not None)
                                   for i in range(config.num_layers)]
+
+    @property
+    def embed_tokens(self) -> torch.Tensor:
+        """The [vocab, hidden] embedding table; where only its codes are kept (embed_codes), a
+        fresh fp32 copy the caller then owns (an EAGLE-1 head's tied lm_head, a TP shard)."""
+        return self._embed_table if self._embed_table is not None else \
+            self.embed_codes.dequantize()
 
     def set_q4_max_tokens(self, max_tokens: int) -> None:
         """Change which forwards run the int4 kernel (0: none, every forward dequantizes);

@@ -71,13 +71,13 @@ class PlainStep:
         mode = compile_mode(rt.compile)
         if not compile_applies(mode, st.device, st.dtype, st.attention_backend,
                                rt.deterministic, tp=st.cfg.parallel.tp,
-                               fp16_free_rows=st.model.fp16_free_rows):
+                               kernel_max_rows=st.model.kernel_max_rows):
             return None
         # "auto" compiles one stream's step only: a cold bucket compiles inside the first step
         # that needs it (~45 s on 2 cores, every stream waiting), and batches gain least.
         max_batch = st.num_slots - 1 if mode == "on" else 1
-        if st.model.fp16_free_rows is not None:  # larger batches reach the fp16 packs
-            max_batch = min(max_batch, st.model.fp16_free_rows)
+        if st.model.kernel_max_rows is not None:  # larger batches reach the wide path
+            max_batch = min(max_batch, st.model.kernel_max_rows)
         compiled = CompiledDecode(st.model, st.attn, max_batch)
         if background:  # a failure is logged and reported as decode_compile "failed"
             compiled.compile_in_background()

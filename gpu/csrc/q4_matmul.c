@@ -203,3 +203,50 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
     free(d);
     return 0;
 }
+
+/* Output rows [o0, o0 + count) of a 4-bit weight as fp32, dst [count, k]: the wide forwards
+ * (prefill) multiply that with a dense GEMM instead of keeping a dense copy resident. */
+void q4_dequantize(const uint8_t *qs, const float *s, const float *m, int k, int o0, int count,
+                   float *dst, int threads) {
+    int nb = k / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int o = 0; o < count; o++) {
+        const uint8_t *qo = qs + (size_t)(o0 + o) * nb * 16;
+        const float *so = s + (size_t)(o0 + o) * nb, *mo = m + (size_t)(o0 + o) * nb;
+        float *row = dst + (size_t)o * k;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *q = qo + b * 16;
+            float *w = row + b * GROUP;
+#ifdef __AVX2__
+            __m128i t = _mm_loadu_si128((const __m128i *)q);
+            __m128i lo = _mm_and_si128(t, _mm_set1_epi8(0x0F));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(t, 4), _mm_set1_epi8(0x0F));
+            __m256 sv = _mm256_set1_ps(so[b]), mv = _mm256_set1_ps(mo[b]);
+            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(w + 8 * p, _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p])), sv, mv));
+            continue;
+#endif
+            for (int j = 0; j < 16; j++) {
+                w[j] = fmaf((float)(q[j] & 0x0F), so[b], mo[b]);
+                w[j + 16] = fmaf((float)(q[j] >> 4), so[b], mo[b]);
+            }
+        }
+    }
+}
+
+/* The same for a Q8_0 weight (w = q s). */
+void q8_dequantize(const int8_t *qs, const float *s, int k, int o0, int count, float *dst,
+                   int threads) {
+    int nb = k / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int o = 0; o < count; o++) {
+        const int8_t *qo = qs + (size_t)(o0 + o) * k;
+        const float *so = s + (size_t)(o0 + o) * nb;
+        float *row = dst + (size_t)o * k;
+        for (int b = 0; b < nb; b++)
+            for (int j = 0; j < GROUP; j++)
+                row[b * GROUP + j] = (float)qo[b * GROUP + j] * so[b];
+    }
+}

@@ -277,10 +277,12 @@ class DraftHead(nn.Module):
 
     def borrow_parallel_target(self, embed: Callable[[torch.Tensor], torch.Tensor],
                                lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Tensor parallelism: the target's embedding and lm_head are split by vocabulary, so
-        the head embeds (and an EAGLE-1 head scores) through the target's parallel layers, whose
-        collectives give every rank whole rows. The head's own weights stay whole on every
-        rank. The borrowed tables are dropped: each is only this rank's share."""
+        """The head embeds (and an EAGLE-1 head scores) through the target's own layers, and
+        the borrowed tables are dropped. Under tensor parallelism the target's embedding and
+        lm_head are split by vocabulary, and its parallel layers' collectives give every rank
+        whole rows (the head's own weights stay whole on every rank); on an AVX2-only CPU the
+        target keeps its tied table as Q8_0 codes only (gpu/llama.py), read through its lookup
+        and lm_head."""
         self.target_embed = None
         self.target_lm_head = None
         self._parallel_embed, self._parallel_lm_head = embed, lm_head

@@ -58,19 +58,24 @@ class Drafter:
                              "an EAGLE head directory (config.json + safetensors)")
         self.settings = settings
         mc, model = state.model_config, state.model
-        lm_head = model.embed_tokens if mc.tie_word_embeddings else getattr(
-            model.lm_head, "weight", None)
-        if lm_head is None and settings.algorithm == "eagle" and state.shard is None:
+        # A tied table the target keeps as its Q8_0 codes only (gpu/llama.py): the head embeds
+        # and scores through the target's own lookup and lm_head, not a table copy.
+        codes_only = model.embed_codes is not None
+        lm_head = None if codes_only else model.embed_tokens if mc.tie_word_embeddings else \
+            getattr(model.lm_head, "weight", None)
+        if (lm_head is None and settings.algorithm == "eagle" and state.shard is None
+                and not codes_only):
             raise ValueError("an EAGLE-1 head scores with the target's lm_head, which this "
                              "worker keeps only in compressed form: use weight_quant = none")
         self.head: DraftHead = load_draft_head(settings.draft_model, mc, model.embed_tokens,
                                                lm_head, state.device, state.dtype)
         self.head.eval()
-        if state.shard is not None:
-            # The head runs whole on every rank, on the same inputs (the target's captured
-            # states are whole after its all-reduces), so every rank drafts the same tree with
-            # no broadcast; only the vocabulary-split target tables are reached through the
-            # target's layers. An EAGLE-3 head's own lm_head (the draft vocabulary) is replicated.
+        if state.shard is not None or codes_only:
+            # Under TP the head runs whole on every rank, on the same inputs (the target's
+            # captured states are whole after its all-reduces), so every rank drafts the same
+            # tree with no broadcast; only the vocabulary-split target tables are reached
+            # through the target's layers. An EAGLE-3 head's own lm_head (the draft
+            # vocabulary) is replicated.
             self.head.borrow_parallel_target(model.embed, model.lm_head)
         # Where the target's small forwards run on the file's 4-bit codes, the head's run on
         # int8 copies of its weights (the draft step is one row per request at batch 1).

@@ -38,10 +38,10 @@ def test_compile_applies_to_cpu_bf16_and_fp32_with_the_torch_backend():
     assert not compile_applies("auto", CPU, torch.float32, "torch", False, tp=2)
     # FBGEMM's packed weights (gpu/cpu_kernels.py) cannot be traced: where one stream's
     # forward reaches them, eager, and "on" refused; where its rows stay on the codes, compiled
-    assert not compile_applies("auto", CPU, torch.float32, "torch", False, fp16_free_rows=0)
+    assert not compile_applies("auto", CPU, torch.float32, "torch", False, kernel_max_rows=0)
     with pytest.raises(ValueError, match="cannot trace"):
-        compile_applies("on", CPU, torch.float32, "torch", False, fp16_free_rows=0)
-    assert compile_applies("auto", CPU, torch.float32, "torch", False, fp16_free_rows=1)
+        compile_applies("on", CPU, torch.float32, "torch", False, kernel_max_rows=0)
+    assert compile_applies("auto", CPU, torch.float32, "torch", False, kernel_max_rows=1)
     assert not compile_applies("off", CPU, torch.float32, "torch", False)
     for device, dtype, backend, det in [(torch.device("cuda"), torch.bfloat16, "torch", False),
                                         (CPU, torch.float16, "torch", False),
@@ -176,9 +176,9 @@ def test_a_cpu_without_native_bf16_compiles_one_streams_step_on_the_c_kernel(mod
     engine = Engine(model=str(model_path), device="cpu", dtype="auto", compile="on",
                     max_kv_tokens=2048, max_running_requests=2, progress=False)
     model, compiled = engine.worker.state.model, engine.worker.step.compiled_decode
-    assert model.fp16_packs > 0 and model.fp16_free_rows >= 1
+    assert model.wide_paths > 0 and model.kernel_max_rows >= 1
     assert compiled is not None and compiled.ready == {1}, compiled and compiled.failed
-    assert compiled.max_batch <= model.fp16_free_rows  # no bucket reaches a pack
+    assert compiled.max_batch <= model.kernel_max_rows  # no bucket reaches a pack
     prompts = [engine.encode(p) for p in itertools.islice(read_prompts(str(DEV_PROMPTS)), 2)]
     runs = compiled.runs
     on = [greedy(engine, [p], [10])[0] for p in prompts]

@@ -47,7 +47,7 @@ def test_it_replaces_the_compiled_step_where_it_applies(codes_engine, tiny_llama
     step = codes_engine.worker.step
     assert step.native_decode is not None and step.compiled_decode is None
     # Up to the projections' hand-over to their fp16 packs (tests/conftest.py fixes it at 2).
-    assert step.native_decode.max_batch == codes_engine.worker.state.model.fp16_free_rows == 2
+    assert step.native_decode.max_batch == codes_engine.worker.state.model.kernel_max_rows == 2
     assert codes_engine.worker.info().decode_compile == "native"
     dense = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", max_kv_tokens=256,
                    max_running_requests=2, progress=False)

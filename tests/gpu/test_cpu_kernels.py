@@ -1,6 +1,7 @@
 """The fp32 model of a CPU without native bf16 (gpu/cpu_kernels.py): its quantized projections
-stay as the file's codes for small forwards and an FBGEMM fp16 pack for wide ones, with no fp32
-copy; its tokens agree with the exact fp32 model; the hand-over is measured once and cached."""
+and tied embedding stay as the file's codes only (small forwards on the C kernel, wide ones
+dequantized a piece at a time into scratch), with no fp32 or fp16 copy; its tokens agree with
+the exact fp32 model; the hand-over is measured once and cached."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from gpu import cpu_kernels, cpu_q4_kernel
 from gpu.cpu_kernels import Fp32Split, fp32_split_applies, int4_max_rows
-from gpu.cpu_q4_kernel import CodesLinear, q4_matmul
+from gpu.cpu_q4_kernel import CodesLinear, q4_matmul, scratch_matmul
 from gpu.llama import LlamaModel, unwrap
 from gpu.loader.load import load_model
 from gpu.q4_linear import Q4Linear, q4_kernel_available
@@ -45,23 +46,32 @@ def test_only_dtype_auto_on_the_cpu_takes_the_split():
     assert not fp32_split_applies(CPU, torch.float32, "auto", 12, "dense")  # fp32 copies
 
 
-def test_the_split_keeps_codes_and_an_fp16_pack_and_no_fp32_copy(split_model):
+def test_the_split_keeps_only_the_codes(split_model, gguf_path):
     projs = projections(split_model) + [unwrap(split_model.lm_head)]
-    kernel = CodesLinear if cpu_q4_kernel.available() else Q4Linear  # the C kernel, if built
-    assert all(isinstance(p, kernel) and isinstance(p.dense, Fp16Linear) for p in projs)
-    assert split_model.fp16_packs == len(projs)
-    # A forward of up to 4 rows never reaches a pack: the compiled decode step's bound.
-    assert split_model.fp16_free_rows == 4
+    if cpu_q4_kernel.available():  # the C kernel: codes only, scratch for wide forwards
+        assert all(isinstance(p, CodesLinear) and p.dense is None for p in projs)
+    else:  # torch's int4 kernel, FBGEMM fp16 packs for wide forwards
+        assert all(isinstance(p, Q4Linear) and isinstance(p.dense, Fp16Linear) for p in projs)
+    assert split_model.wide_paths == len(projs)
+    # A forward of up to 4 rows never reaches the wide path: the compiled decode step's bound.
+    assert split_model.kernel_max_rows == 4
     fp32_bytes = sum(4 * p.out_features * p.in_features for p in projs)
-    # The tensors held are the codes with their scales (the fp16 pack is FBGEMM's own object):
-    # 0.75 bytes a weight for the C kernel's form (fp32 scales and minimums), 1.5 for the Q8_0
-    # lm_head's pair of 4-bit parts; an fp32 copy would be 4, the fp16 pack alone 2.
+    # The tensors held are the codes with their scales: 0.75 bytes a weight for the C kernel's
+    # form (fp32 scales and minimums), 1.1 for the Q8_0 lm_head's int8 codes (1.5 as a pair of
+    # 4-bit parts without the C kernel); an fp32 copy would be 4, an fp16 one 2.
     assert tensor_bytes(projs) <= 0.25 * fp32_bytes
-    assert not any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 2
-                   for p in projs for v in vars(p.dense).values())
+    if not cpu_q4_kernel.available():
+        return
+    # The tied embedding is the lm_head's own Q8_0 codes, looked up row by row: no fp32 table.
+    assert split_model._embed_table is None
+    assert split_model.embed_codes is unwrap(split_model.lm_head).rows[0]
+    table = load_model(gguf_path, dtype=torch.float32, progress=False).weights["embed_tokens"]
+    ids = torch.tensor([0, 1, 17, 4242, table.shape[0] - 1])
+    assert torch.equal(split_model.embed(ids), table[ids])  # the file's values, exactly
+    assert torch.equal(split_model.embed_tokens, table)  # a borrower's fresh copy
 
 
-def test_small_forwards_take_the_codes_and_wide_ones_the_fp16_pack(split_model):
+def test_small_forwards_take_the_codes_and_wide_ones_the_wide_path(split_model):
     proj = unwrap(split_model.layers[0].gate_up_proj)
     exact = proj.weight.float()  # the codes dequantized, as the kernel multiplies them
     gen = torch.Generator().manual_seed(1)
@@ -69,15 +79,20 @@ def test_small_forwards_take_the_codes_and_wide_ones_the_fp16_pack(split_model):
         x = torch.randn(rows, proj.in_features, generator=gen)
         y = proj(x)
         assert y.dtype == torch.float32 and y.shape == (rows, proj.out_features)
-        if rows > proj.max_tokens:
+        reference = x @ exact.t()
+        if isinstance(proj, CodesLinear):
+            on_codes = q4_matmul(x, proj.rows[0])  # the C kernel, int8 inputs
+            if rows > proj.max_tokens:  # the exact weights in fp32: only rounding differs
+                assert torch.equal(y, scratch_matmul(x, proj.rows[0])), rows
+                assert torch.allclose(y, reference, rtol=1e-5, atol=1e-5), rows
+                assert not torch.equal(y, on_codes), rows
+            else:
+                assert torch.equal(y, on_codes), rows
+        elif rows > proj.max_tokens:
             assert torch.equal(y, proj.dense(x)), rows
-        elif isinstance(proj, CodesLinear):  # the C kernel on the codes
-            assert torch.equal(y, q4_matmul(x, proj.rows[0])), rows
-            assert not torch.equal(y, proj.dense(x)), rows
         else:  # the int4 kernel on the input rounded to bf16, as a bf16 model runs it
             assert torch.equal(y, proj(x.bfloat16()).float()), rows
             assert not torch.equal(y, proj.dense(x)), rows
-        reference = x @ exact.t()
         assert ((y - reference).norm() / reference.norm()).item() < 0.01, rows
 
 
@@ -89,8 +104,11 @@ def test_the_split_model_tracks_the_exact_fp32_model(split_model, gguf_path, mod
     from service.tokenizer import TextTokenizer
     ids = TextTokenizer.from_model_path(model_path).encode(TEXT)
     exact = prompt_logits(build(gguf_path, None), ids)
-    wide = prompt_logits(split_model, ids)  # one forward of ~100 rows: the fp16 packs
+    wide = prompt_logits(split_model, ids)  # one forward of ~100 rows: the wide path
     assert top1_agreement(wide, exact) >= 0.98
+    if cpu_q4_kernel.available():  # scratch: the file's weights exactly, fp32 throughout
+        assert top1_agreement(wide, exact) == 1.0
+        assert ((wide - exact).norm() / exact.norm()).item() < 1e-4
     codes = build(gguf_path, Fp32Split(projection_rows=4096, lm_head_rows=4096))
     on_codes = prompt_logits(codes, ids)  # every forward on the codes
     if not cpu_q4_kernel.available():  # torch's int4 kernel, inputs in bf16

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpu import cpu_q4_kernel
-from gpu.cpu_q4_kernel import CodesLinear, Q4Rows, Q8Rows, codes_linear_ok, q4_matmul, q8_matmul
+from gpu.cpu_q4_kernel import (CodesLinear, Q4Rows, Q8Rows, codes_linear_ok, dequantize_rows,
+                                q4_matmul, q8_matmul, scratch_matmul)
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
-from gpu.quantized_linear import Fp16Linear
 from tests.gpu.test_q4_linear import int4, quantized
 
 pytestmark = pytest.mark.skipif(not cpu_q4_kernel.available(),
@@ -77,7 +77,7 @@ def test_a_q8_0_weight_is_kept_as_its_int8_codes_and_multiplied_as_they_say():
     codes = Q8Rows.from_pair(weight)
     assert codes is not None and codes.codes.dtype == torch.int8
     assert torch.equal(codes.dequantize(), exact)  # q d in fp32, as gguf computes it
-    layer = CodesLinear(weight, 4, dense=Fp16Linear(exact))
+    layer = CodesLinear(weight, 4)
     assert isinstance(layer.rows[0], Q8Rows) and torch.equal(layer.weight, exact)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5))
     x8, d = int8_input(x)
@@ -95,7 +95,7 @@ def test_other_pairs_of_4_bit_parts_stay_4_bit():
                       torch.rand(16, 2, generator=gen), torch.zeros(16, 2)) for _ in range(2)]
     pair = Int4Weight.from_parts(parts)  # widened by "repeat", as Q5_K's two digits
     assert Q8Rows.from_pair(pair) is None
-    assert isinstance(CodesLinear(pair, 2, dense=Fp16Linear(pair.dequantize())).rows[0], Q4Rows)
+    assert isinstance(CodesLinear(pair, 2).rows[0], Q4Rows)
 
 
 def test_a_wrong_width_is_refused():
@@ -103,22 +103,57 @@ def test_a_wrong_width_is_refused():
         q4_matmul(torch.randn(1, 32), random_rows(16, 64))
 
 
-def test_codes_linear_runs_small_forwards_on_the_kernel_and_wide_ones_on_the_pack():
+def test_codes_linear_runs_small_forwards_on_the_kernel_and_wide_ones_on_scratch():
     raw, exact = quantized("Q4_1", rows=64, cols=128)
     weight = int4(raw, "Q4_1", exact.shape)
     assert codes_linear_ok(weight)
-    layer = CodesLinear(weight, 2, dense=Fp16Linear(exact))
+    layer = CodesLinear(weight, 2)
     torch.testing.assert_close(layer.weight, exact, rtol=0, atol=2e-6 * exact.abs().max().item())
     gen = torch.Generator().manual_seed(3)
     for rows in (1, 2, 3, 16):
         x = torch.randn(rows, 128, generator=gen)
         y = layer(x)
-        if rows <= 2:
+        reference = x @ exact.t()
+        if rows <= 2:  # the kernel's int8 input costs well under 1% of the norm
             assert torch.equal(y, q4_matmul(x, layer.rows[0])), rows
-        else:
-            assert torch.equal(y, layer.dense(x)), rows
-        reference = x @ exact.t()  # the kernel's int8 input costs well under 1% of the norm
-        assert ((y - reference).norm() / reference.norm()).item() < 0.01, rows
+            assert ((y - reference).norm() / reference.norm()).item() < 0.01, rows
+        else:  # the file's weights in fp32: rounding only
+            assert torch.equal(y, scratch_matmul(x, layer.rows[0])), rows
+            torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_the_dequantizing_kernel_gives_the_kernels_weights(type_name):
+    raw, exact = quantized(type_name, rows=40, cols=96)
+    rows = CodesLinear(int4(raw, type_name, exact.shape), 1).rows[0]
+    assert isinstance(rows, Q8Rows if type_name == "Q8_0" else Q4Rows)
+    out = torch.full((7, 96), float("nan"))
+    dequantize_rows(rows, 30, out[:5])  # output rows 30..34 only
+    assert out[5:].isnan().all()
+    if type_name == "Q8_0":  # q d, as gguf computes it
+        assert torch.equal(out[:5], exact[30:35])
+    else:  # q s + m in one rounding (fma) against torch's two: at most an ulp apart
+        torch.testing.assert_close(out[:5], rows.dequantize()[30:35], rtol=2e-7, atol=1e-9)
+        torch.testing.assert_close(out[:5], exact[30:35], rtol=0, atol=2e-6)
+
+
+def test_a_wide_forward_dequantizes_in_pieces_when_the_weight_outgrows_the_scratch(monkeypatch):
+    rows = random_rows(100, 64, seed=4)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
+    whole = scratch_matmul(x, rows)
+    torch.testing.assert_close(whole, x @ rows.dequantize().t(), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(cpu_q4_kernel, "SCRATCH_FLOATS", 64 * 30)  # pieces of 30, 30, 30, 10
+    monkeypatch.setattr(cpu_q4_kernel._scratch, "buf", None)
+    pieces = scratch_matmul(x, rows)
+    assert cpu_q4_kernel._scratch.buf.numel() == 64 * 30
+    torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-7)
+
+
+def test_an_embedding_kept_as_q8_0_codes_looks_up_the_files_rows():
+    raw, exact = quantized("Q8_0", rows=50, cols=64)
+    codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
+    ids = torch.tensor([[3, 0], [49, 3]])
+    assert torch.equal(codes.lookup(ids), exact[ids])
 
 
 def test_q6_k_digits_stay_off_the_kernel():
@@ -131,7 +166,7 @@ def test_q6_k_digits_stay_off_the_kernel():
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_torch_compile_traces_the_kernel_as_one_op(type_name):
     raw, exact = quantized(type_name, rows=64, cols=128)
-    layer = CodesLinear(int4(raw, type_name, exact.shape), 4, dense=Fp16Linear(exact))
+    layer = CodesLinear(int4(raw, type_name, exact.shape), 4)
     x = torch.randn(1, 128)
 
     def step(h: torch.Tensor) -> torch.Tensor:
