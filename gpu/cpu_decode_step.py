@@ -50,11 +50,18 @@ class _Layer(ctypes.Structure):
 
 class _Decoder(ctypes.Structure):
     _fields_ = [("layers", _INT), ("hidden", _INT), ("heads", _INT), ("kv_heads", _INT),
-                ("head_dim", _INT), ("intermediate", _INT), ("eps", _FLOAT),
+                ("head_dim", _INT), ("intermediate", _INT), ("kv_half", _INT),
+                ("eps", _FLOAT),
                 ("attn_scale", _FLOAT), ("final_norm", _PTR), ("layer", ctypes.POINTER(_Layer))]
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def half_kv_supported() -> bool:
+    """Whether the C step can keep the KV cache in fp16 (the library was built with F16C)."""
+    lib = library()
+    return lib is not None and bool(lib.kv_half_supported())
 
 
 def why_not(model, attn) -> str | None:
@@ -64,13 +71,17 @@ def why_not(model, attn) -> str | None:
         return "the C kernel is not built (no C compiler, or FMSERVE_NO_C_KERNEL)"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return f"it runs fp32 models on the CPU (this one: {model.dtype} on {model.device})"
-    if not isinstance(attn, TorchAttentionBackend) or attn.kv_pool.dtype != torch.float32:
-        return "it reads an fp32 KV cache of the torch attention backend"
+    if not isinstance(attn, TorchAttentionBackend) or attn.kv_pool.dtype not in (
+            torch.float32, torch.float16):
+        return "it reads an fp32 or fp16 KV cache of the torch attention backend"
+    if attn.kv_pool.dtype == torch.float16 and not half_kv_supported():
+        return "this CPU has no F16C to read an fp16 KV cache"
     if attn.windows != (None,) or len(model.ropes) != 1 or model.dp_attention is not None:
         return "sliding windows, a second RoPE table and DP attention are not written in C"
     if (cfg.qkv_bias or cfg.qk_norm or cfg.sandwich_norms or cfg.mlp_activation != "silu"
-            or cfg.num_heads % cfg.num_kv_heads):
-        return "its decoder is not the plain Llama one (biases, q/k or sandwich norms, GELU)"
+            or cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 8):
+        return ("its decoder is not the plain Llama one (biases, q/k or sandwich norms, GELU, "
+                "a head_dim not a multiple of 8)")
     for layer in model.layers:
         for name in _PROJECTIONS:
             proj = getattr(layer, name)
@@ -107,7 +118,7 @@ class NativeDecode:
             for i, layer in enumerate(model.layers)])
         self._decoder = _Decoder(cfg.num_layers, cfg.hidden_size, cfg.num_heads,
                                  cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                 cfg.rms_norm_eps, attn.scale, model.final_norm.data_ptr(),
+                                 int(kv.dtype == torch.float16), cfg.rms_norm_eps, attn.scale, model.final_norm.data_ptr(),
                                  self._layers)
         self.runs = 0  # decode steps that ran here (tests and benchmarks read it)
 

@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu import cpu_q4_kernel
 from gpu.attention.factory import make_attention_backend, resolve_attention_backend
+from gpu.cpu_decode_step import half_kv_supported
 from gpu.cpu_kernels import fp32_split_applies, plan_fp32_split
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.dp_attention import AttentionDataParallel
@@ -115,8 +117,13 @@ class WorkerState:
         self.page_size = rt.page_size
         self.num_slots = rt.max_running_requests + 1  # slot 0 is padding
         num_pages = -(-rt.max_kv_tokens // rt.page_size) + 1  # page 0 is padding
+        # fp16 keys and values beside an fp32 model on its codes (runtime.kv_cache_dtype),
+        # where the C decode step can read them (or torch's kernels take every step).
+        half_kv = (rt.kv_cache_dtype == "auto" and fp32_split is not None
+                   and (half_kv_supported() or cpu_q4_kernel.library() is None))
         self.kv_pool = KVPool(mc.num_layers, num_pages, rt.page_size, local.num_kv_heads,
-                              mc.head_dim, self.dtype, self.device)
+                              mc.head_dim, torch.float16 if half_kv else self.dtype,
+                              self.device)
         # Under speculation a request near the context limit still drafts and verifies a few
         # positions past it (the scheduler discards those tokens): its row has room for them.
         self.req_to_token = ReqToTokenPool(self.num_slots,

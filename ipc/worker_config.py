@@ -61,8 +61,10 @@ class RuntimeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sync_check: bool = False  # no host sync while launching; FMSERVE_SYNC_CHECK=1 too
     worker_cpu_threads: Annotated[int, Meta(ge=0, le=1024)] = 0  # 0: auto (the service's rule)
     q4_max_tokens: Annotated[int, Meta(ge=0, le=4096)] = DEFAULT_Q4_MAX_TOKENS  # 0: never
-    # A CPU without native bf16 (gpu/cpu_kernels.py): "split" keeps codes + fp16 packs
+    # A CPU without native bf16 (gpu/cpu_kernels.py): "split" keeps only the codes
     cpu_fp32_weights: Literal["dense", "split"] = "split"
+    # "auto": fp16 where the model is fp32 on its codes (cpu_fp32_weights), else the model's
+    kv_cache_dtype: Literal["auto", "model"] = "auto"
     cuda_graph_max_batch: Annotated[int, Meta(ge=0, le=4096)] = 64  # 0: never; where it applies
     deterministic: bool = False  # batch-invariant forwards (gpu/rowwise_linear.py)
     compile: CompileMode = "auto"  # FMSERVE_COMPILE decides what "auto" means when set

@@ -6,13 +6,17 @@
  * layer RMSNorm, the fused q/k/v projection on the 4-bit codes (q4_matmul.c), rotate-half RoPE,
  * the new key and value written to the KV pool, attention over each request's keys, o_proj,
  * the residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up, down_proj, the residual;
- * then the final RMSNorm. fp32 throughout, as the torch step of an fp32 model computes it. */
+ * then the final RMSNorm. fp32 throughout, as the torch step of an fp32 model computes it;
+ * the KV cache fp32 or, as llama.cpp keeps it, fp16 (half the bytes; F16C converts). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "q4_matmul.h"
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 typedef struct {
     const uint8_t *nibbles;  /* the kernel's form (q4_matmul.c) */
@@ -23,11 +27,11 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     q4_weight qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [locations, kv_heads, head_dim] */
+    void *k_cache, *v_cache; /* [locations, kv_heads, head_dim], fp32 or fp16 (kv_half) */
 } decoder_layer;
 
 typedef struct {
-    int layers, hidden, heads, kv_heads, head_dim, intermediate;
+    int layers, hidden, heads, kv_heads, head_dim, intermediate, kv_half;
     float eps, attn_scale;
     const float *final_norm;
     const decoder_layer *layer;
@@ -81,24 +85,61 @@ static float dot(const float *a, const float *b, int n) {
     return total;
 }
 
+/* 1 where this build reads and writes an fp16 KV cache (F16C), else 0. */
+int kv_half_supported(void) {
+#ifdef __F16C__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* n (a multiple of 8) fp16 values to fp32, and back (round to nearest even, as torch). */
+static void from_half(const uint16_t *src, float *dst, int n) {
+#ifdef __F16C__
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#else
+    (void)src, (void)dst, (void)n;
+#endif
+}
+
+static void to_half(const float *src, uint16_t *dst, int n) {
+#ifdef __F16C__
+    for (int i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#else
+    (void)src, (void)dst, (void)n;
+#endif
+}
+
+/* Row `loc`'s kv head g as fp32: in the cache itself, or converted into buf. */
+static const float *kv_row(const decoder *m, const void *cache, int32_t loc, int g, float *buf) {
+    size_t at = ((size_t)loc * m->kv_heads + g) * m->head_dim;
+    if (!m->kv_half)
+        return (const float *)cache + at;
+    from_half((const uint16_t *)cache + at, buf, m->head_dim);
+    return buf;
+}
+
 /* out [rows, heads * head_dim]: each query head over its request's keys (key_locs [rows,
  * max_len], the first seq_lens[r] of them), its kv head shared by heads / kv_heads heads. */
 static void attend(const decoder *m, const decoder_layer *l, const float *qkv, int rows,
                    const int32_t *key_locs, int max_len, const int64_t *seq_lens, float *out,
                    float *scores, int threads) {
     int d = m->head_dim, width = l->qkv.out, group = m->heads / m->kv_heads;
-    size_t kv_row = (size_t)m->kv_heads * d;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int h = 0; h < m->heads; h++) {
+            float buf[d];
             const float *q = qkv + (size_t)r * width + (size_t)h * d;
             const int32_t *locs = key_locs + (size_t)r * max_len;
             float *p = scores + ((size_t)r * m->heads + h) * max_len;
             int len = (int)seq_lens[r], g = h / group;
             float best = -INFINITY;
             for (int j = 0; j < len; j++) {
-                p[j] = dot(q, l->k_cache + (size_t)locs[j] * kv_row + (size_t)g * d, d) *
-                       m->attn_scale;
+                p[j] = dot(q, kv_row(m, l->k_cache, locs[j], g, buf), d) * m->attn_scale;
                 best = p[j] > best ? p[j] : best;
             }
             float total = 0.f;
@@ -109,7 +150,7 @@ static void attend(const decoder *m, const decoder_layer *l, const float *qkv, i
             float *o = out + (size_t)r * m->heads * d + (size_t)h * d;
             memset(o, 0, sizeof(float) * d);
             for (int j = 0; j < len; j++) {
-                const float *v = l->v_cache + (size_t)locs[j] * kv_row + (size_t)g * d;
+                const float *v = kv_row(m, l->v_cache, locs[j], g, buf);
                 float w = p[j] / total;
                 for (int i = 0; i < d; i++)
                     o[i] += w * v[i];
@@ -134,8 +175,14 @@ static int layer_step(const decoder *m, const decoder_layer *l, float *h, int ro
     rope(s->qkv, rows, width, m->heads + m->kv_heads, d, cos, sin);
     for (int r = 0; r < rows; r++) { /* the new key and value, before attention reads them */
         const float *k = s->qkv + (size_t)r * width + (size_t)m->heads * d;
-        memcpy(l->k_cache + (size_t)out_loc[r] * kv_row, k, sizeof(float) * kv_row);
-        memcpy(l->v_cache + (size_t)out_loc[r] * kv_row, k + kv_row, sizeof(float) * kv_row);
+        size_t at = (size_t)out_loc[r] * kv_row;
+        if (m->kv_half) {
+            to_half(k, (uint16_t *)l->k_cache + at, (int)kv_row);
+            to_half(k + kv_row, (uint16_t *)l->v_cache + at, (int)kv_row);
+        } else {
+            memcpy((float *)l->k_cache + at, k, sizeof(float) * kv_row);
+            memcpy((float *)l->v_cache + at, k + kv_row, sizeof(float) * kv_row);
+        }
     }
     attend(m, l, s->qkv, rows, key_locs, max_len, seq_lens, s->attn, s->scores, threads);
     if (matmul(&l->o, s->attn, rows, s->proj, threads))

@@ -1,6 +1,7 @@
 """The decode step in C (gpu/cpu_decode_step.py, gpu/csrc/decode_step.c): where it applies,
 that one decoder layer of it gives the torch decoder's numbers on the same kernel, and that the
-real model decodes with it, each token the model's own first choice or within a near-tie.
+real model decodes with it, each token the model's own first choice or within a near-tie; its
+KV cache is fp16 (runtime.kv_cache_dtype = "auto"), as llama.cpp keeps it, unless asked not.
 
 The model is the default one with dtype "auto" resolved to fp32, as on an AVX2-only CPU
 (resolve_dtype patched), so its projections keep the file's 4-bit codes on the C kernel."""
@@ -92,8 +93,9 @@ def test_one_layer_gives_the_torch_decoders_numbers_on_the_same_kernel(codes_eng
 
 
 def test_the_real_model_decodes_in_c_with_its_own_top_choices(codes_engine):
-    """Each token of a C step against one eager forward over the text so far (its prefill
-    on the fp16 packs): ranked first, or within a near-tie of first."""
+    """Each token of a C step (fp16 keys and values) against one eager forward over the text
+    so far (its prefill on the scratch-dequantized weights): ranked first, or within a
+    near-tie of first."""
     step, model = codes_engine.worker.step, codes_engine.worker.state.model
     prompts = dev_prompts(codes_engine, 2)
     runs = step.native_decode.runs
@@ -104,3 +106,23 @@ def test_the_real_model_decodes_in_c_with_its_own_top_choices(codes_engine):
         chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
         gaps = logits.max(-1).values - chosen
         assert gaps.max().item() < 0.5, gaps
+
+
+def test_the_kv_cache_is_fp16_beside_the_codes_unless_the_model_dtype_is_asked(
+        codes_engine, model_path):
+    pool = codes_engine.worker.state.kv_pool
+    assert cpu_decode_step.half_kv_supported() == (pool.dtype == torch.float16)
+    if pool.dtype != torch.float16:
+        pytest.skip("this CPU has no F16C: the KV cache stays fp32")
+    assert codes_engine.worker.step.native_decode._decoder.kv_half == 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+        exact_kv = Engine(model=str(model_path), device="cpu", dtype="auto", max_kv_tokens=2048,
+                          max_running_requests=3, progress=False, kv_cache_dtype="model")
+    assert exact_kv.worker.state.kv_pool.dtype == torch.float32
+    assert exact_kv.worker.step.native_decode._decoder.kv_half == 0
+    prompts = dev_prompts(codes_engine, 2)
+    half, full = greedy(codes_engine, prompts, 8), greedy(exact_kv, prompts, 8)
+    # fp16 keys and values move logits by ~1e-3: the first tokens agree on these prompts.
+    assert [h[:4] for h in half] == [f[:4] for f in full]
+    assert pool.k_buffer[0].abs().max().item() > 0  # the C step wrote fp16 keys
