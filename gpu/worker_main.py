@@ -36,6 +36,7 @@ import traceback
 import msgspec
 import zmq
 
+from gpu.heap import map_large_buffers
 from gpu.worker_inbox import describe_exception, next_message
 from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import Shutdown, StepPlan, WorkerFailed, WorkerReady
@@ -220,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
     watch_parent(parent_pid, args.cleanup_dir)
+    map_large_buffers()  # freed prefill activations leave the resident set (gpu/heap.py)
     if args.standby:  # the slow imports now, before the service needs us (~3 s on 2 cores)
-        import torch._dynamo  # noqa: F401  (the compiled decode step's: another 1.3 s)
-        import torch._inductor.compile_fx  # noqa: F401
-
+        # Not torch._dynamo and inductor (1.3 s more): they hold ~190 MB, and only a compiled
+        # decode step needs them (not the C one), which imports them on its build thread.
         import gpu.worker  # noqa: F401
 
         line = sys.stdin.readline()

@@ -13,7 +13,6 @@ and EAGLE's relay of its draft state are the step classes' own.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from gpu.cpu_kernels import fp32_split_applies, plan_fp32_split
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.dp_attention import AttentionDataParallel
 from gpu.future_map import FutureMap
+from gpu.heap import release_free_heap
 from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
@@ -54,17 +54,6 @@ class PrefillChunks:
     extend_lens: torch.Tensor  # [n] int64
     starts: torch.Tensor  # [n] int64: each chunk's first row in input_ids
     extend_lens_host: np.ndarray  # [n] int64
-
-
-def release_free_heap() -> None:
-    """Hand the load's freed temporaries (the file's blocks, fp32 weights packed to fp16) back
-    to the system: glibc keeps freed heap memory for reuse, so a worker's RSS stayed ~160 MB
-    above what it holds (SmolLM2-135M split on an AVX2 CPU: 1,092 MB after load, 932 after
-    this). A no-op where the C library has no malloc_trim."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class WorkerState:

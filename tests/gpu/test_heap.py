@@ -1,0 +1,70 @@
+"""gpu/heap.py: the load's freed temporaries go back to the system instead of staying in the
+worker's resident memory, and so do large freed buffers (a prefill's activations) once the
+worker maps them on their own."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from gpu.heap import release_free_heap
+
+
+def test_freed_heap_memory_leaves_the_resident_set():
+    try:
+        ctypes.CDLL(None).malloc_trim
+    except AttributeError:
+        pytest.skip("this C library has no malloc_trim")
+    proc = psutil.Process()
+    # 96 MB in 64 KB blocks (below glibc's mmap threshold: on the heap), then one small block
+    # above them, so the heap's top is in use and glibc cannot shrink it on its own.
+    blocks = [ctypes.create_string_buffer(64 << 10) for _ in range(1536)]
+    for block in blocks:
+        ctypes.memset(block, 1, len(block))  # resident
+    pin = ctypes.create_string_buffer(64)
+    del blocks
+    freed = proc.memory_info().rss
+    release_free_heap()
+    released = freed - proc.memory_info().rss
+    assert released > 64 << 20, f"only {released >> 20} MB of 96 freed MB left the resident set"
+    del pin
+
+
+# In a process of its own (the setting is process-wide): a 24 MiB buffer freed (glibc's own
+# threshold then rises to 24 MiB), then a 16 MiB one filled and freed under a small block that
+# pins the heap's top. Prints how many MiB of the 16 stayed resident.
+RETAINED = """
+import ctypes, sys
+import psutil
+from gpu.heap import map_large_buffers
+if sys.argv[1] == "mapped":
+    assert map_large_buffers()
+libc, proc = ctypes.CDLL(None), psutil.Process()
+libc.malloc.restype = ctypes.c_void_p
+libc.free(ctypes.c_void_p(libc.malloc(24 << 20)))
+before = proc.memory_info().rss
+buf = libc.malloc(16 << 20)
+ctypes.memset(buf, 1, 16 << 20)
+pin = libc.malloc(64)
+libc.free(ctypes.c_void_p(buf))
+print((proc.memory_info().rss - before) >> 20)
+"""
+
+
+def retained_mib(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", RETAINED, mode], capture_output=True,
+                         text=True, check=True, timeout=60)
+    return int(out.stdout.strip())
+
+
+def test_large_freed_buffers_leave_the_resident_set_once_mapped_on_their_own():
+    try:
+        ctypes.CDLL(None).mallopt
+    except AttributeError:
+        pytest.skip("this C library has no mallopt")
+    assert retained_mib("default") >= 12  # glibc's rising threshold: the heap kept it
+    assert retained_mib("mapped") <= 2
