@@ -123,6 +123,66 @@ static const float *kv_row(const decoder *m, const void *cache, int32_t loc, int
     return buf;
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* Eight values of row `loc`'s kv head g from dimension i, as fp32. */
+static inline __m256 kv8(const decoder *m, const void *cache, int32_t loc, int g, int i) {
+    size_t at = ((size_t)loc * m->kv_heads + g) * m->head_dim + i;
+    return m->kv_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache
+                                                                            + at)))
+                      : _mm256_loadu_ps((const float *)cache + at);
+}
+#endif
+
+/* p[j] = scale q . key j for the len keys at locs (kv head g). Four keys at a time, each its
+ * own accumulator: one key's chain of FMAs alone waits on their latency. */
+static void key_scores(const decoder *m, const void *cache, const int32_t *locs, int len,
+                       int g, const float *q, float *p, float *buf) {
+    int d = m->head_dim, j = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; j + 4 <= len; j += 4) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        for (int i = 0; i < d; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            for (int u = 0; u < 4; u++)
+                acc[u] = _mm256_fmadd_ps(qv, kv8(m, cache, locs[j + u], g, i), acc[u]);
+        }
+        for (int u = 0; u < 4; u++)
+            p[j + u] = hsum(acc[u]) * m->attn_scale;
+    }
+#endif
+    for (; j < len; j++)
+        p[j] = dot(q, kv_row(m, cache, locs[j], g, buf), d) * m->attn_scale;
+}
+
+/* o = sum_j w[j] value j, o held in registers 64 dimensions at a time. */
+static void weighted_values(const decoder *m, const void *cache, const int32_t *locs, int len,
+                            int g, const float *w, float *o, float *buf) {
+    int d = m->head_dim;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (int c = 0; c < d; c += 64) {
+        int lanes = (d - c < 64 ? d - c : 64) / 8;
+        __m256 acc[8];
+        for (int u = 0; u < lanes; u++)
+            acc[u] = _mm256_setzero_ps();
+        for (int j = 0; j < len; j++) {
+            __m256 wv = _mm256_set1_ps(w[j]);
+            for (int u = 0; u < lanes; u++)
+                acc[u] = _mm256_fmadd_ps(wv, kv8(m, cache, locs[j], g, c + 8 * u), acc[u]);
+        }
+        for (int u = 0; u < lanes; u++)
+            _mm256_storeu_ps(o + c + 8 * u, acc[u]);
+    }
+#else
+    memset(o, 0, sizeof(float) * d);
+    for (int j = 0; j < len; j++) {
+        const float *v = kv_row(m, cache, locs[j], g, buf);
+        for (int i = 0; i < d; i++)
+            o[i] += w[j] * v[i];
+    }
+#endif
+}
+
 /* out [rows, heads * head_dim]: each query head over its request's keys (key_locs [rows,
  * max_len], the first seq_lens[r] of them), its kv head shared by heads / kv_heads heads. */
 static void attend(const decoder *m, const decoder_layer *l, const float *qkv, int rows,
@@ -137,24 +197,19 @@ static void attend(const decoder *m, const decoder_layer *l, const float *qkv, i
             const int32_t *locs = key_locs + (size_t)r * max_len;
             float *p = scores + ((size_t)r * m->heads + h) * max_len;
             int len = (int)seq_lens[r], g = h / group;
+            key_scores(m, l->k_cache, locs, len, g, q, p, buf);
             float best = -INFINITY;
-            for (int j = 0; j < len; j++) {
-                p[j] = dot(q, kv_row(m, l->k_cache, locs[j], g, buf), d) * m->attn_scale;
+            for (int j = 0; j < len; j++)
                 best = p[j] > best ? p[j] : best;
-            }
             float total = 0.f;
             for (int j = 0; j < len; j++) {
                 p[j] = expf(p[j] - best);
                 total += p[j];
             }
-            float *o = out + (size_t)r * m->heads * d + (size_t)h * d;
-            memset(o, 0, sizeof(float) * d);
-            for (int j = 0; j < len; j++) {
-                const float *v = kv_row(m, l->v_cache, locs[j], g, buf);
-                float w = p[j] / total;
-                for (int i = 0; i < d; i++)
-                    o[i] += w * v[i];
-            }
+            for (int j = 0; j < len; j++)
+                p[j] /= total;
+            weighted_values(m, l->v_cache, locs, len, g, p,
+                            out + (size_t)r * m->heads * d + (size_t)h * d, buf);
         }
     }
 }

@@ -15,9 +15,6 @@
 #include <string.h>
 
 #include "q4_matmul.h"
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 #define GROUP 32
 
@@ -45,16 +42,6 @@ static void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d,
         }
     }
 }
-
-#ifdef __AVX2__
-/* The sum of a vector's eight floats. */
-static float hsum(__m256 acc) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
-#endif
 
 static float row_dot(const uint8_t *qs, const float *s, const float *m, const int8_t *x8,
                      const float *d, const float *dsum, int nb) {

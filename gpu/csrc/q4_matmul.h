@@ -1,7 +1,19 @@
-/* The 4-bit matmul of q4_matmul.c, shared with the decode step of decode_step.c. */
+/* The 4-bit matmul of q4_matmul.c, shared with the decode step of decode_step.c, and the
+ * horizontal sum both use. */
 #ifndef FMSERVE_Q4_MATMUL_H
 #define FMSERVE_Q4_MATMUL_H
 #include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* The sum of a vector's eight floats. */
+static inline float hsum(__m256 acc) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
 
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads);
