@@ -145,8 +145,8 @@ class LlamaModel:
         # DP attention's MLP communication (gpu/dp_attention.py sets it): it learns each rank's
         # token count at the start of every forward.
         self.dp_attention = None
-        if split_head:
-            pass  # built above
+        if split_head:  # built above, before the embedding that may share its codes
+            pass
         elif config.tie_word_embeddings:
             self.lm_head = make_linear(self.embed_tokens, weight_quant, both_layouts=True)
             if head_q4:
