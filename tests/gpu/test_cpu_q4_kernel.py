@@ -89,6 +89,21 @@ def test_a_q8_0_weight_is_kept_as_its_int8_codes_and_multiplied_as_they_say():
         q8_matmul(torch.randn(1, 32), codes)
 
 
+def test_the_8_bit_kernel_gives_each_row_alone_what_it_gives_it_in_a_batch():
+    """Rows go through the kernel four at a time (one |q| per block for all four): a row's
+    result must not depend on the rows beside it, and must still be the written-out sum."""
+    raw, exact = quantized("Q8_0", rows=40, cols=128)
+    codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(8))  # two tiles and one
+    batch = q8_matmul(x, codes)
+    for i in range(9):
+        assert torch.equal(q8_matmul(x[i:i + 1], codes)[0], batch[i]), i
+    x8, d = int8_input(x)
+    dots = torch.einsum("obj,rbj->rob", codes.codes.double().view(40, -1, Q4_GROUP), x8.double())
+    expected = (dots * codes.scale.double()[None] * d.double()[:, None]).sum(-1).float()
+    torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_other_pairs_of_4_bit_parts_stay_4_bit():
     gen = torch.Generator().manual_seed(2)
     parts = [Q4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=gen),
