@@ -66,11 +66,18 @@ def test_cuda_graph_decode_equals_the_cpu(model_path, cpu_reference):
     assert graphs.replays > replays
 
 
-def test_cuda_graphs_refuse_the_torch_backend(model_path):
+def test_the_torch_backend_runs_without_graphs_and_graphs_refuse_it(model_path):
+    """Graphs are on by default, so a backend that reads host lengths must still load (without
+    them); asked for directly, the graphs refuse it and say which backend to use."""
+    from gpu.decode_graphs import DecodeGraphs
+
+    engine = Engine(model=str(model_path), device="cuda", dtype="fp32", max_kv_tokens=1024,
+                    max_running_requests=2, attention_backend="torch", progress=False,
+                    cuda_graph_max_batch=2)
+    step = engine.worker.step
+    assert step.decode_graphs is None
     with pytest.raises(ValueError, match="triton"):
-        Engine(model=str(model_path), device="cuda", dtype="fp32", max_kv_tokens=1024,
-               max_running_requests=2, attention_backend="torch", progress=False,
-               cuda_graph_max_batch=2)
+        DecodeGraphs(engine.worker.state.model, engine.worker.state.attn, 2)
 
 
 def test_pinned_length_copy_follows_the_last_publish():

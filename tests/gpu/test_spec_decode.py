@@ -363,13 +363,15 @@ def verify(runner, params: SamplingParams, drafts: list[int], logits: torch.Tens
     """Slot 1 runs `params` and has generated `generated`; a chain root -> drafts is verified
     against `logits` [len(drafts) + 1, vocab]. Returns the emitted tokens."""
     state = runner.state.sampling_state
+    device = runner.state.device  # the worker's own: a CUDA GPU where there is one
     state.set_request(1, params, [])
-    slots = torch.tensor([1])
+    slots = torch.tensor([1], device=device)
     if generated:
-        state.record_outputs(slots.repeat(len(generated)), torch.tensor(generated))
-    tree = chain_tree(torch.tensor([ROOT]), torch.tensor([drafts]))
-    positions = torch.arange(len(drafts) + 1)[None, :] + 10
-    result = EagleStep._accept(runner.step, tree, logits, slots, np.array([1]), positions)
+        state.record_outputs(slots.repeat(len(generated)), torch.tensor(generated, device=device))
+    tree = chain_tree(torch.tensor([ROOT], device=device), torch.tensor([drafts], device=device))
+    positions = torch.arange(len(drafts) + 1, device=device)[None, :] + 10
+    result = EagleStep._accept(runner.step, tree, logits.to(device), slots, np.array([1]),
+                               positions)
     out = result.accepted_tokens[0]
     return out[out >= 0].tolist()
 
