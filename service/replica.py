@@ -125,11 +125,12 @@ class Replica:
             outputs = scheduler.process_result(result)  # stop strings end requests here
             self.steps += 1
             self.counters.record_step(plan, result, sent, idle_counts)
-            # With overlap the next plan goes out before this step's replies: the worker
-            # computes while they are metered and sent (at 32 streams on a GPU the replies
-            # take about as long as the step). A worker that died meanwhile is handled after
-            # them, so they come before any terminal message its death sends.
-            died = await self._send_next_plan(inflight) if overlap else None
+            # The next plan goes out before this step's replies: the worker computes while
+            # they are metered and sent (at 32 streams on a GPU the replies take about as long
+            # as the step; without overlap they were the worker's idle between steps). A
+            # worker that died meanwhile is handled after them, so they come before any
+            # terminal message its death sends.
+            died = await self._send_next_plan(inflight, depth)
             for out in outputs:
                 await self.replies.output(out)
             if died is not None:
@@ -138,10 +139,11 @@ class Replica:
                 continue
             await anyio.sleep(0)  # let the receive loop admit new arrivals between steps
 
-    async def _send_next_plan(self, inflight: deque) -> WorkerDied | None:
-        """Plan and send the next step if there is room and work; the WorkerDied if sending
-        failed (the plan is then lost with the worker, as at the top of step_loop)."""
-        if len(inflight) >= OVERLAP_DEPTH or not self.scheduler.has_work:
+    async def _send_next_plan(self, inflight: deque, depth: int) -> WorkerDied | None:
+        """Plan and send the next step if there is room (`depth` plans in flight) and work;
+        the WorkerDied if sending failed (the plan is then lost with the worker, as at the top
+        of step_loop)."""
+        if len(inflight) >= depth or not self.scheduler.has_work:
             return None
         plan = self.scheduler.plan_step()
         if plan is None:
