@@ -1,0 +1,68 @@
+"""There (a CUDA device): where one stream's decode step spends its time, plain and EAGLE-3.
+
+For each mode: tok/s of one greedy stream (offline engine, overlap off and on), then one
+generation under torch.profiler: the ops by host (self CPU) time and by device time, and how
+much of the wall the device was busy. A step whose device time is far below its wall is bound
+by the host's launches and bookkeeping, not by the model.
+Usage: python3 scripts/device/profile_step.py [plain|eagle3 ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fmserve.engine import Engine
+from ipc.sampling import SamplingParams
+from ipc.spec_settings import SpecSettings
+
+CHAT = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
+TOKENS = int(__import__("os").environ.get("PROFILE_TOKENS", "128"))
+CUDA = torch.cuda.is_available()  # without one: a smoke run of this script on the CPU
+
+
+def tok_s(engine: Engine, overlap: bool) -> float:
+    engine.overlap = overlap
+    params = SamplingParams(temperature=0.0, max_new_tokens=TOKENS, ignore_eos=True)
+    start = time.perf_counter()
+    out = engine.generate([CHAT], [params])[0]
+    return len(out.token_ids) / (time.perf_counter() - start)
+
+
+def main(modes: list[str]) -> None:
+    print(torch.cuda.get_device_name() if CUDA else "cpu", "torch", torch.__version__, flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    for mode in modes:
+        spec = (SpecSettings("eagle3", "", num_steps=4, topk=1, num_draft_tokens=5,
+                             disable_above_batch_size=0) if mode == "eagle3" else None)
+        engine = Engine(progress=False, device="cuda" if CUDA else "cpu",
+                        dtype="bf16" if CUDA else "auto",
+                        **({"spec": spec} if spec else {}))
+        print(f"== {mode}: {engine.worker.fast_paths()}", flush=True)
+        for _ in range(2):  # warm-up: graphs, Triton's compiles, caches
+            tok_s(engine, False)
+        for overlap in (False, True, False, True):
+            print(f"{mode} overlap {'on ' if overlap else 'off'}: "
+                  f"{tok_s(engine, overlap):.1f} tok/s", flush=True)
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            rate = tok_s(engine, True)
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        print(f"{mode} profiled: {rate:.1f} tok/s, wall {wall * 1e3:.0f} ms, device busy "
+              f"{device_us / 1e3:.0f} ms ({100 * device_us / 1e6 / wall:.0f}% of the wall), "
+              f"{device_us / TOKENS:.0f} us of device time a token")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        if CUDA:
+            print(events.table(sort_by="self_device_time_total", row_limit=12,
+                               max_name_column_width=60))
+        del engine
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["plain", "eagle3"])
