@@ -69,7 +69,7 @@ class HttpSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SchedulingSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     overlap: Annotated[bool | Literal["auto"], Meta(
         description='must be true, false or "auto"')] = "auto"  # resolved by overlap_on()
-    launch_ahead: LaunchAhead = "off"  # not WorkerConfig's "auto": config.toml says why
+    launch_ahead: LaunchAhead = "auto"  # "prepare" on a GPU, "off" on a CPU: config.toml
     prefix_cache: bool = False  # reuse KV pages of shared prompt prefixes
     max_queued_requests: Annotated[int, Meta(ge=0, le=1 << 20)] = 1024
 

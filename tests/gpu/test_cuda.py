@@ -46,7 +46,7 @@ def cpu_reference(model_path) -> list[list[int]]:
 def test_cuda_greedy_equals_the_cpu_with_overlap_on_and_off(model_path, cpu_reference, backend):
     engine = Engine(model=str(model_path), device="cuda", dtype="fp32", max_kv_tokens=4096,
                     max_running_requests=8, attention_backend=backend, progress=False)
-    assert engine.worker.state.streams.enabled and engine.worker.launch_ahead == "on"
+    assert engine.worker.state.streams.enabled and engine.worker.launch_ahead == "prepare"
     assert greedy(engine, overlap=False) == cpu_reference
     assert greedy(engine, overlap=True) == cpu_reference
 

@@ -256,10 +256,11 @@ def test_strict_types_and_finite_numbers():
 
 
 def test_worker_config_comes_from_the_sections():
-    cfg = load_config(SHIPPED, {"runtime.page_size": 32, "spec.algorithm": "eagle3"})
+    cfg = load_config(SHIPPED, {"runtime.page_size": 32, "spec.algorithm": "eagle3",
+                                "scheduling.launch_ahead": "prepare"})
     worker = cfg.worker_config()
     assert worker.runtime is cfg.runtime and worker.model is cfg.model and worker.spec is cfg.spec
-    assert worker.launch_ahead == "off"  # config.toml's, not WorkerConfig's own "auto"
+    assert worker.launch_ahead == "prepare"  # the [scheduling] section's, not its own "auto"
 
 
 def test_http_api_beyond_loopback_needs_an_api_key():
