@@ -16,25 +16,25 @@ from gpu.rope_scaling import RopeScaling, rope_inv_freq
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in fp32 as transformers does. A weight in x's dtype scales after the cast back
-    (Llama's order); an fp32 weight in a bf16/fp16 model (Gemma's 1 + w) scales before it."""
+    (Llama's order); an fp32 weight in a bf16/fp16 model (Gemma's 1 + w) scales before it.
+    F.rms_norm computes in fp32 and rounds once for any input dtype, so each form is one norm
+    kernel plus at most a cast and a multiply, not the seven kernels of the spelled-out
+    arithmetic (on a GPU's decode graph that was ~430 of a token's ~900 kernels); it gives
+    the spelled-out result bit for bit (tests/gpu/test_layers.py)."""
     if x.dtype == torch.float32:
-        # Same arithmetic as below, one dispatch instead of six.
         return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight.dtype == torch.float32:
-        return (xf * weight).to(x.dtype)
-    return weight * xf.to(x.dtype)
+        return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+    return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of every head of x [tokens, heads, head_dim] with its own row of weight
     [heads, head_dim] (Qwen3's q and k norms, side by side as q and k sit in the projection)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    head_dim = (x.shape[-1],)
     if weight.dtype == torch.float32:
-        return (xf * weight).to(x.dtype)
-    return weight * xf.to(x.dtype)
+        return (F.rms_norm(x.float(), head_dim, None, eps) * weight).to(x.dtype)
+    return weight * F.rms_norm(x, head_dim, None, eps)
 
 
 class RotaryEmbedding:

@@ -1,0 +1,57 @@
+"""gpu/layers.py's RMSNorms against transformers' own modules, bit for bit, in every dtype a
+model runs in: the fused F.rms_norm forms must round exactly where the reference does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from gpu.layers import head_rms_norm, rms_norm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1, 576), (7, 576), (64, 640), (3, 2048)]
+
+
+def inputs(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
+    w = torch.randn(shape[-1], generator=g).to(DEVICE)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_llama_order_equals_transformers(dtype, shape):
+    x, w = inputs(shape, dtype, seed=shape[0])
+    ref = LlamaRMSNorm(shape[-1], eps=1e-5).to(DEVICE, dtype)
+    ref.weight.data.copy_(w)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, ref.weight.data, 1e-5), ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_an_fp32_one_plus_w_weight_equals_gemma3(dtype, shape):
+    x, w = inputs(shape, dtype, seed=10 + shape[0])
+    ref = Gemma3RMSNorm(shape[-1], eps=1e-6).to(DEVICE)
+    ref.weight.data.copy_(w)
+    with torch.no_grad():  # the loader keeps Gemma's weight as fp32 1 + w
+        assert torch.equal(rms_norm(x, 1.0 + ref.weight.data.float(), 1e-6), ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_norm_scales_each_head_by_its_own_row(dtype):
+    tokens, heads, head_dim = 5, 4, 128
+    x, _ = inputs((tokens, heads, head_dim), dtype, seed=3)
+    weights = torch.randn(heads, head_dim, generator=torch.Generator().manual_seed(4))
+    weights = weights.to(DEVICE, dtype)
+    ref = LlamaRMSNorm(head_dim, eps=1e-6).to(DEVICE, dtype)
+    expected = []
+    with torch.no_grad():
+        for h in range(heads):
+            ref.weight.data.copy_(weights[h])
+            expected.append(ref(x[:, h]))
+        assert torch.equal(head_rms_norm(x, weights, 1e-6), torch.stack(expected, 1))
