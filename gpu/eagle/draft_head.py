@@ -227,9 +227,12 @@ class DraftHead(nn.Module):
     def __init__(self, config: DraftHeadConfig, target_embed: torch.Tensor | None,
                  target_lm_head: torch.Tensor | None, *, own_embed: bool = False,
                  layer0_input_norm: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None,
+                 parallel_target: tuple[Callable, Callable] | None = None) -> None:
+        """``parallel_target``: the target's (embed, lm_head) layers to go through instead of
+        its tables, from the start (see borrow_parallel_target): no table is taken then."""
         super().__init__()
-        if target_embed is None and not own_embed:
+        if target_embed is None and not own_embed and parallel_target is None:
             raise DraftHeadError("a draft head without its own embed_tokens needs the target's "
                                  "embedding (target_embed is None)")
         if device is None:
@@ -270,6 +273,8 @@ class DraftHead(nn.Module):
         # Under tensor parallelism: the target's vocabulary-parallel layers (borrow_parallel_target).
         self._parallel_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._parallel_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if parallel_target is not None:
+            self.borrow_parallel_target(*parallel_target)
         # inv_freq stays fp32 whatever dtype the module is cast to: one copy per device.
         self._inv_freq_cpu = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self._rope_scale = cfg.rope_scaling.cos_sin_scale() if cfg.rope_scaling else 1.0

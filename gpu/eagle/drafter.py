@@ -67,16 +67,18 @@ class Drafter:
                 and not codes_only):
             raise ValueError("an EAGLE-1 head scores with the target's lm_head, which this "
                              "worker keeps only in compressed form: use weight_quant = none")
-        self.head: DraftHead = load_draft_head(settings.draft_model, mc, model.embed_tokens,
-                                               lm_head, state.device, state.dtype)
+        # Under TP the head runs whole on every rank, on the same inputs (the target's
+        # captured states are whole after its all-reduces), so every rank drafts the same
+        # tree with no broadcast; only the vocabulary-split target tables are reached through
+        # the target's layers. An EAGLE-3 head's own lm_head (the draft vocabulary) is
+        # replicated. With codes only, the head never sees a table: `model.embed_tokens`
+        # would dequantize one (~108 MB for the default model) just to be dropped.
+        through_layers = state.shard is not None or codes_only
+        self.head: DraftHead = load_draft_head(
+            settings.draft_model, mc, None if through_layers else model.embed_tokens,
+            None if through_layers else lm_head, state.device, state.dtype,
+            parallel_target=(model.embed, model.lm_head) if through_layers else None)
         self.head.eval()
-        if state.shard is not None or codes_only:
-            # Under TP the head runs whole on every rank, on the same inputs (the target's
-            # captured states are whole after its all-reduces), so every rank drafts the same
-            # tree with no broadcast; only the vocabulary-split target tables are reached
-            # through the target's layers. An EAGLE-3 head's own lm_head (the draft
-            # vocabulary) is replicated.
-            self.head.borrow_parallel_target(model.embed, model.lm_head)
         # Where the target's small forwards run on the file's 4-bit codes, the head's run on
         # int8 copies of its weights (the draft step is one row per request at batch 1).
         q4_max_tokens = state.cfg.runtime.q4_max_tokens

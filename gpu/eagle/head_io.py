@@ -24,12 +24,13 @@ from gpu.eagle.vocab_map import check_vocab_maps
 from gpu.model_config import ModelConfig
 
 
-def load_draft_head(path: str | Path, target: ModelConfig, target_embed: torch.Tensor,
+def load_draft_head(path: str | Path, target: ModelConfig, target_embed: torch.Tensor | None,
                     target_lm_head: torch.Tensor | None, device: torch.device | str,
-                    dtype: torch.dtype) -> DraftHead:
+                    dtype: torch.dtype, parallel_target: tuple | None = None) -> DraftHead:
     """Read an HF-style draft head directory, check it against the target, build the head.
 
-    ``target_lm_head`` None means the target ties its embeddings.
+    ``target_lm_head`` None means the target ties its embeddings. ``parallel_target``: the
+    target's (embed, lm_head) layers, used instead of its tables (DraftHead).
     """
     directory = Path(path).expanduser()
     if not directory.exists():
@@ -54,7 +55,8 @@ def load_draft_head(path: str | Path, target: ModelConfig, target_embed: torch.T
     lm_head = target_lm_head.to(device=device, dtype=dtype) \
         if target_lm_head is not None and algorithm == "eagle" else None
     head = DraftHead(cfg, embed, lm_head, own_embed=own_embed,
-                     layer0_input_norm=layer0_input_norm, device=device, dtype=dtype)
+                     layer0_input_norm=layer0_input_norm, device=device, dtype=dtype,
+                     parallel_target=parallel_target)
     head.load_state_dict(tensors, strict=True)  # copies, casting to the head's dtype
     return head.eval()
 

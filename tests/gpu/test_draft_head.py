@@ -118,6 +118,35 @@ def test_save_load_round_trip(target, tmp_path, algorithm, draft_vocab, keys, wi
     torch.testing.assert_close(run(small, width)[1], run(head, width)[1], atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("algorithm, width", [("eagle3", 3 * H), ("eagle", H)])
+def test_a_head_given_the_targets_layers_takes_no_table(target, tmp_path, algorithm, width):
+    """Where the target keeps its tables as codes (or split by vocabulary), the head is built
+    going through the target's embed and lm_head layers: it holds no table of its own and
+    gives what a head holding the tables gives."""
+    cfg, embed, lm_head = target
+    save_draft_head(make_head(target, algorithm, 200 if algorithm == "eagle3" else None),
+                    tmp_path)
+    with_tables = load_draft_head(tmp_path, cfg, embed, lm_head, "cpu", torch.float32)
+    calls = []
+
+    def embed_layer(ids):
+        calls.append("embed")
+        return torch.nn.functional.embedding(ids, embed)
+
+    def lm_head_layer(x):
+        calls.append("lm_head")
+        return x @ lm_head.T
+
+    through = load_draft_head(tmp_path, cfg, None, None, "cpu", torch.float32,
+                              parallel_target=(embed_layer, lm_head_layer))
+    assert through.target_embed is None and through.target_lm_head is None
+    for a, b in zip(run(with_tables, width), run(through, width)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert calls[0] == "embed" and ("lm_head" in calls) == (algorithm == "eagle")
+    with pytest.raises(DraftHeadError, match="needs the target's embedding"):
+        load_draft_head(tmp_path, cfg, None, None, "cpu", torch.float32)
+
+
 # ----- an independent re-implementation from the safetensors file, plain torch ops -----
 
 def ref_rms(x, w):
