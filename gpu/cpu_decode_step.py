@@ -91,6 +91,14 @@ def why_not(model, attn) -> str | None:
     return None
 
 
+def native_decode_applies(state) -> bool:
+    """Whether a worker's (gpu/worker_state.py) decode steps can run in C: its model and
+    backend allow it, and neither deterministic mode (one row at a time) nor tensor
+    parallelism (collectives between layers) is on."""
+    return not (state.cfg.runtime.deterministic or state.cfg.parallel.tp > 1
+                or why_not(state.model, state.attn))
+
+
 def _q4(proj: CodesLinear) -> _Q4Weight:
     rows = proj.rows[0]
     return _Q4Weight(rows.nibbles.data_ptr(), rows.scale.data_ptr(), rows.minimum.data_ptr(),
@@ -116,18 +124,47 @@ class NativeDecode:
                    _q4(layer.qkv_proj), _q4(layer.o_proj), _q4(layer.gate_up_proj),
                    _q4(layer.down_proj), kv.k_buffer[i].data_ptr(), kv.v_buffer[i].data_ptr())
             for i, layer in enumerate(model.layers)])
-        self._decoder = _Decoder(cfg.num_layers, cfg.hidden_size, cfg.num_heads,
-                                 cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                 int(kv.dtype == torch.float16), cfg.rms_norm_eps, attn.scale, model.final_norm.data_ptr(),
-                                 self._layers)
+        self._decoder = self._segment(0, cfg.num_layers)
+        self._segments: dict[tuple[int, ...], list[_Decoder]] = {}
         self.runs = 0  # decode steps that ran here (tests and benchmarks read it)
+
+    def _segment(self, start: int, stop: int) -> _Decoder:
+        """A decoder over layers [start, stop) (its final norm is applied, and read, only
+        after the last layer)."""
+        cfg, kv = self.model.config, self.attn.kv_pool
+        first = ctypes.cast(ctypes.byref(self._layers, start * ctypes.sizeof(_Layer)),
+                            ctypes.POINTER(_Layer))
+        return _Decoder(stop - start, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.head_dim, cfg.intermediate_size, int(kv.dtype == torch.float16),
+                        cfg.rms_norm_eps, self.attn.scale, self.model.final_norm.data_ptr(),
+                        first)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.mode == ForwardMode.DECODE and 0 < batch.batch_size <= self.max_batch
 
+    def run_capturing(self, batch: ForwardBatch, capture_layers: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Like `run`, with the input residual stream of each of `capture_layers` too, as
+        LlamaModel.hidden_states returns them (an EAGLE-3 head's features): the layers run
+        in segments that end where a capture is taken."""
+        capture_layers = tuple(sorted(set(capture_layers)))  # hidden_states' order
+        if not capture_layers:
+            return self.run(batch), []
+        segments = self._segments.get(capture_layers)
+        if segments is None:
+            bounds = [0, *capture_layers, self.model.config.num_layers]
+            segments = self._segments[capture_layers] = [
+                self._segment(a, b) for a, b in zip(bounds, bounds[1:])]
+        captured: list[torch.Tensor] = []
+        out = self.run(batch, segments, captured)
+        return out, captured
+
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """The decoder over a decode batch: final hidden states [bs, H]."""
+    def run(self, batch: ForwardBatch, segments: list[_Decoder] | None = None,
+            captured: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The decoder over a decode batch: final hidden states [bs, H]. With `segments`,
+        a copy of the residual stream before each segment but the first goes to
+        `captured`."""
         model = self.model
         h = model.embed(batch.input_ids).contiguous()  # a fresh tensor: the C step adds into it
         if model.embed_scale is not None:
@@ -141,13 +178,16 @@ class NativeDecode:
         seq_lens = batch.seq_lens.to(torch.int64).contiguous()
         out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
         out = torch.empty_like(h)
-        status = self.lib.decode_step(
-            ctypes.byref(self._decoder), batch.batch_size, _PTR(h.data_ptr()),
-            _PTR(cos.data_ptr()), _PTR(sin.data_ptr()), _PTR(key_locs.data_ptr()), max_len,
-            _PTR(seq_lens.data_ptr()), _PTR(out_loc.data_ptr()), _PTR(out.data_ptr()),
-            torch.get_num_threads())
-        if status != 0:
-            raise MemoryError(f"the C decode step could not allocate its scratch for "
-                              f"{batch.batch_size} rows of up to {max_len} keys")
+        for i, decoder in enumerate(segments or [self._decoder]):
+            if i:  # the C step adds into h in place
+                captured.append(h.clone())
+            status = self.lib.decode_step(
+                ctypes.byref(decoder), batch.batch_size, _PTR(h.data_ptr()),
+                _PTR(cos.data_ptr()), _PTR(sin.data_ptr()), _PTR(key_locs.data_ptr()),
+                max_len, _PTR(seq_lens.data_ptr()), _PTR(out_loc.data_ptr()),
+                _PTR(out.data_ptr()), torch.get_num_threads())
+            if status != 0:
+                raise MemoryError(f"the C decode step could not allocate its scratch for "
+                                  f"{batch.batch_size} rows of up to {max_len} keys")
         self.runs += 1
         return out

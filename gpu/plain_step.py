@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gpu import cpu_decode_step
+from gpu.cpu_decode_step import native_decode_applies
 from gpu.compiled_decode import CompiledDecode, compile_applies, compile_mode
 from gpu.decode_graphs import DecodeGraphs
 from gpu.device import host_to_device
@@ -58,8 +59,7 @@ class PlainStep:
         runtime.compile = "on" asks for the compiled torch step: it is faster than that one
         and needs no compile."""
         st = self.state
-        if compile_mode(st.cfg.runtime.compile) == "on" or st.cfg.runtime.deterministic or \
-                st.cfg.parallel.tp > 1 or cpu_decode_step.why_not(st.model, st.attn):
+        if compile_mode(st.cfg.runtime.compile) == "on" or not native_decode_applies(st):
             return None
         return cpu_decode_step.NativeDecode(st.model, st.attn)
 

@@ -23,6 +23,8 @@ import time
 import numpy as np
 import torch
 
+from gpu import cpu_decode_step
+from gpu.cpu_decode_step import native_decode_applies
 from gpu.device import host_to_device
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.drafter import Drafter, SpecBatches
@@ -66,6 +68,11 @@ class EagleStep:
         timed = (state.device.type == "cpu" and not state.cfg.runtime.deterministic
                  and state.shard is None and state.dp_attention is None)
         self.gate = SpecGate(settings.disable_above_batch_size, measured=timed)
+        # Decode steps the gate keeps from drafting run the target in C where the plain step
+        # would (gpu/cpu_decode_step.py), with the head's features captured between segments
+        # of layers: "auto" compares drafting with the plain step's own speed then.
+        self.native_decode = (cpu_decode_step.NativeDecode(state.model, state.attn)
+                              if native_decode_applies(state) else None)
 
     # -- the interface the Worker calls ------------------------------------------------------
 
@@ -113,11 +120,15 @@ class EagleStep:
     def _target(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward; returns (final hidden, the draft's input features)."""
         st = self.state
-        if batch.batch_size:
-            st.attn.init_forward_metadata(batch)
+        native = self.native_decode
+        if native is not None and native.can_run(batch):
+            hidden, captured = native.run_capturing(batch, self.capture_layers)
         else:
-            st.idle_counts["target"] += 1
-        hidden, captured = st.model.hidden_states(batch, st.attn, self.capture_layers)
+            if batch.batch_size:
+                st.attn.init_forward_metadata(batch)
+            else:
+                st.idle_counts["target"] += 1
+            hidden, captured = st.model.hidden_states(batch, st.attn, self.capture_layers)
         feats = torch.cat(captured, dim=-1) if captured else hidden
         return hidden, feats.view(-1, hidden_size_for(self))
 

@@ -126,3 +126,56 @@ def test_the_kv_cache_is_fp16_beside_the_codes_unless_the_model_dtype_is_asked(
     # fp16 keys and values move logits by ~1e-3: the first tokens agree on these prompts.
     assert [h[:4] for h in half] == [f[:4] for f in full]
     assert pool.k_buffer[0].abs().max().item() > 0  # the C step wrote fp16 keys
+
+
+def test_captured_layers_are_the_residual_stream_before_them(codes_engine):
+    """An EAGLE-3 head's features from the C step: the final states are those of one whole
+    run, bit for bit, and each capture is the residual stream the layer reads (normed, it is
+    what a run of only the layers before it gives)."""
+    step, model = codes_engine.worker.step, codes_engine.worker.state.model
+    native, run_model, checked = step.native_decode, step.run_model, []
+    eps = model.config.rms_norm_eps
+    capture = (1, 14, 26)
+
+    def check(batch):
+        if native.can_run(batch):
+            whole = native.run(batch)
+            final, captured = native.run_capturing(batch, capture)
+            assert torch.equal(final, whole) and len(captured) == len(capture)
+            for layer, state in zip(capture, captured):
+                native._decoder.layers = layer
+                try:
+                    upto = native.run(batch)
+                finally:
+                    native._decoder.layers = model.config.num_layers
+                normed = torch.nn.functional.rms_norm(state, state.shape[-1:], model.final_norm,
+                                                      eps)
+                torch.testing.assert_close(normed, upto, rtol=1e-5, atol=1e-5)
+            checked.append(batch.batch_size)
+        return run_model(batch)
+
+    step.run_model = check
+    try:
+        greedy(codes_engine, dev_prompts(codes_engine, 2), 3)
+    finally:
+        del step.run_model
+    assert checked == [2, 2]
+
+
+def test_speculation_kept_off_decodes_the_target_in_c(model_path, codes_engine):
+    """With EAGLE-3 on but the batch above spec.disable_above_batch_size, the plain way of
+    the EAGLE step runs the target in C too (capturing the head's features), and gives the
+    plain step's tokens."""
+    from ipc.spec_settings import SpecSettings
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+        spec = Engine(model=str(model_path), device="cpu", dtype="auto", max_kv_tokens=2048,
+                      max_running_requests=3, progress=False,
+                      spec=SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                                        disable_above_batch_size=1))
+    native = spec.worker.step.native_decode
+    assert native is not None
+    prompts = dev_prompts(codes_engine, 2)
+    assert greedy(spec, prompts, 8) == greedy(codes_engine, prompts, 8)
+    assert native.runs >= 7  # every decode step of the pair, none drafting
