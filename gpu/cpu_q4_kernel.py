@@ -89,6 +89,17 @@ class Q8Rows:
         codes = (b.codes[:, :n].short() * 16 + b.codes[:, n:].short() - 128).to(torch.int8)
         return Q8Rows(codes.contiguous(), d.float().contiguous())
 
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> "Q8Rows":
+        """Q8_0 codes of an [out, width] float matrix (width a multiple of 32), as llama.cpp
+        quantizes: per block of 32, scale = max |w| / 127 and codes = round(w / scale)."""
+        out, width = weight.shape
+        blocks = weight.detach().float().reshape(out, width // Q4_GROUP, Q4_GROUP)
+        scale = blocks.abs().amax(-1) / 127
+        codes = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0).round()
+        return Q8Rows(codes.to(torch.int8).reshape(out, width).contiguous(),
+                      scale.contiguous())
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as fp32 [*ids.shape, width]: an embedding table kept as its codes."""
         q = self.codes[ids].float()

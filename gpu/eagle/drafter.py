@@ -16,6 +16,7 @@ from gpu.eagle.head_io import load_draft_head
 from gpu.eagle.tree import DraftTree, organize_draft_tree
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
+from gpu.cpu_q4_kernel import available as codes_kernel_available
 from gpu.q4_linear import q4_applies
 from gpu.sync_guard import expected_sync
 from gpu.worker_state import WorkerState
@@ -84,6 +85,8 @@ class Drafter:
         q4_max_tokens = state.cfg.runtime.q4_max_tokens
         if q4_applies(state.device, state.dtype, q4_max_tokens):
             self.head.use_int8_for_small_forwards(q4_max_tokens)
+        elif model.kernel_max_rows and codes_kernel_available():  # fp32 on the C kernel
+            self.head.use_int8_for_small_forwards(model.kernel_max_rows, fp32_codes=True)
         if state.cfg.runtime.deterministic:
             self.head.use_rowwise_linears()
         hc = self.head.config

@@ -89,6 +89,22 @@ def test_a_q8_0_weight_is_kept_as_its_int8_codes_and_multiplied_as_they_say():
         q8_matmul(torch.randn(1, 32), codes)
 
 
+def test_quantizing_to_q8_0_agrees_with_gguf_and_rounds_each_weight_to_its_block():
+    """Q8Rows.quantize (a draft head's fp32 weights for the 8-bit kernel): a weight gguf has
+    quantized to Q8_0 comes back as gguf's own codes and scales, and any weight is within half
+    a step of its block's scale."""
+    raw, exact = quantized("Q8_0", rows=48, cols=96)
+    again = Q8Rows.quantize(exact)
+    assert again.codes.dtype == torch.int8 and torch.equal(again.dequantize(), exact)
+    assert torch.equal(again.codes, Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape)).codes)
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)) * 3
+    w[0, :32] = 0  # an all-zero block: scale 0, codes 0, no division by zero
+    q = Q8Rows.quantize(w)
+    step = q.scale.repeat_interleave(Q4_GROUP, dim=1)
+    assert (q.dequantize() - w).abs().le(step / 2 + 1e-6).all()
+    assert q.codes.abs().max().item() == 127 and not q.codes[0, :32].any()
+
+
 def test_the_8_bit_kernel_gives_each_row_alone_what_it_gives_it_in_a_batch():
     """Rows go through the kernel four at a time (one |q| per block for all four): a row's
     result must not depend on the rows beside it, and must still be the written-out sum."""

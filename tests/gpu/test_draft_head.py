@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu import cpu_q4_kernel
 from gpu.eagle.draft_head import DraftHead, DraftHeadError
 from gpu.eagle.head_io import load_draft_head, random_draft_head, save_draft_head
 from gpu.eagle.vocab_map import build_vocab_map
@@ -145,6 +146,22 @@ def test_a_head_given_the_targets_layers_takes_no_table(target, tmp_path, algori
     assert calls[0] == "embed" and ("lm_head" in calls) == (algorithm == "eagle")
     with pytest.raises(DraftHeadError, match="needs the target's embedding"):
         load_draft_head(tmp_path, cfg, None, None, "cpu", torch.float32)
+
+
+@pytest.mark.skipif(not cpu_q4_kernel.available(), reason="the C kernel is not built here")
+def test_an_fp32_head_on_the_8_bit_kernel_stays_close_and_keeps_its_state(target):
+    """On a CPU without native bf16 the head's small fp32 forwards run on Q8_0 copies (the C
+    kernel, int8 inputs): close to the fp32 head, its state_dict unchanged, wide forwards exact."""
+    head = make_head(target, "eagle3", 200)
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    exact = run(head, 3 * H)
+    assert head.use_int8_for_small_forwards(max_rows=8, fp32_codes=True) > 0
+    assert head.state_dict().keys() == state.keys()
+    assert all(torch.equal(head.state_dict()[k], v) for k, v in state.items())
+    for a, b in zip(run(head, 3 * H), exact):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+    x = torch.randn(9, 3 * H)  # more rows than max_rows: the fp32 weight itself
+    assert torch.equal(head.fc(x), torch.nn.functional.linear(x, head.fc.weight))
 
 
 # ----- an independent re-implementation from the safetensors file, plain torch ops -----
