@@ -59,7 +59,8 @@ def test_it_replaces_the_compiled_step_where_it_applies(codes_engine, tiny_llama
         cpu_decode_step.NativeDecode(dense.worker.state.model, dense.worker.state.attn)
 
 
-def test_one_layer_gives_the_torch_decoders_numbers_on_the_same_kernel(codes_engine):
+def test_one_layer_gives_the_torch_decoders_numbers_on_the_same_kernel(codes_engine,
+                                                                       monkeypatch):
     """Two requests of different lengths, one decoder layer each way: C against the model's
     own torch code with the same C kernel for its projections. Over all 30 layers the two
     drift apart (the kernel rounds its input to int8, so last-bit differences of a norm can
@@ -82,11 +83,8 @@ def test_one_layer_gives_the_torch_decoders_numbers_on_the_same_kernel(codes_eng
         diffs.append(((ours - theirs).abs().max() / theirs.abs().max()).item())
         return run_model(batch)
 
-    step.run_model = both
-    try:
-        greedy(codes_engine, dev_prompts(codes_engine, 2), 4)
-    finally:
-        del step.run_model
+    monkeypatch.setattr(step, "run_model", both)
+    greedy(codes_engine, dev_prompts(codes_engine, 2), 4)
     # ~1e-7 of the largest value; ~1e-5 where a last-bit difference moved one int8 rounding.
     # A wrong op (a sign in RoPE, a key of another head or request) is of order 1e-1.
     assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
@@ -128,7 +126,7 @@ def test_the_kv_cache_is_fp16_beside_the_codes_unless_the_model_dtype_is_asked(
     assert pool.k_buffer[0].abs().max().item() > 0  # the C step wrote fp16 keys
 
 
-def test_captured_layers_are_the_residual_stream_before_them(codes_engine):
+def test_captured_layers_are_the_residual_stream_before_them(codes_engine, monkeypatch):
     """An EAGLE-3 head's features from the C step: the final states are those of one whole
     run, bit for bit, and each capture is the residual stream the layer reads (normed, it is
     what a run of only the layers before it gives)."""
@@ -154,11 +152,8 @@ def test_captured_layers_are_the_residual_stream_before_them(codes_engine):
             checked.append(batch.batch_size)
         return run_model(batch)
 
-    step.run_model = check
-    try:
-        greedy(codes_engine, dev_prompts(codes_engine, 2), 3)
-    finally:
-        del step.run_model
+    monkeypatch.setattr(step, "run_model", check)
+    greedy(codes_engine, dev_prompts(codes_engine, 2), 3)
     assert checked == [2, 2]
 
 
