@@ -142,6 +142,11 @@ class NativeDecode:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.mode == ForwardMode.DECODE and 0 < batch.batch_size <= self.max_batch
 
+    def can_run_as_rows(self, batch: ForwardBatch) -> bool:
+        """Whether an extend runs here as `causal_rows` (an EAGLE verify, a short chunk)."""
+        return (batch.mode == ForwardMode.EXTEND and batch.tree_mask is None
+                and 0 < batch.num_tokens <= self.max_batch and batch.max_seq_len is not None)
+
     def run_capturing(self, batch: ForwardBatch, capture_layers: tuple[int, ...]
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Like `run`, with the input residual stream of each of `capture_layers` too, as
@@ -191,3 +196,20 @@ class NativeDecode:
                                   f"{batch.batch_size} rows of up to {max_len} keys")
         self.runs += 1
         return out
+
+
+def causal_rows(batch: ForwardBatch) -> ForwardBatch:
+    """A causal extend (no tree mask) as a decode batch of one row per new token: the row of a
+    request's j-th new token attends to its prefix and its first j + 1 new tokens, as the
+    extend does, because the C step writes every row's key and value before any row attends.
+    Rows keep the extend's token order, so hidden states and captures line up with it. No
+    host sync: the row counts come from the token count."""
+    n, lens = batch.num_tokens, batch.extend_lens
+    row_slots = torch.repeat_interleave(batch.slots, lens, output_size=n)
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=n)
+    within = torch.arange(n, device=lens.device) - starts
+    seq_lens = torch.repeat_interleave(batch.prefix_lens, lens, output_size=n) + within + 1
+    return ForwardBatch(mode=ForwardMode.DECODE, input_ids=batch.input_ids,
+                        positions=batch.positions, slots=row_slots, seq_lens=seq_lens,
+                        prefix_lens=seq_lens - 1, extend_lens=torch.ones_like(seq_lens),
+                        out_cache_loc=batch.out_cache_loc, max_seq_len=batch.max_seq_len)

@@ -121,6 +121,8 @@ class EagleStep:
         """Target forward; returns (final hidden, the draft's input features)."""
         st = self.state
         native = self.native_decode
+        if native is not None and native.can_run_as_rows(batch):  # a chain's verify, a chunk
+            batch = cpu_decode_step.causal_rows(batch)
         if native is not None and native.can_run(batch):
             hidden, captured = native.run_capturing(batch, self.capture_layers)
         else:
