@@ -143,33 +143,44 @@ class NativeDecode:
         return batch.mode == ForwardMode.DECODE and 0 < batch.batch_size <= self.max_batch
 
     def can_run_as_rows(self, batch: ForwardBatch) -> bool:
-        """Whether an extend runs here as `causal_rows` (an EAGLE verify, a short chunk)."""
-        return (batch.mode == ForwardMode.EXTEND and batch.tree_mask is None
-                and 0 < batch.num_tokens <= self.max_batch and batch.max_seq_len is not None)
+        """Whether an extend runs here as decode rows (`extend_rows`: an EAGLE verify, a
+        short chunk)."""
+        return (batch.mode == ForwardMode.EXTEND and 0 < batch.num_tokens <= self.max_batch
+                and batch.max_seq_len is not None)
 
-    def run_capturing(self, batch: ForwardBatch, capture_layers: tuple[int, ...]
+    def extend_rows(self, batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """An extend as a decode batch of one row per new token, with each row's keys where
+        they are not its request's first seq_len locations (a tree's verify)."""
+        if batch.tree_mask is None:
+            return causal_rows(batch), None
+        return tree_rows(batch, self.attn.req_to_token.req_to_token)
+
+    def run_capturing(self, batch: ForwardBatch, capture_layers: tuple[int, ...],
+                      key_locs: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Like `run`, with the input residual stream of each of `capture_layers` too, as
         LlamaModel.hidden_states returns them (an EAGLE-3 head's features): the layers run
         in segments that end where a capture is taken."""
         capture_layers = tuple(sorted(set(capture_layers)))  # hidden_states' order
         if not capture_layers:
-            return self.run(batch), []
+            return self.run(batch, key_locs=key_locs), []
         segments = self._segments.get(capture_layers)
         if segments is None:
             bounds = [0, *capture_layers, self.model.config.num_layers]
             segments = self._segments[capture_layers] = [
                 self._segment(a, b) for a, b in zip(bounds, bounds[1:])]
         captured: list[torch.Tensor] = []
-        out = self.run(batch, segments, captured)
+        out = self.run(batch, segments, captured, key_locs)
         return out, captured
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, segments: list[_Decoder] | None = None,
-            captured: list[torch.Tensor] | None = None) -> torch.Tensor:
+            captured: list[torch.Tensor] | None = None,
+            key_locs: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder over a decode batch: final hidden states [bs, H]. With `segments`,
         a copy of the residual stream before each segment but the first goes to
-        `captured`."""
+        `captured`. `key_locs` [bs, max_seq_len] int32: each row's keys, where they are not
+        the first seq_len locations of its request (`tree_rows`)."""
         model = self.model
         h = model.embed(batch.input_ids).contiguous()  # a fresh tensor: the C step adds into it
         if model.embed_scale is not None:
@@ -179,7 +190,9 @@ class NativeDecode:
         cos = rope.cos[positions].contiguous()
         sin = rope.signed_sin[positions, 1].contiguous()
         max_len = batch.max_seq_len
-        key_locs = self.attn.req_to_token.req_to_token[batch.slots, :max_len].contiguous()
+        if key_locs is None:
+            key_locs = self.attn.req_to_token.req_to_token[batch.slots, :max_len]
+        key_locs = key_locs.to(torch.int32).contiguous()
         seq_lens = batch.seq_lens.to(torch.int64).contiguous()
         out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
         out = torch.empty_like(h)
@@ -213,3 +226,32 @@ def causal_rows(batch: ForwardBatch) -> ForwardBatch:
                         positions=batch.positions, slots=row_slots, seq_lens=seq_lens,
                         prefix_lens=seq_lens - 1, extend_lens=torch.ones_like(seq_lens),
                         out_cache_loc=batch.out_cache_loc, max_seq_len=batch.max_seq_len)
+
+
+def tree_rows(batch: ForwardBatch, table: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor]:
+    """An EAGLE tree's verify (T nodes a request, node j's KV at index prefix + j of its
+    request's row of `table`, `tree_mask` [bs, T, T]: node j sees node i, itself included) as
+    one decode row per node: its keys are the prefix, then its ancestors and itself in column
+    order, [bs * T, max_seq_len] int32 (past a row's seq_len: never read)."""
+    mask = batch.tree_mask.to(torch.bool)
+    bs, t = mask.shape[:2]
+    if bs * t != batch.num_tokens:
+        raise ValueError(f"a tree verify of {bs} requests x {t} nodes came with "
+                         f"{batch.num_tokens} tokens")
+    cols = torch.arange(t, device=mask.device)
+    prefix = batch.prefix_lens
+    request_keys = table[batch.slots, :batch.max_seq_len]  # [bs, max_len]
+    node_locs = request_keys.gather(1, prefix[:, None] + cols)  # [bs, T]
+    # Per node: the columns it sees in ascending order, then T (a pad, past its seq_len).
+    seen = torch.where(mask, cols, t).sort(dim=-1).values  # [bs, T, T]
+    padded = torch.cat([node_locs, node_locs[:, :1]], dim=1)
+    seen_locs = padded.gather(1, seen.reshape(bs, t * t)).view(bs, t, t)
+    keys = request_keys[:, None, :].expand(bs, t, -1).clone()
+    keys.scatter_(2, (prefix[:, None, None] + cols).expand(bs, t, t), seen_locs)
+    seq_lens = (prefix[:, None] + mask.sum(-1)).reshape(-1)  # prefix + depth + 1
+    rows = ForwardBatch(mode=ForwardMode.DECODE, input_ids=batch.input_ids,
+                        positions=batch.positions, slots=batch.slots.repeat_interleave(t),
+                        seq_lens=seq_lens, prefix_lens=seq_lens - 1,
+                        extend_lens=torch.ones_like(seq_lens), out_cache_loc=batch.out_cache_loc,
+                        max_seq_len=batch.max_seq_len)
+    return rows, keys.view(bs * t, -1)

@@ -120,11 +120,11 @@ class EagleStep:
     def _target(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward; returns (final hidden, the draft's input features)."""
         st = self.state
-        native = self.native_decode
-        if native is not None and native.can_run_as_rows(batch):  # a chain's verify, a chunk
-            batch = cpu_decode_step.causal_rows(batch)
+        native, key_locs = self.native_decode, None
+        if native is not None and native.can_run_as_rows(batch):  # a verify, a short chunk
+            batch, key_locs = native.extend_rows(batch)
         if native is not None and native.can_run(batch):
-            hidden, captured = native.run_capturing(batch, self.capture_layers)
+            hidden, captured = native.run_capturing(batch, self.capture_layers, key_locs)
         else:
             if batch.batch_size:
                 st.attn.init_forward_metadata(batch)

@@ -176,19 +176,20 @@ def test_speculation_kept_off_decodes_the_target_in_c(model_path, codes_engine):
     assert native.runs >= 7  # every decode step of the pair, none drafting
 
 
-def test_a_chains_verify_runs_in_c_and_gives_the_plain_steps_tokens(model_path, codes_engine,
-                                                                    monkeypatch):
-    """Always drafting, the verify of each request's chain (root + 3 drafts) runs in C as one
-    row per node (cpu_decode_step.causal_rows): two requests of different lengths in one
-    batch give the plain step's greedy tokens, and no decode step reaches the torch
-    decoder."""
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_the_verify_runs_in_c_and_gives_the_plain_steps_tokens(model_path, codes_engine,
+                                                               monkeypatch, topk):
+    """Always drafting, the verify of each request's 4 nodes runs in C as one row per node
+    (a chain: cpu_decode_step.causal_rows; a tree: tree_rows, each node over its prefix and
+    its ancestors): two requests of different lengths in one batch give the plain step's
+    greedy tokens, and no decode step reaches the torch decoder."""
     from ipc.spec_settings import SpecSettings
 
     monkeypatch.setenv(cpu_decode_step.ENV_CODES_ROWS, "8")  # 2 requests x 4 nodes in C
     monkeypatch.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
     spec = Engine(model=str(model_path), device="cpu", dtype="auto", max_kv_tokens=2048,
                   max_running_requests=3, progress=False,
-                  spec=SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                  spec=SpecSettings("eagle3", "", num_steps=3, topk=topk, num_draft_tokens=4,
                                     disable_above_batch_size=0))
     native, model = spec.worker.step.native_decode, spec.worker.state.model
     assert native is not None and native.max_batch == 8
