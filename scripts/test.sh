@@ -23,9 +23,16 @@ export FMSERVE_SYNC_CHECK="${FMSERVE_SYNC_CHECK:-1}"
 cd "$ROOT"
 # No path given -> testpaths from pyproject.toml (tests/). A hung test fails after 600 s rather
 # than eating CI's time (a 2-core machine under load is slow); --timeout=N overrides it.
-# The 40 slowest tests are listed, to keep the suite short.
+# The 40 slowest tests are listed, to keep the suite short. The whole suite runs on two
+# pytest-xdist workers, a file to each at a time (module fixtures load once), one thread each
+# (tests/conftest.py): a third of the serial run waits on services and processes, so two
+# workers halve its wall time on 2 cores (34 -> 18 min). Given paths, pytest runs serially.
+PARALLEL=()
+if [[ $# -eq 0 ]]; then
+    PARALLEL=(-n 2 --dist loadfile)
+fi
 set +e
-"$PY" -m pytest -q --timeout=600 --durations=40 "$@"
+"$PY" -m pytest -q --timeout=600 --durations=40 "${PARALLEL[@]}" "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then  # pytest: no tests collected; not a failure of the code

@@ -6,6 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Under pytest-xdist (scripts/test.sh runs two workers on a 2-core machine) each worker, and
+# every process it starts, keeps to one thread: two workers of two OpenMP threads each would
+# spin against each other at every barrier.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 # Without a GPU, Triton kernels run in Triton's CPU interpreter; it reads this variable when
 # triton is first imported, so it must be set before any test module is collected.
 if not torch.cuda.is_available():
