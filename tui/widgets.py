@@ -353,6 +353,7 @@ class RequestDetailScreen(Screen):
     def __init__(self, key: str) -> None:
         super().__init__()
         self.key = key
+        self.ready = False  # on_mount has built the history table's columns
 
     def compose(self) -> ComposeResult:
         with Vertical():
@@ -369,9 +370,12 @@ class RequestDetailScreen(Screen):
         table = self.query_one("#detail-history", DataTable)
         table.add_columns("t (s)", "state", "slot", "seq_len", "generated", "accept", "tok/s")
         table.can_focus = False  # enter and escape belong to the screen (back to the batch)
+        self.ready = True
         self.show(self.app.tracker)  # type: ignore[attr-defined]
 
     def show(self, tracker: SnapshotTracker) -> None:
+        if not self.ready:  # pushed, not mounted yet (the app's tick came first): on_mount shows
+            return
         track = tracker.tracks.get(self.key)
         summary = self.query_one("#detail-summary", Static)
         if track is None:

@@ -521,3 +521,18 @@ def test_replica_lines_show_a_dp_attention_ranks_idle_batches():
                                                  replicas=[rank(0, 0), rank(1, 12)])).plain
     lines = text.strip().splitlines()
     assert "idle" not in lines[0] and lines[1].endswith("idle 12"), lines
+
+
+async def test_a_snapshot_applied_before_the_detail_view_mounts_waits_for_its_mount(pub):
+    """The monitor's tick can apply a snapshot between pushing the detail view and its
+    on_mount (seen under a loaded CI run: its history table had no columns yet); the view
+    then shows the request once mounted."""
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        snap = snapshot(4000.0, [req("d1", 2, 30, 4)])
+        await show(pilot, app, pub, snap)
+        app.push_screen(RequestDetailScreen("c0ffee/d1"))
+        app.apply(snap)  # before the screen has mounted
+        await until(pilot, lambda: app.screen.ready, what="the detail view to mount")
+        hist = app.screen.query_one("#detail-history", DataTable)
+        assert hist.row_count >= 1 and hist.get_row_at(0)[3] == 30
