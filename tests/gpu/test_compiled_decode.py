@@ -1,14 +1,14 @@
 """The compiled decode step (gpu/compiled_decode.py): where it applies, that it gives the eager
-step's greedy tokens (fp32) through padded buckets and the real model, that inductor writes
-its cache under the fmserve cache dir, that a sliding-window model (Gemma 3's local and
-global layers, one mask each in the graph) decodes as transformers does, and that
-runtime.compile = "off" runs eagerly.
+step's greedy tokens (fp32) through padded buckets and on the real model's dev prompts (built
+in the background), that on a CPU without native bf16 it traces the C kernel on the codes,
+that inductor writes its cache under the fmserve cache dir, that a sliding-window model
+(Gemma 3's local and global layers, one mask each in the graph) decodes as transformers does,
+and that runtime.compile = "off" runs eagerly.
 
 The only module of the suite that compiles (tests/conftest.py sets FMSERVE_COMPILE=off, so
-"auto" is off elsewhere). Compiling costs seconds a bucket for conftest's 2-layer tiny_llama
-and ~45 s cold on 2 cores for the default model, which the real-model test compiles into the
-ordinary cache dir so that a rerun is warm (~7 s); the background build is tested on the tiny
-model."""
+"auto" is off elsewhere). Compiling costs seconds a bucket for 2-layer models and ~45 s cold
+on 2 cores for the default model, which one test compiles (into the ordinary cache dir, so a
+rerun is warm: ~7 s); the others compile tiny ones."""
 
 from __future__ import annotations
 
@@ -119,18 +119,17 @@ def test_padded_buckets_give_the_eager_tokens_and_fill_the_cache(tiny_compiled):
     assert {"fxgraph", "aotautograd"} <= cached, sorted(cached)
 
 
-def test_a_model_serves_eagerly_while_compiling_then_gives_the_same_tokens(tiny_llama):
-    """fp32, one request at a time (bucket 1 only), built in the background as in the worker
-    process: ready before the compiled step is, a request answered eagerly meanwhile, and the
-    compiled step's greedy tokens equal to those. (The default model's compile takes ~45 s
-    cold on 2 cores; test_a_cpu_without_native_bf16_compiles... compiles it.)"""
-    engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile="on",
-                    max_kv_tokens=1024, max_running_requests=2, progress=False,
+def test_the_real_model_serves_eagerly_while_compiling_then_gives_the_same_tokens(model_path):
+    """fp32, one request at a time (bucket 1 only: the compile is the expensive part), built in
+    the background as in the worker process: ready before the compiled step is, a request
+    answered eagerly meanwhile, and the compiled step's greedy tokens equal to those."""
+    engine = Engine(model=str(model_path), device="cpu", dtype="fp32", compile="on",
+                    max_kv_tokens=2048, max_running_requests=2, progress=False,
                     background_compile=True)
     step = engine.worker.step
     compiled = step.compiled_decode
     assert engine.info.decode_compile == "building"  # what WorkerReady carries
-    prompts = PROMPTS[1::2]
+    prompts = [engine.encode(p) for p in itertools.islice(read_prompts(str(DEV_PROMPTS)), 2)]
     results = []  # every step's StepResult, read from the worker
     finish = engine.worker.finish
     engine.worker.finish = lambda pending: results.append(finish(pending)) or results[-1]
@@ -162,26 +161,30 @@ def test_a_windowed_model_decodes_compiled_as_transformers(tmp_path):
     assert compiled.runs >= 9
 
 
-def test_a_cpu_without_native_bf16_compiles_one_streams_step_on_the_c_kernel(model_path,
+def test_a_cpu_without_native_bf16_compiles_one_streams_step_on_the_c_kernel(tmp_path,
                                                                             monkeypatch):
-    """dtype "auto" where it means fp32 (an AVX2-only CPU, as resolve_dtype says there): the
-    projections keep the file's codes for a decode step's rows (gpu/cpu_q4_kernel.py) and
-    FBGEMM fp16 packs above; the compiled step traces the C kernel. Its tokens are not always
-    the eager step's: the kernel rounds its input to int8, so the fused norms' last-bit
-    differences can move a near-tie. So each compiled token is checked against the model's
-    own logits for the text so far (one eager forward), which must rank it first or within a
-    near-tie of first."""
+    """dtype "auto" where it means fp32 (an AVX2-only CPU, as resolve_dtype says there), on a
+    tiny Llama GGUF in Q4_0: the projections keep the file's codes for a decode step's rows
+    (gpu/cpu_q4_kernel.py) and FBGEMM fp16 packs above; the compiled step (compile = "on"
+    keeps it over the C decode step) traces the C kernel. Its tokens are not always the eager
+    step's: the kernel rounds its input to int8, so the fused norms' last-bit differences can
+    move a near-tie. So each compiled token is checked against the model's own logits for the
+    text so far (one eager forward), which must rank it first or within a near-tie of first."""
+    import gguf
+
     from gpu import cpu_q4_kernel, worker_state
     if not cpu_q4_kernel.available():
         pytest.skip("the C kernel is not built here")
     monkeypatch.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
-    engine = Engine(model=str(model_path), device="cpu", dtype="auto", compile="on",
-                    max_kv_tokens=2048, max_running_requests=2, progress=False)
+    path = fm.write_gguf(fm.random_model("llama"), "llama", tmp_path / "llama-q4_0.gguf",
+                         gguf.GGMLQuantizationType.Q4_0)
+    engine = Engine(model=str(path), device="cpu", dtype="auto", compile="on",
+                    max_kv_tokens=256, max_running_requests=2, progress=False)
     model, compiled = engine.worker.state.model, engine.worker.step.compiled_decode
     assert model.wide_paths > 0 and model.kernel_max_rows >= 1
     assert compiled is not None and compiled.ready == {1}, compiled and compiled.failed
     assert compiled.max_batch <= model.kernel_max_rows  # no bucket reaches a pack
-    prompts = [engine.encode(p) for p in itertools.islice(read_prompts(str(DEV_PROMPTS)), 2)]
+    prompts = [[fm.BOS] + [(7 * i * i + 3 * i + k) % 300 for i in range(13)] for k in (0, 5)]
     runs = compiled.runs
     on = [greedy(engine, [p], [10])[0] for p in prompts]
     assert compiled.runs - runs >= 2 * 8
