@@ -222,10 +222,7 @@ def causal_rows(batch: ForwardBatch) -> ForwardBatch:
     starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=n)
     within = torch.arange(n, device=lens.device) - starts
     seq_lens = torch.repeat_interleave(batch.prefix_lens, lens, output_size=n) + within + 1
-    return ForwardBatch(mode=ForwardMode.DECODE, input_ids=batch.input_ids,
-                        positions=batch.positions, slots=row_slots, seq_lens=seq_lens,
-                        prefix_lens=seq_lens - 1, extend_lens=torch.ones_like(seq_lens),
-                        out_cache_loc=batch.out_cache_loc, max_seq_len=batch.max_seq_len)
+    return _decode_rows(batch, row_slots, seq_lens)
 
 
 def tree_rows(batch: ForwardBatch, table: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor]:
@@ -249,9 +246,14 @@ def tree_rows(batch: ForwardBatch, table: torch.Tensor) -> tuple[ForwardBatch, t
     keys = request_keys[:, None, :].expand(bs, t, -1).clone()
     keys.scatter_(2, (prefix[:, None, None] + cols).expand(bs, t, t), seen_locs)
     seq_lens = (prefix[:, None] + mask.sum(-1)).reshape(-1)  # prefix + depth + 1
-    rows = ForwardBatch(mode=ForwardMode.DECODE, input_ids=batch.input_ids,
-                        positions=batch.positions, slots=batch.slots.repeat_interleave(t),
-                        seq_lens=seq_lens, prefix_lens=seq_lens - 1,
-                        extend_lens=torch.ones_like(seq_lens), out_cache_loc=batch.out_cache_loc,
-                        max_seq_len=batch.max_seq_len)
-    return rows, keys.view(bs * t, -1)
+    return _decode_rows(batch, batch.slots.repeat_interleave(t), seq_lens), keys.view(bs * t, -1)
+
+
+def _decode_rows(batch: ForwardBatch, row_slots: torch.Tensor, seq_lens: torch.Tensor
+                 ) -> ForwardBatch:
+    """The extend's tokens as a decode batch: one row each, of its request's slot, with the
+    keys up to `seq_lens`."""
+    return ForwardBatch(mode=ForwardMode.DECODE, input_ids=batch.input_ids,
+                        positions=batch.positions, slots=row_slots, seq_lens=seq_lens,
+                        prefix_lens=seq_lens - 1, extend_lens=torch.ones_like(seq_lens),
+                        out_cache_loc=batch.out_cache_loc, max_seq_len=batch.max_seq_len)
