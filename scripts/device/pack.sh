@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Here (no GPU): pack what a GPU device machine lacks into .devcarry/ (git-ignored), three
 # pieces, one per `run` call, since a call carries at most 64 MiB with the ~23 MB working tree:
-#   .devcarry/p1  the Python wheels the device image lacks + the default model's first 39 MB
-#   .devcarry/p2  the model's next 41 MB
+#   .devcarry/p1  the Python wheels the device image lacks + the default model's first 35 MB
+#   .devcarry/p2  the model's next 39 MB
 #   .devcarry/p3  the rest of the model, its sha256, and ../shared's prompt data (gzipped)
 # The device side (scripts/device/stage.sh) installs the wheels and joins the model once all
 # three have arrived. See scripts/device/README.md for the calls.
@@ -32,15 +32,15 @@ done
     --platform manylinux1_x86_64 -d "$OUT/p1/whl" "${specs[@]}" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 
-# The model in three pieces (39 + 41 MB + the rest) and its checksum.
+# The model in three pieces (35 + 39 MB + the rest; the tree is ~25 MB) and its checksum.
 piece() {  # piece OFFSET COUNT FILE: COUNT bytes of the model from OFFSET (COUNT 0: the rest)
     local count=()
     (( $2 > 0 )) && count=(count="$2")
     dd if="$MODEL" of="$3" bs=1M iflag=skip_bytes,count_bytes skip="$1" "${count[@]}" status=none
 }
-piece 0 39000000 "$OUT/p1/model.part1"
-piece 39000000 41000000 "$OUT/p2/model.part2"
-piece 80000000 0 "$OUT/p3/model.part3"
+piece 0 35000000 "$OUT/p1/model.part1"
+piece 35000000 39000000 "$OUT/p2/model.part2"
+piece 74000000 0 "$OUT/p3/model.part3"
 (cd "$(dirname "$MODEL")" && sha256sum "$(basename "$MODEL")") > "$OUT/p3/model.sha256"
 for f in dev.jsonl train.jsonl; do gzip -9 -c "$PROMPTS/$f" > "$OUT/p3/$f.gz"; done
 
@@ -48,6 +48,6 @@ du -sh "$OUT"/p1 "$OUT"/p2 "$OUT"/p3
 tree_mb=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 for p in p1 p2 p3; do
     total=$(( tree_mb + $(du -sb "$OUT/$p" | cut -f1) ))
-    (( total < 64 * 1024 * 1024 )) || echo "pack: warning: the tree + $p is $total bytes, over 64 MiB" >&2
+    (( total < 62 * 1024 * 1024 )) || echo "pack: warning: the tree + $p is $total bytes, over 64 MiB" >&2
 done
 echo "pack: done; carry .devcarry/p1, then p2, then p3 (scripts/device/README.md)"
