@@ -56,6 +56,7 @@ class FutureMap:
         self._lens_host: torch.Tensor | None = None
         self._lens_stream = None
         self._lens_copied = None
+        self.hold_notify = False  # publish without notify_published (inside a CUDA graph)
         # EAGLE's relay (enable_spec): the draft's top-k for the next root and its hidden state.
         self.topk_p_buf: torch.Tensor | None = None
         self.topk_index_buf: torch.Tensor | None = None
@@ -89,6 +90,13 @@ class FutureMap:
 
     def publish(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
         self.new_seq_lens_buf.index_copy_(0, slots, seq_lens.to(torch.long))
+        if not self.hold_notify:
+            self.notify_published()
+
+    def notify_published(self) -> None:
+        """Mark the lengths published so far as ready, and start their copy to the host on a
+        GPU. Held (`hold_notify`) inside a CUDA graph, which cannot hold the copy's event and
+        stream: the graph's caller notifies after each replay (gpu/eagle/eagle_graphs.py)."""
         if self.publish_ready is None:
             self.publish_ready = new_event(self.device)
         self.publish_ready.record()

@@ -136,12 +136,15 @@ class Worker:
             note += f", the lm_head up to {lm_head.max_tokens}"
         if cfg.runtime.deterministic:
             note += ", batch-invariant (deterministic: one row at a time)"
-        graphs = self.step.decode_graphs if isinstance(self.step, PlainStep) else None
+        graphs = (self.step.decode_graphs if isinstance(self.step, PlainStep)
+                  else getattr(self.step, "graphs", None))
         if graphs is not None:
-            note += f", CUDA graphs for decode batches up to {graphs.max_batch}"
+            what = "decode" if isinstance(self.step, PlainStep) else "EAGLE decode"
+            note += f", CUDA graphs for {what} batches up to {graphs.max_batch}"
+        elif getattr(self.step, "graphs_error", ""):
+            note += f", no CUDA graphs (capturing the EAGLE step failed: {self.step.graphs_error})"
         elif cfg.runtime.cuda_graph_max_batch and self.state.device.type == "cuda":
-            note += (", no CUDA graphs (they need the triton attention backend, one rank and "
-                     "no speculative decoding)")
+            note += ", no CUDA graphs (they need the triton attention backend and one rank)"
         compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
         if isinstance(self.step, PlainStep) and self.step.native_decode is not None:
             note += (f", decode batches up to {self.step.native_decode.max_batch} in C "

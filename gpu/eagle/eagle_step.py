@@ -18,6 +18,7 @@ except the result message itself.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -28,16 +29,19 @@ from gpu.cpu_decode_step import native_decode_applies
 from gpu.device import host_to_device
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.drafter import Drafter, SpecBatches
+from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.spec_gate import SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
 from gpu.eagle.tree import DraftTree
 from gpu.forward_batch import ForwardBatch, ForwardMode
-from gpu.plain_step import PlainStep
+from gpu.plain_step import PlainStep, graphs_apply
 from gpu.sampling_state import DraftedBefore
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
 from ipc.worker_messages import ExtendEntry, StepResult, pack_i32, unpack_i32
+
+log = logging.getLogger(__name__)
 
 
 def hidden_size_for(step: "EagleStep | PlainStep") -> int:
@@ -73,6 +77,28 @@ class EagleStep:
         # of layers: "auto" compares drafting with the plain step's own speed then.
         self.native_decode = (cpu_decode_step.NativeDecode(state.model, state.attn)
                               if native_decode_applies(state) else None)
+        # The drafting decode step as CUDA graphs where they can be captured (a GPU, backends
+        # that read no host lengths, one rank: gpu/eagle/eagle_graphs.py). A failed capture
+        # leaves the step eager, with the reason in the worker's log and ready line.
+        self.graphs: EagleGraphs | None = None
+        self.graphs_error = ""
+        max_batch = state.cfg.runtime.cuda_graph_max_batch
+        if max_batch and graphs_apply(state) and not self.needs_cpu_seq_lens:
+            try:
+                self.use_graphs(max_batch)
+            except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly
+                self.graphs_error = f"{type(exc).__name__}: {exc}"
+                log.warning("capturing the EAGLE step's CUDA graphs failed (%s); it runs "
+                            "without them (runtime.cuda_graph_max_batch = 0 skips the try)",
+                            self.graphs_error)
+
+    def use_graphs(self, max_batch: int) -> EagleGraphs:
+        """Capture the drafting decode step for batches up to `max_batch` (on the CPU, where
+        there are no graphs, tests replay it eagerly over the same buffers)."""
+        graphs = EagleGraphs(self, max_batch)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs
 
     # -- the interface the Worker calls ------------------------------------------------------
 
@@ -184,14 +210,45 @@ class EagleStep:
         return StepPart(np.zeros(0, dtype=np.int64), {"tokens": none})
 
     def _decode(self, slots_host: np.ndarray) -> StepPart:
+        st = self.state
+        bs, fm = len(slots_host), st.future_map
+        if bs and not self.gate.drafts(bs):
+            slots = host_to_device(slots_host, st.device)
+            return self._decode_plain(slots, slots_host, fm.resolve_seq_lens(slots),
+                                      fm.resolve_future(slots))
+        if self.graphs is not None and self.graphs.can_run(slots_host):
+            tokens, acc = self.graphs.run(slots_host)
+            return StepPart(slots_host, {"tokens": tokens, "accept": acc}, verify=True)
+        slots = host_to_device(slots_host, st.device)
+        flags = st.sampler.batch_flags(slots, slots_host)
+        out_tokens, acc, tree, logits, path = self.draft_and_verify(slots, slots_host, flags)
+
+        # Logprobs of the emitted tokens, each from the logits of the node it follows (the
+        # root, then the accepted drafts), as the plain step would report them; only when a
+        # request asks (a host check: no gather of [bs * E, vocab] logits otherwise).
+        scored = None
+        if st.sampling_state.max_logprobs(slots_host) >= 0:
+            T, E = tree.tokens.shape[1], out_tokens.shape[1]
+            node_rows = (torch.arange(bs, device=st.device)[:, None] * T + path).reshape(-1)
+            scored = st.sampler.logprobs_of(logits[node_rows], slots.repeat_interleave(E),
+                                            out_tokens.clamp(min=0).reshape(-1),
+                                            slots_host=np.repeat(slots_host, E),
+                                            drafted=drafted_before(tree).rows(node_rows))
+        return StepPart(slots_host, {"tokens": out_tokens, "accept": acc,
+                                     **logprob_outputs(scored)}, verify=True)
+
+    def draft_and_verify(self, slots: torch.Tensor, slots_host: np.ndarray | None, flags
+                         ) -> tuple[torch.Tensor, ...]:
+        """The device half of a drafting decode step, from the FutureMap's state to the next
+        step's: draft the tree, verify it, accept, commit, extend the draft over the accepted
+        path. Returns (emitted tokens [bs, E] -1 padded, accept lengths, the tree, the verify
+        logits, the accepted path [bs, E]). Static shapes, no host sync: CUDA graphs capture it
+        whole (gpu/eagle/eagle_graphs.py, with `slots_host` None and greedy `flags`)."""
         st, s, dev = self.state, self.settings, self.state.device
-        slots = host_to_device(slots_host, dev)
-        bs, T, E = len(slots_host), s.num_draft_tokens, s.num_steps + 1
+        bs, T, E = slots.shape[0], s.num_draft_tokens, s.num_steps + 1
         fm, batches = st.future_map, self.batches
         seq_lens = fm.resolve_seq_lens(slots)  # L: tokens in the target's cache
         root = fm.resolve_future(slots)  # the last bonus token, at position L
-        if bs and not self.gate.drafts(bs):
-            return self._decode_plain(slots, slots_host, seq_lens, root)
         topk_p, topk_ids, draft_hidden = fm.resolve_spec(slots)
         tree = self.drafter.tree(batches, slots, seq_lens, root, topk_p, topk_ids, draft_hidden)
         st.check_ranks_agree(tree.tokens)  # every rank verifies the same drafts
@@ -206,7 +263,7 @@ class EagleStep:
             tree.mask if s.topk > 1 else None)  # a chain is the ordinary causal extend
         hidden, feats = self._target(batch)
         logits = st.model.logits(hidden)  # [bs * T, V]
-        result = self._accept(tree, logits, slots, slots_host, positions)
+        result = self._accept(tree, logits, slots, slots_host, positions, flags)
         acc = result.accept_lens
         if s.topk > 1:
             self._compact_kv(slots, seq_lens, result)
@@ -231,19 +288,7 @@ class EagleStep:
         last = torch.arange(bs, device=dev) * E + acc
         next_p, next_ids = self.drafter.topk(h_logits[last])
         fm.stash_spec(slots, next_p, next_ids, h_out[last])
-
-        # Logprobs of the emitted tokens, each from the logits of the node it follows (the
-        # root, then the accepted drafts), as the plain step would report them; only when a
-        # request asks (a host check: no gather of [bs * E, vocab] logits otherwise).
-        scored = None
-        if st.sampling_state.max_logprobs(slots_host) >= 0:
-            node_rows = (torch.arange(bs, device=dev)[:, None] * T + path).reshape(-1)
-            scored = st.sampler.logprobs_of(logits[node_rows], slots.repeat_interleave(E),
-                                            out_tokens.clamp(min=0).reshape(-1),
-                                            slots_host=np.repeat(slots_host, E),
-                                            drafted=drafted_before(tree).rows(node_rows))
-        return StepPart(slots_host, {"tokens": out_tokens, "accept": acc,
-                                     **logprob_outputs(scored)}, verify=True)
+        return out_tokens, acc, tree, logits, path
 
     def _decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray, seq_lens: torch.Tensor,
                       root: torch.Tensor) -> StepPart:
@@ -271,12 +316,12 @@ class EagleStep:
         return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
 
     def _accept(self, tree: DraftTree, logits: torch.Tensor, slots: torch.Tensor,
-                slots_host: np.ndarray, positions: torch.Tensor) -> AcceptResult:
+                slots_host: np.ndarray | None, positions: torch.Tensor, flags) -> AcceptResult:
+        """`flags`: the batch's (gpu/sampling_state.py BatchFlags), every node's the same as
+        its request's. `slots_host` may be None for a greedy batch (inside a CUDA graph)."""
         st = self.state
         bs, T = tree.tokens.shape
         node_slots = slots.repeat_interleave(T)
-        node_host = np.repeat(slots_host, T)
-        flags = st.sampler.batch_flags(node_slots, node_host)
         # A node samples the token after the drafts on its path: the penalties and the
         # min_new_tokens ban count them, as plain decoding would have by then.
         drafted = drafted_before(tree) if flags.any_penalty or flags.any_min_tokens else None
@@ -284,7 +329,8 @@ class EagleStep:
             processed = st.sampler.process_logits(logits, node_slots, flags, drafted)
             return accept_greedy(tree, processed.argmax(-1).view(bs, T))
         following = (positions + 1).reshape(-1)  # the position the next token takes
-        probs = st.sampler.target_probs(logits, node_slots, following, slots_host=node_host,
+        probs = st.sampler.target_probs(logits, node_slots, following,
+                                        slots_host=np.repeat(slots_host, T),
                                         drafted=drafted)
         seeds = st.sampling_state.seeds_of(slots)
         return accept_sampling(tree, probs.view(bs, T, -1), seeds, positions + 1)

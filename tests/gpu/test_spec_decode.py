@@ -370,8 +370,9 @@ def verify(runner, params: SamplingParams, drafts: list[int], logits: torch.Tens
         state.record_outputs(slots.repeat(len(generated)), torch.tensor(generated, device=device))
     tree = chain_tree(torch.tensor([ROOT], device=device), torch.tensor([drafts], device=device))
     positions = torch.arange(len(drafts) + 1, device=device)[None, :] + 10
+    flags = runner.state.sampler.batch_flags(slots, np.array([1]))
     result = EagleStep._accept(runner.step, tree, logits.to(device), slots, np.array([1]),
-                               positions)
+                               positions, flags)
     out = result.accepted_tokens[0]
     return out[out >= 0].tolist()
 
