@@ -20,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     F.rms_norm computes in fp32 and rounds once for any input dtype, so each form is one norm
     kernel plus at most a cast and a multiply, not the seven kernels of the spelled-out
     arithmetic (on a GPU's decode graph that was ~430 of a token's ~900 kernels); it gives
-    the spelled-out result bit for bit on the CPU, within one unit in the last place on CUDA
+    the spelled-out result bit for bit on the CPU, within two units in the last place on CUDA
     (tests/gpu/test_layers.py)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)

@@ -1,7 +1,7 @@
 """gpu/layers.py's RMSNorms against transformers' own modules in every dtype a model runs in:
 bit for bit on the CPU (the fused F.rms_norm forms must round exactly where the reference does);
-on CUDA within one unit in the last place, since its fused kernel sums the squares in another
-order (seen on an H100: fp32 off by 2e-6 in 17% of elements, fp16 now and then one rounding
+on CUDA within two units in the last place, since its fused kernel sums the squares in another
+order (seen on an H100: fp32 off by up to 2.1e-7 relative, fp16 now and then one rounding
 step; bf16 equal)."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
     if DEVICE == "cpu":
         assert torch.equal(got, expected)
         return
-    ulp = torch.finfo(got.dtype).eps  # relative: one step at the value's own magnitude
-    torch.testing.assert_close(got, expected, rtol=ulp, atol=ulp)
+    ulps = 2 * torch.finfo(got.dtype).eps  # relative: two steps at the value's own magnitude
+    torch.testing.assert_close(got, expected, rtol=ulps, atol=ulps)
 
 
 def inputs(shape, dtype, seed):
