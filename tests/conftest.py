@@ -28,6 +28,11 @@ os.environ.setdefault("FMSERVE_COMPILE", "off")
 # packs is measured at every worker start while the machine is busy (gpu/cpu_kernels.py): a
 # few seconds each under the suite. Fixed here; tests/gpu/test_cpu_kernels.py measures it.
 os.environ.setdefault("FMSERVE_CPU_CODES_ROWS", "2")
+# On a CPU with native bf16, dtype "auto" for a GGUF is bf16 or fp32 on the C kernel, whichever
+# a timing says is faster (gpu/cpu_dtype.py); on a busy machine two workers of one test could
+# choose differently. Fixed to bf16, the suite's choice there before; tests/gpu/test_cpu_dtype.py
+# measures it, and the fp32 path is what CPUs without native bf16 run.
+os.environ.setdefault("FMSERVE_CPU_DTYPE", "bf16")
 
 
 @pytest.fixture(scope="session")
