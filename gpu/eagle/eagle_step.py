@@ -30,7 +30,7 @@ from gpu.device import host_to_device
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
-from gpu.eagle.spec_gate import SpecGate
+from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
 from gpu.eagle.tree import DraftTree
@@ -71,7 +71,10 @@ class EagleStep:
         # same forwards (their collectives pair up).
         timed = (state.device.type == "cpu" and not state.cfg.runtime.deterministic
                  and state.shard is None and state.dp_attention is None)
-        self.gate = SpecGate(settings.disable_above_batch_size, measured=timed)
+        on_gpu = (state.device.type == "cuda" and not state.cfg.runtime.deterministic
+                  and state.dp_attention is None)  # DP ranks draft alike: their own sizes
+        self.gate = SpecGate(settings.disable_above_batch_size, measured=timed,
+                             unmeasured_auto=GPU_AUTO_LIMIT if on_gpu else 0)
         # Decode steps the gate keeps from drafting run the target in C where the plain step
         # would (gpu/cpu_decode_step.py), with the head's features captured between segments
         # of layers: "auto" compares drafting with the plain step's own speed then.

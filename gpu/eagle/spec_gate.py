@@ -13,9 +13,13 @@ then plain for a few steps, then keeps the winner and re-measures the loser now 
 change (longer contexts, a different acceptance) is noticed.
 
 Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
-the launch returns before the device is done, so "auto" drafts at every size there (a verify
-of a small model on a GPU costs about what a decode does: it is launch-bound). Tensor-parallel
-ranks do not measure either: each would time itself, and they must all take the same way.
+the launch returns before the device is done, so there "auto" is a fixed limit instead,
+GPU_AUTO_LIMIT, from an H100 with both steps as CUDA graphs (docs/benchmarks.md): EAGLE-3 served
+1.04-1.13x plain decode at one stream and 0.66-0.69x at eight (a graphed plain step of a small
+model costs about the same at 1, 2 or 8 rows; a verify of 5-12 rows a request does not), so it
+drafts up to two requests, about where the two cross. Tensor-parallel ranks and deterministic
+mode do not measure either (each rank would time itself, and they must all take the same way;
+a timing is not deterministic): there "auto" always drafts.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 TRIALS = 4  # steps each way before a class decides
 REPROBE_EVERY = 64  # steps of a class between two measurements of the losing way
 SMOOTHING = 0.25  # weight of the newest step in a way's running seconds per token
+GPU_AUTO_LIMIT = 2  # what "auto" means on a GPU (the module docstring)
 
 
 @dataclass
@@ -53,11 +58,12 @@ def size_class(batch_size: int) -> int:
 
 
 class SpecGate:
-    def __init__(self, limit: int | str, measured: bool) -> None:
+    def __init__(self, limit: int | str, measured: bool, unmeasured_auto: int = 0) -> None:
         """`limit`: spec.disable_above_batch_size (an int, 0 = always draft, or "auto");
-        `measured`: whether host time measures a step (a CPU device)."""
-        self.limit = limit
+        `measured`: whether host time measures a step (a CPU device); `unmeasured_auto`: the
+        limit "auto" means where it does not (GPU_AUTO_LIMIT on a GPU, 0 elsewhere)."""
         self.auto = limit == "auto" and measured
+        self.limit = unmeasured_auto if limit == "auto" and not measured else limit
         self.classes: dict[int, _SizeClass] = {}
 
     def drafts(self, batch_size: int) -> bool:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpu.eagle.spec_gate import REPROBE_EVERY, TRIALS, SpecGate, size_class
+from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, REPROBE_EVERY, TRIALS, SpecGate, size_class
 
 
 def test_size_classes_are_powers_of_two():
@@ -16,8 +16,16 @@ def test_a_fixed_limit_drafts_up_to_it(limit, drafting):
 
 
 def test_auto_without_a_host_clock_that_measures_always_drafts():
-    gate = SpecGate("auto", measured=False)  # a GPU, or deterministic mode
+    gate = SpecGate("auto", measured=False)  # deterministic mode, tensor-parallel ranks
     assert all(gate.drafts(b) for b in (1, 8, 256))
+
+
+def test_auto_on_a_gpu_is_the_measured_fixed_limit():
+    gate = SpecGate("auto", measured=False, unmeasured_auto=GPU_AUTO_LIMIT)
+    assert [b for b in range(1, 9) if gate.drafts(b)] == list(range(1, GPU_AUTO_LIMIT + 1))
+    gate.record(1, True, 1.0, 1)  # nothing is timed there: the limit stays
+    assert not gate.drafts(8)
+    assert SpecGate(4, measured=False, unmeasured_auto=GPU_AUTO_LIMIT).drafts(4)  # as set
 
 
 def run(gate: SpecGate, batch: int, steps: int, draft_s: float, plain_s: float) -> list[bool]:
