@@ -77,7 +77,7 @@ def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: 
             and "fbgemm" in torch.backends.quantized.supported_engines)
 
 
-def cpu_key(in_features: int, out_features: int) -> str:
+def _cpu_key(in_features: int, out_features: int) -> str:
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -94,7 +94,7 @@ def cpu_key(in_features: int, out_features: int) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def best_ms(fn, x: torch.Tensor) -> float:
+def _best_ms(fn, x: torch.Tensor) -> float:
     fn(x)
     best = float("inf")
     for _ in range(CALIBRATION_REPEATS):
@@ -135,8 +135,8 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
     for rows in CANDIDATE_ROWS:
         x = torch.randn(rows, in_features, generator=gen)
         # Interleaved pairs: a machine busy with other work slows both alike.
-        t_int4 = min(best_ms(int4, x) for _ in range(2))
-        t_wide = min(best_ms(wide, x) for _ in range(2))
+        t_int4 = min(_best_ms(int4, x) for _ in range(2))
+        t_wide = min(_best_ms(wide, x) for _ in range(2))
         if t_int4 > t_wide:
             break
         best = rows
@@ -146,7 +146,7 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
 def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> int:
     """measure_int4_max_rows, cached per CPU, torch version, thread count and shape."""
     path = model_cache_dir() / "cpu_kernels.json"
-    key = cpu_key(in_features, out_features)
+    key = _cpu_key(in_features, out_features)
     known: dict[str, int] = {}
     if cache and path.exists():
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -25,19 +27,29 @@ def device_kind(device: torch.device) -> str:
     return "cpu"
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without either,
-    bf16 matmuls are emulated and run several times slower than fp32 (measured: about 5x on
-    an AVX2-only EPYC at batch 32)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo); empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:  # not Linux: assume no native bf16, fp32 is the safe choice
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without either,
+    bf16 matmuls are emulated and run several times slower than fp32 (measured: about 5x on
+    an AVX2-only EPYC at batch 32)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX's bf16 tile unit (Sapphire Rapids and later Xeons)."""
+    return "amx_bf16" in cpu_flags()
 
 
 def resolve_dtype(spec: str, device: torch.device | None = None) -> torch.dtype:

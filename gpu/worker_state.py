@@ -24,7 +24,7 @@ import torch
 from gpu import cpu_q4_kernel
 from gpu.attention.factory import make_attention_backend, resolve_attention_backend
 from gpu.cpu_decode_step import half_kv_supported
-from gpu.cpu_dtype import auto_dtype_for_codes, codes_dtype_measured
+from gpu.cpu_dtype import auto_dtype_for_codes, codes_dtype_applies
 from gpu.cpu_kernels import fp32_split_applies, plan_fp32_split
 from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtype
 from gpu.dp_attention import AttentionDataParallel
@@ -64,7 +64,7 @@ class WorkerState:
         rt = cfg.runtime
         self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
-        if self.dtype == torch.bfloat16 and codes_dtype_measured(cfg, self.device):
+        if self.dtype == torch.bfloat16 and codes_dtype_applies(cfg, self.device):
             self.dtype = auto_dtype_for_codes()  # bf16 or fp32 on the codes, by speed here
         if self.device.type == "cpu" and rt.worker_cpu_threads > 0:
             torch.set_num_threads(rt.worker_cpu_threads)
