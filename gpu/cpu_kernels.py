@@ -39,6 +39,7 @@ import torch
 
 from gpu import cpu_q4_kernel
 from gpu.cpu_q4_kernel import Q4Rows
+from gpu.device import cpu_has_native_bf16
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
 from gpu.q4_linear import q4_kernel_available
 from gpu.quantized_linear import Fp16Linear
@@ -65,6 +66,7 @@ class Fp32Split:
 
     projection_rows: int
     lm_head_rows: int
+    bf16_gemm: bool = False  # wide forwards multiply in bf16 (a CPU with native bf16)
 
 
 def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: str,
@@ -77,7 +79,7 @@ def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: 
             and "fbgemm" in torch.backends.quantized.supported_engines)
 
 
-def _cpu_key(in_features: int, out_features: int) -> str:
+def _cpu_key(in_features: int, out_features: int, bf16: bool = False) -> str:
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -88,7 +90,8 @@ def _cpu_key(in_features: int, out_features: int) -> str:
                       if ln.startswith("flags")), "")
     except OSError:
         model = platform.processor()
-    kernel = "c+scratch" if cpu_q4_kernel.available() else "torch+fbgemm"
+    kernel = (("c+scratch-bf16" if bf16 else "c+scratch") if cpu_q4_kernel.available()
+              else "torch+fbgemm")
     raw = (f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}|"
            f"{in_features}x{out_features}")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -104,10 +107,10 @@ def _best_ms(fn, x: torch.Tensor) -> float:
     return best * 1e3
 
 
-def measure_int4_max_rows(in_features: int, out_features: int) -> int:
+def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = False) -> int:
     """The most rows (of CANDIDATE_ROWS) at which the 4-bit kernel is still at least as fast
     as the wide path (scratch dequantization, or FBGEMM fp16 without the C kernel) on a
-    random [out, in] weight; 0 where it never is."""
+    random [out, in] weight; 0 where it never is. `bf16`: the wide path's GEMM in bf16."""
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=gen)
     scales_and_zeros = (torch.rand(in_features // Q4_GROUP, out_features, 2, generator=gen)
@@ -122,7 +125,7 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
             return cpu_q4_kernel.q4_matmul(x, rows_form)
 
         def wide(x: torch.Tensor) -> torch.Tensor:
-            return cpu_q4_kernel.scratch_matmul(x, rows_form)
+            return cpu_q4_kernel.scratch_matmul(x, rows_form, bf16)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         wide = Fp16Linear(torch.randn(out_features, in_features, generator=gen) * 0.02)
@@ -143,10 +146,11 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
     return best
 
 
-def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> int:
+def int4_max_rows(in_features: int, out_features: int, cache: bool = True,
+                  bf16: bool = False) -> int:
     """measure_int4_max_rows, cached per CPU, torch version, thread count and shape."""
     path = model_cache_dir() / "cpu_kernels.json"
-    key = _cpu_key(in_features, out_features)
+    key = _cpu_key(in_features, out_features, bf16)
     known: dict[str, int] = {}
     if cache and path.exists():
         try:
@@ -156,7 +160,7 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> in
         if isinstance(known.get(key), int):
             return known[key]
     start = time.perf_counter()
-    rows = measure_int4_max_rows(in_features, out_features)
+    rows = measure_int4_max_rows(in_features, out_features, bf16)
     log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, the wide path above "
              "(measured in %.2f s)", rows, time.perf_counter() - start)
     busy = os.getloadavg()[0] - 1.0  # this process's own measuring counts as one
@@ -176,11 +180,13 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> in
 
 def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = True) -> Fp32Split:
     """The hand-over rows for a model's projections (measured on its MLP's up projection, the
-    largest) and for its lm_head; $FMSERVE_CPU_CODES_ROWS, where set, gives both instead."""
+    largest) and for its lm_head; $FMSERVE_CPU_CODES_ROWS, where set, gives both instead.
+    On a CPU with native bf16 the wide path multiplies in bf16 (`scratch_matmul`)."""
+    bf16 = cpu_has_native_bf16()
     if rows := os.environ.get(ENV_CODES_ROWS, "").strip():
         if not rows.isdigit():
             raise ValueError(f"{ENV_CODES_ROWS}={rows!r}: give a whole number of rows >= 0 "
                              f"(0: every forward on the fp16 packs), or unset it to measure")
-        return Fp32Split(int(rows), int(rows))
-    return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache),
-                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache))
+        return Fp32Split(int(rows), int(rows), bf16)
+    return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache, bf16),
+                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache, bf16), bf16)

@@ -226,24 +226,35 @@ SCRATCH_FLOATS = 1 << 21
 _scratch = threading.local()
 
 
-def scratch_matmul(x: torch.Tensor, w: "Q4Rows | Q8Rows") -> torch.Tensor:
+def scratch_matmul(x: torch.Tensor, w: "Q4Rows | Q8Rows", bf16: bool = False) -> torch.Tensor:
     """x [rows, width] fp32 @ w^T for many rows (a prefill chunk): the codes dequantized a
     piece of outputs at a time into one reused fp32 buffer, multiplied by torch's GEMM. Near
-    FBGEMM's fp16 speed from 64 rows up, with no dense copy of the weight kept."""
+    FBGEMM's fp16 speed from 64 rows up, with no dense copy of the weight kept. `bf16`: the
+    GEMM in bf16 (weights and input rounded, output fp32 again), for a CPU with native bf16,
+    where it ran 2.4-3x the fp32 GEMM on 128-512 rows (AVX512-BF16 EPYC): prefill is bound by
+    the multiply there, and a bf16 model rounds the same way."""
     out, width = (w.codes if isinstance(w, Q8Rows) else w.nibbles).shape[0], x.shape[1]
     buf = getattr(_scratch, "buf", None)
     if buf is None:
         buf = _scratch.buf = torch.empty(SCRATCH_FLOATS)
+    if bf16:
+        half = getattr(_scratch, "half", None)
+        if half is None:
+            half = _scratch.half = torch.empty(SCRATCH_FLOATS, dtype=torch.bfloat16)
+        x = x.to(torch.bfloat16)
     piece = max(1, min(out, SCRATCH_FLOATS // width))
-    if piece == out:
-        dequantize_rows(w, 0, buf[:out * width].view(out, width))
-        return x @ buf[:out * width].view(out, width).t()
     y = torch.empty(x.shape[0], out)
     for start in range(0, out, piece):
         count = min(piece, out - start)
         wp = buf[:count * width].view(count, width)
         dequantize_rows(w, start, wp)
-        torch.mm(x, wp.t(), out=y[:, start:start + count])
+        if bf16:
+            wp = half[:count * width].view(count, width).copy_(wp)
+            y[:, start:start + count] = x @ wp.t()
+        elif count == out:
+            return x @ wp.t()
+        else:
+            torch.mm(x, wp.t(), out=y[:, start:start + count])
     return y
 
 
@@ -282,14 +293,16 @@ def _rows_matmul(x: torch.Tensor, rows: "Q4Rows | Q8Rows") -> torch.Tensor:
 
 
 class CodesLinear(Q4Linear):
-    """A projection of an fp32 model on a CPU without native bf16, kept only as its codes:
+    """A projection of an fp32 model on its codes (gpu/cpu_kernels.py), kept only as them:
     forwards of at most `max_tokens` rows on this kernel, larger ones (prefill) on the codes
     dequantized a piece at a time into a scratch buffer (`scratch_matmul`); no dense copy of
     the weight stays resident. A Q8_0 weight (the loader's 4-bit pair) is kept as its int8
     codes, half the work and 0.75x the bytes."""
 
-    def __init__(self, segments: Int4Weight | list[Int4Weight], max_tokens: int) -> None:
+    def __init__(self, segments: Int4Weight | list[Int4Weight], max_tokens: int,
+                 bf16_gemm: bool = False) -> None:
         super().__init__(segments, max_tokens, fp32_input=True)
+        self.bf16_gemm = bf16_gemm  # the wide forwards' GEMM in bf16 (scratch_matmul)
 
     def keep_codes(self, weights: list[Int4Weight]) -> None:
         self.rows = [Q8Rows.from_pair(w) or Q4Rows.from_weight(w) for w in weights]
@@ -306,7 +319,8 @@ class CodesLinear(Q4Linear):
         outs = []
         for s, r in zip(self.segments, self.rows):
             xs = xf if isinstance(r, Q8Rows) else s.widen(xf)
-            outs.append(_rows_matmul(xs, r) if small else scratch_matmul(xs.contiguous(), r))
+            outs.append(_rows_matmul(xs, r) if small else
+                        scratch_matmul(xs.contiguous(), r, self.bf16_gemm))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y.to(x.dtype)
 

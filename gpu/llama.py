@@ -110,7 +110,7 @@ class LlamaModel:
                 return Q4Linear(parts, rows)
             self.wide_paths += 1
             if codes_linear_ok(parts):  # fmserve's C kernel, scratch dequant above split_rows
-                return CodesLinear(parts, split_rows)
+                return CodesLinear(parts, split_rows, fp32_split.bf16_gemm)
             fp16 = Fp16Linear(dense())  # Q6_K's digits16 parts: torch's int4 kernel + FBGEMM
             return Q4Linear(parts, split_rows, dense=fp16, fp32_input=True) if split_rows else fp16
 

@@ -38,6 +38,16 @@ def split_model(gguf_path):
     return build(gguf_path, Fp32Split(projection_rows=4, lm_head_rows=2))
 
 
+def test_a_bf16_split_runs_its_wide_forwards_in_bf16(gguf_path):
+    model = build(gguf_path, Fp32Split(projection_rows=4, lm_head_rows=2, bf16_gemm=True))
+    proj = unwrap(model.layers[0].gate_up_proj)
+    if not isinstance(proj, CodesLinear):
+        pytest.skip("no C kernel here: the wide path is FBGEMM's fp16 packs")
+    x = torch.randn(32, proj.in_features, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(proj(x), scratch_matmul(x, proj.rows[0], bf16=True))
+    assert torch.equal(proj(x[:4]), q4_matmul(x[:4], proj.rows[0]))  # small ones on the codes
+
+
 def test_only_dtype_auto_on_the_cpu_takes_the_split():
     assert fp32_split_applies(CPU, torch.float32, "auto", 12)
     assert not fp32_split_applies(CPU, torch.float32, "fp32", 12)  # explicit fp32 stays exact
@@ -130,7 +140,7 @@ def test_the_hand_over_is_measured_once_then_read_from_the_cache(tmp_path, monke
     calls = []
     real = cpu_kernels.measure_int4_max_rows
     monkeypatch.setattr(cpu_kernels, "measure_int4_max_rows",
-                        lambda i, o: calls.append((i, o)) or real(i, o))
+                        lambda i, o, bf16: calls.append((i, o)) or real(i, o, bf16))
     first = int4_max_rows(64, 128)
     assert first in (0, *cpu_kernels.CANDIDATE_ROWS) and calls == [(64, 128)]
     assert int4_max_rows(64, 128) == first and len(calls) == 1  # from the cache
@@ -150,7 +160,9 @@ def test_a_hand_over_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypa
 
 def test_the_environment_can_fix_the_hand_over(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_CODES_ROWS, "3")
-    assert cpu_kernels.plan_fp32_split(576, 1536, 49152) == Fp32Split(3, 3)
+    # The wide path multiplies in bf16 where the CPU has it (gpu/cpu_q4_kernel.py).
+    assert cpu_kernels.plan_fp32_split(576, 1536, 49152) == Fp32Split(
+        3, 3, bf16_gemm=cpu_kernels.cpu_has_native_bf16())
     for bad in ("many", "-1"):
         monkeypatch.setenv(cpu_kernels.ENV_CODES_ROWS, bad)
         with pytest.raises(ValueError, match=f"FMSERVE_CPU_CODES_ROWS='{bad}': give a whole"):

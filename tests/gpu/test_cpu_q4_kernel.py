@@ -180,6 +180,21 @@ def test_a_wide_forward_dequantizes_in_pieces_when_the_weight_outgrows_the_scrat
     torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-7)
 
 
+def test_a_bf16_wide_forward_rounds_as_a_bf16_gemm_and_returns_fp32(monkeypatch):
+    rows = random_rows(100, 64, seed=5)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(7))
+    reference = (x.bfloat16() @ rows.dequantize().bfloat16().t()).float()
+    monkeypatch.setattr(cpu_q4_kernel, "SCRATCH_FLOATS", 64 * 30)  # in pieces too
+    monkeypatch.setattr(cpu_q4_kernel._scratch, "buf", None, raising=False)
+    monkeypatch.setattr(cpu_q4_kernel._scratch, "half", None, raising=False)
+    y = scratch_matmul(x, rows, bf16=True)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, reference, rtol=1e-2, atol=1e-2)  # bf16's own rounding
+    exact = x @ rows.dequantize().t()
+    assert not torch.equal(y, exact)  # it did multiply in bf16
+    torch.testing.assert_close(y, exact, rtol=0.05, atol=0.05)
+
+
 def test_an_embedding_kept_as_q8_0_codes_looks_up_the_files_rows():
     raw, exact = quantized("Q8_0", rows=50, cols=64)
     codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
