@@ -36,7 +36,7 @@ from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, o
 from gpu.eagle.tree import DraftTree
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.plain_step import PlainStep, graphs_apply
-from gpu.sampling_state import DraftedBefore
+from gpu.sampling_state import BatchFlags, DraftedBefore
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
 from ipc.worker_messages import ExtendEntry, StepResult, pack_i32, unpack_i32
@@ -240,8 +240,8 @@ class EagleStep:
         return StepPart(slots_host, {"tokens": out_tokens, "accept": acc,
                                      **logprob_outputs(scored)}, verify=True)
 
-    def draft_and_verify(self, slots: torch.Tensor, slots_host: np.ndarray | None, flags
-                         ) -> tuple[torch.Tensor, ...]:
+    def draft_and_verify(self, slots: torch.Tensor, slots_host: np.ndarray | None,
+                         flags: BatchFlags) -> tuple:
         """The device half of a drafting decode step, from the FutureMap's state to the next
         step's: draft the tree, verify it, accept, commit, extend the draft over the accepted
         path. Returns (emitted tokens [bs, E] -1 padded, accept lengths, the tree, the verify
@@ -319,9 +319,9 @@ class EagleStep:
         return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
 
     def _accept(self, tree: DraftTree, logits: torch.Tensor, slots: torch.Tensor,
-                slots_host: np.ndarray | None, positions: torch.Tensor, flags) -> AcceptResult:
-        """`flags`: the batch's (gpu/sampling_state.py BatchFlags), every node's the same as
-        its request's. `slots_host` may be None for a greedy batch (inside a CUDA graph)."""
+                slots_host: np.ndarray | None, positions: torch.Tensor,
+                flags: BatchFlags) -> AcceptResult:
+        """`flags`: the batch's, every node's the same as its request's. `slots_host` may be None for a greedy batch (inside a CUDA graph)."""
         st = self.state
         bs, T = tree.tokens.shape
         node_slots = slots.repeat_interleave(T)
