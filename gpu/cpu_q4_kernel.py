@@ -226,6 +226,18 @@ SCRATCH_FLOATS = 1 << 21
 _scratch = threading.local()
 
 
+def _scratch_buffer(name: str, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reused scratch of SCRATCH_FLOATS elements. Made outside inference mode
+    whatever the caller's: an inference tensor could not be written in place by a later call
+    made outside it."""
+    buf = getattr(_scratch, name, None)
+    if buf is None:
+        with torch.inference_mode(False):
+            buf = torch.empty(SCRATCH_FLOATS, dtype=dtype)
+        setattr(_scratch, name, buf)
+    return buf
+
+
 def scratch_matmul(x: torch.Tensor, w: "Q4Rows | Q8Rows", bf16: bool = False) -> torch.Tensor:
     """x [rows, width] fp32 @ w^T for many rows (a prefill chunk): the codes dequantized a
     piece of outputs at a time into one reused fp32 buffer, multiplied by torch's GEMM. Near
@@ -234,13 +246,9 @@ def scratch_matmul(x: torch.Tensor, w: "Q4Rows | Q8Rows", bf16: bool = False) ->
     where it ran 2.4-3x the fp32 GEMM on 128-512 rows (AVX512-BF16 EPYC): prefill is bound by
     the multiply there, and a bf16 model rounds the same way."""
     out, width = (w.codes if isinstance(w, Q8Rows) else w.nibbles).shape[0], x.shape[1]
-    buf = getattr(_scratch, "buf", None)
-    if buf is None:
-        buf = _scratch.buf = torch.empty(SCRATCH_FLOATS)
+    buf = _scratch_buffer("buf", torch.float32)
     if bf16:
-        half = getattr(_scratch, "half", None)
-        if half is None:
-            half = _scratch.half = torch.empty(SCRATCH_FLOATS, dtype=torch.bfloat16)
+        half = _scratch_buffer("half", torch.bfloat16)
         x = x.to(torch.bfloat16)
     piece = max(1, min(out, SCRATCH_FLOATS // width))
     y = torch.empty(x.shape[0], out)

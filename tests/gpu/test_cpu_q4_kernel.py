@@ -195,6 +195,19 @@ def test_a_bf16_wide_forward_rounds_as_a_bf16_gemm_and_returns_fp32(monkeypatch)
     torch.testing.assert_close(y, exact, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_the_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch, bf16):
+    """The worker's forwards run in inference mode, tests and tools outside it: a scratch
+    buffer first made inside must not refuse the in-place writes of a later call outside."""
+    for name in ("buf", "half"):
+        monkeypatch.setattr(cpu_q4_kernel._scratch, name, None, raising=False)
+    rows = random_rows(100, 64, seed=8)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        inside = scratch_matmul(x, rows, bf16=bf16)
+    assert torch.equal(scratch_matmul(x, rows, bf16=bf16), inside)
+
+
 def test_an_embedding_kept_as_q8_0_codes_looks_up_the_files_rows():
     raw, exact = quantized("Q8_0", rows=50, cols=64)
     codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
