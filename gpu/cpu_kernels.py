@@ -79,7 +79,7 @@ def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: 
             and "fbgemm" in torch.backends.quantized.supported_engines)
 
 
-def _cpu_key(in_features: int, out_features: int, bf16: bool = False) -> str:
+def _cpu_key(in_features: int, out_features: int) -> str:
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -90,8 +90,7 @@ def _cpu_key(in_features: int, out_features: int, bf16: bool = False) -> str:
                       if ln.startswith("flags")), "")
     except OSError:
         model = platform.processor()
-    kernel = (("c+scratch-bf16" if bf16 else "c+scratch") if cpu_q4_kernel.available()
-              else "torch+fbgemm")
+    kernel = "c+scratch" if cpu_q4_kernel.available() else "torch+fbgemm"
     raw = (f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}|"
            f"{in_features}x{out_features}")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -107,10 +106,10 @@ def _best_ms(fn, x: torch.Tensor) -> float:
     return best * 1e3
 
 
-def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = False) -> int:
+def measure_int4_max_rows(in_features: int, out_features: int) -> int:
     """The most rows (of CANDIDATE_ROWS) at which the 4-bit kernel is still at least as fast
     as the wide path (scratch dequantization, or FBGEMM fp16 without the C kernel) on a
-    random [out, in] weight; 0 where it never is. `bf16`: the wide path's GEMM in bf16."""
+    random [out, in] weight; 0 where it never is."""
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=gen)
     scales_and_zeros = (torch.rand(in_features // Q4_GROUP, out_features, 2, generator=gen)
@@ -125,7 +124,7 @@ def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = Fals
             return cpu_q4_kernel.q4_matmul(x, rows_form)
 
         def wide(x: torch.Tensor) -> torch.Tensor:
-            return cpu_q4_kernel.scratch_matmul(x, rows_form, bf16)
+            return cpu_q4_kernel.scratch_matmul(x, rows_form)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         wide = Fp16Linear(torch.randn(out_features, in_features, generator=gen) * 0.02)
@@ -146,11 +145,10 @@ def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = Fals
     return best
 
 
-def int4_max_rows(in_features: int, out_features: int, cache: bool = True,
-                  bf16: bool = False) -> int:
+def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> int:
     """measure_int4_max_rows, cached per CPU, torch version, thread count and shape."""
     path = model_cache_dir() / "cpu_kernels.json"
-    key = _cpu_key(in_features, out_features, bf16)
+    key = _cpu_key(in_features, out_features)
     known: dict[str, int] = {}
     if cache and path.exists():
         try:
@@ -160,7 +158,7 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True,
         if isinstance(known.get(key), int):
             return known[key]
     start = time.perf_counter()
-    rows = measure_int4_max_rows(in_features, out_features, bf16)
+    rows = measure_int4_max_rows(in_features, out_features)
     log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, the wide path above "
              "(measured in %.2f s)", rows, time.perf_counter() - start)
     busy = os.getloadavg()[0] - 1.0  # this process's own measuring counts as one
@@ -181,12 +179,16 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True,
 def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = True) -> Fp32Split:
     """The hand-over rows for a model's projections (measured on its MLP's up projection, the
     largest) and for its lm_head; $FMSERVE_CPU_CODES_ROWS, where set, gives both instead.
-    On a CPU with native bf16 the wide path multiplies in bf16 (`scratch_matmul`)."""
+    On a CPU with native bf16 the wide path multiplies in bf16 (`scratch_matmul`), but the
+    hand-over is still measured against its fp32 GEMM: the hand-over also bounds the batches the
+    whole decoder runs as one C call (gpu/cpu_decode_step.py), which beats op-by-op forwards
+    further than one projection shows (AVX512-BF16 EPYC, decode at batch 32: 281-322 tok/s with
+    the C step up to 48 rows, the fp32-measured hand-over; 199-257 with 16, the bf16 one)."""
     bf16 = cpu_has_native_bf16()
     if rows := os.environ.get(ENV_CODES_ROWS, "").strip():
         if not rows.isdigit():
             raise ValueError(f"{ENV_CODES_ROWS}={rows!r}: give a whole number of rows >= 0 "
                              f"(0: every forward on the fp16 packs), or unset it to measure")
         return Fp32Split(int(rows), int(rows), bf16)
-    return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache, bf16),
-                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache, bf16), bf16)
+    return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache),
+                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache), bf16)
