@@ -27,6 +27,7 @@ capture itself is exercised by tests/gpu/test_cuda.py on a GPU.
 from __future__ import annotations
 
 import bisect
+from functools import partial
 from typing import Callable
 
 import torch
@@ -57,6 +58,38 @@ class EagerReplay:
 
     def replay(self) -> None:
         self.fn()
+
+
+def capture_buckets(sizes: list[int], device: torch.device,
+                    make_fn: Callable[[int], Callable[[], None]]) -> dict[int, object]:
+    """A graph of `make_fn(size)()` per bucket size, captured largest first into one memory
+    pool (each warmed up twice on a side stream first: Triton compiles, the allocator
+    settles); on the CPU, EagerReplay of the same function. Shared by the decode graphs and
+    the EAGLE step's (gpu/eagle/eagle_graphs.py)."""
+    cuda = device.type == "cuda"
+    graphs: dict[int, object] = {}
+    pool = None
+    if cuda:
+        torch.cuda.synchronize(device)
+    for size in reversed(sizes):
+        fn = make_fn(size)
+        if not cuda:
+            graphs[size] = EagerReplay(fn)
+            continue
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        pool = graph.pool()
+        graphs[size] = graph
+    if cuda:
+        torch.cuda.synchronize(device)
+    return graphs
 
 
 class DecodeGraphs:
@@ -96,30 +129,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool. On the CPU: EagerReplay."""
-        cuda = self.device.type == "cuda"
-        pool = None
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        for size in reversed(self.sizes):
-            batch = self.static_batch(size)
-            fn = (lambda b=batch: self._forward(b))
-            if not cuda:
-                self.graphs[size] = EagerReplay(fn)
-            else:
-                # Warm up on a side stream (Triton compiles, the allocator settles), then capture.
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    fn()
-                    fn()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    fn()
-                pool = graph.pool()
-                self.graphs[size] = graph
-        if cuda:
-            torch.cuda.synchronize(self.device)
+        self.graphs = capture_buckets(
+            self.sizes, self.device, lambda size: partial(self._forward, self.static_batch(size)))
         self.ints.copy_(self.pad)
 
     def can_run(self, batch: ForwardBatch) -> bool:

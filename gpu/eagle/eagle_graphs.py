@@ -33,7 +33,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu.decode_graphs import EagerReplay, bucket_sizes
+from gpu.decode_graphs import bucket_sizes, capture_buckets
 from gpu.device import host_to_device
 
 PADDING_SLOT = 0
@@ -74,30 +74,9 @@ class EagleGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool; on the CPU, EagerReplay.
         Only padding rows run while capturing: no request's state is touched."""
-        cuda = self.device.type == "cuda"
-        pool = None
         self.slots.fill_(PADDING_SLOT)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        for size in reversed(self.sizes):
-            fn = partial(self._forward, size)
-            if not cuda:
-                self.graphs[size] = EagerReplay(fn)
-                continue
-            # Warm up on a side stream (Triton compiles, the allocator settles), then capture.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                fn()
-                fn()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                fn()
-            pool = graph.pool()
-            self.graphs[size] = graph
-        if cuda:
-            torch.cuda.synchronize(self.device)
+        self.graphs = capture_buckets(self.sizes, self.device,
+                                      lambda size: partial(self._forward, size))
 
     def can_run(self, slots_host: np.ndarray) -> bool:
         bs = len(slots_host)
