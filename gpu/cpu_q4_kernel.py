@@ -251,16 +251,16 @@ def scratch_matmul(x: torch.Tensor, w: "Q4Rows | Q8Rows", bf16: bool = False) ->
         half = _scratch_buffer("half", torch.bfloat16)
         x = x.to(torch.bfloat16)
     piece = max(1, min(out, SCRATCH_FLOATS // width))
+    if piece == out and not bf16:
+        dequantize_rows(w, 0, buf[:out * width].view(out, width))
+        return x @ buf[:out * width].view(out, width).t()
     y = torch.empty(x.shape[0], out)
     for start in range(0, out, piece):
         count = min(piece, out - start)
         wp = buf[:count * width].view(count, width)
         dequantize_rows(w, start, wp)
-        if bf16:
-            wp = half[:count * width].view(count, width).copy_(wp)
-            y[:, start:start + count] = x @ wp.t()
-        elif count == out:
-            return x @ wp.t()
+        if bf16:  # bf16 x bf16 has no fp32 `out=` on the CPU: the piece is copied in
+            y[:, start:start + count] = x @ half[:count * width].view(count, width).copy_(wp).t()
         else:
             torch.mm(x, wp.t(), out=y[:, start:start + count])
     return y

@@ -230,7 +230,7 @@ class EagleStep:
         # root, then the accepted drafts), as the plain step would report them; only when a
         # request asks (a host check: no gather of [bs * E, vocab] logits otherwise).
         scored = None
-        if st.sampling_state.max_logprobs(slots_host) >= 0:
+        if flags.max_logprobs >= 0:
             T, E = tree.tokens.shape[1], out_tokens.shape[1]
             node_rows = (torch.arange(bs, device=st.device)[:, None] * T + path).reshape(-1)
             scored = st.sampler.logprobs_of(logits[node_rows], slots.repeat_interleave(E),
