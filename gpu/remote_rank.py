@@ -19,8 +19,8 @@ from datetime import timedelta
 import msgspec
 import torch.distributed as dist
 
-from gpu.tp_ranks import (COLLECTIVE_TIMEOUT, CONFIG_KEY, GROUP_KEY, RankGroup, backend_for,
-                          follow)
+from gpu.tp_ranks import (COLLECTIVE_TIMEOUT, CONFIG_KEY, FULL_KEY, GROUP_KEY, RankGroup,
+                          backend_for, follow)
 from ipc.worker_config import WorkerConfig
 
 JOIN_TIMEOUT = timedelta(seconds=20)  # one attempt to reach rank 0; then say so and retry
@@ -72,7 +72,9 @@ def serve_remote_rank(rank: int, size: int, addr: str, port: int, model: str | N
         try:
             store = dist.TCPStore(addr, port, size, False, timeout=JOIN_TIMEOUT)
             group = store.get(GROUP_KEY)
-            if group == last_group:  # the store of the group that just went down
+            # The store of the group that just went down, or of one already complete (a rank
+            # of it died and rank 0 has not noticed yet): wait for the next group.
+            if group == last_group or (store.check([FULL_KEY]) and store.get(FULL_KEY) == group):
                 time.sleep(RETRY_S)
                 continue
             cfg = group_config(store, model, threads)

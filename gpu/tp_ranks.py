@@ -39,6 +39,7 @@ KEEPALIVE_S = 60.0  # well below COLLECTIVE_TIMEOUT: idle ranks wait in a broadc
 # what finds one that died while the group idles.
 REMOTE_KEEPALIVE_S = 1.0
 CONFIG_KEY, GROUP_KEY = "fmserve/config", "fmserve/group"  # rank 0's store, for remote ranks
+FULL_KEY = "fmserve/full"  # the group token again once every rank has joined
 POLL_MS = 50  # how often rank 0, idle, checks that its ranks live
 STOP_GRACE_S = 5.0
 
@@ -110,6 +111,13 @@ def publish_group(store: dist.TCPStore, config_json: str) -> None:
     store.set(GROUP_KEY, secrets.token_hex(8))
 
 
+def mark_group_full(store: dist.TCPStore) -> None:
+    """Every rank has joined: a rank that reaches this store now (one started right after a
+    rank of this group died, before rank 0 noticed) must wait for the next group, not try to
+    join this one, which would wait for a rank 0 that never answers."""
+    store.set(FULL_KEY, store.get(GROUP_KEY))
+
+
 def start_ranks(cfg: WorkerConfig, config_json: str) -> RankGroup:
     """Rank 0: open the rendezvous store, start ranks 1..N-1 on this machine (or, with
     parallel.remote_ranks, publish the config for the `fmserve worker`s elsewhere and wait
@@ -134,6 +142,8 @@ def start_ranks(cfg: WorkerConfig, config_json: str) -> RankGroup:
     # As init_method="env://" would: the default group's keys under its prefix.
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=0,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    if cfg.parallel.remote_ranks:
+        mark_group_full(store)
     group = RankGroup(0, size, backend, followers)
     group.keepalive_s = REMOTE_KEEPALIVE_S if cfg.parallel.remote_ranks else KEEPALIVE_S
     return group
