@@ -35,35 +35,74 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 # The kernel and the decode step built on it (gpu/cpu_decode_step.py), one library.
-SOURCES = (CSRC / "q4_matmul.c", CSRC / "decode_step.c")
+SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c")
 HEADERS = (CSRC / "q4_matmul.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# The library for this CPU ("native"), or without AVX-512 ("avx2": the AVX2 dot-product loop
+# an AVX2-only CPU runs, built on a newer one to compare the two).
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "c": ("-march=x86-64",)}
+
+
+# Output rows the kernel interleaves (gpu/csrc/q4_matmul.c): a weight's rows come in groups of it.
+GROUP_ROWS = 16
 
 
 @dataclass
 class Q4Rows:
-    """An [out, width] int4 matrix in the kernel's form: w = q * scale + minimum per block."""
+    """An [out, width] int4 matrix in the kernel's form: w = q * scale + minimum per block of
+    32 inputs, the rows interleaved GROUP_ROWS together. For each group of 16 rows and block,
+    8 steps of 32 bytes; step j holds inputs 4j..4j+3 of each row, 4 bytes a row, rows 0-7 in
+    the low nibbles and 8-15 in the high ones. Scales and minimums are [groups, blocks, 16].
+    The tensors keep the [out, ...] shapes of the plain layout (the bytes are the same count)."""
 
-    nibbles: torch.Tensor  # [out, width / 2] uint8: byte j of a block = q[j] | q[j + 16] << 4
-    scale: torch.Tensor  # [out, width / 32] fp32
-    minimum: torch.Tensor  # [out, width / 32] fp32
+    nibbles: torch.Tensor  # [out, width / 2] uint8, interleaved as above
+    scale: torch.Tensor  # [out, width / 32] fp32, as [out / 16, width / 32, 16]
+    minimum: torch.Tensor  # [out, width / 32] fp32, likewise
 
     @staticmethod
     def from_weight(weight: Int4Weight) -> "Q4Rows":
         b = weight.blocks
         out, width = b.codes.shape
-        q = b.codes.view(out, width // Q4_GROUP, Q4_GROUP)
-        nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, width // 2).contiguous()
+        if out % GROUP_ROWS:
+            raise ValueError(f"the 4-bit kernel takes weights of a multiple of {GROUP_ROWS} "
+                             f"rows; this one has {out}")
+        groups, nb = out // GROUP_ROWS, width // Q4_GROUP
+        # [group, row, block, step, byte] -> [group, block, step, row, byte]
+        q = b.codes.view(groups, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        nibbles = (q[:, :, :, :8] | (q[:, :, :, 8:] << 4)).reshape(out, width // 2)
         # (q - 8) s + z = q s + (z - 8 s): in float64, so only the final rounding to fp32 errs.
-        minimum = (b.zero.double() - 8 * b.scale.double()).float().contiguous()
-        return Q4Rows(nibbles, b.scale.float().contiguous(), minimum)
+        minimum = (b.zero.double() - 8 * b.scale.double()).float()
+        return Q4Rows(nibbles.contiguous(), _interleave(b.scale.float()), _interleave(minimum))
+
+    def codes(self) -> torch.Tensor:
+        """The [out, width] codes (0..15) in row order."""
+        out, half = self.nibbles.shape
+        groups, nb = out // GROUP_ROWS, 2 * half // Q4_GROUP
+        steps = self.nibbles.view(groups, nb, 8, 8, 4)  # [group, block, step, row % 8, byte]
+        q = torch.cat([steps & 0x0F, steps >> 4], dim=3)  # rows 0-7, then 8-15
+        return q.permute(0, 3, 1, 2, 4).reshape(out, 2 * half)
+
+    def row_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and minimums [out, width / 32] in row order."""
+        return _deinterleave(self.scale), _deinterleave(self.minimum)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out, width] matrix (tests)."""
         out = self.nibbles.shape[0]
-        pairs = self.nibbles.view(out, -1, 16)
-        q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).float()
-        return (q * self.scale[..., None] + self.minimum[..., None]).view(out, -1)
+        q = self.codes().float().view(out, -1, Q4_GROUP)
+        scale, minimum = self.row_params()
+        return (q * scale[..., None] + minimum[..., None]).view(out, -1)
+
+
+def _interleave(per_row: torch.Tensor) -> torch.Tensor:
+    """[out, blocks] -> the same shape holding [out / 16, blocks, 16]."""
+    out, nb = per_row.shape
+    return per_row.view(out // GROUP_ROWS, GROUP_ROWS, nb).transpose(1, 2).reshape(out, nb)
+
+
+def _deinterleave(grouped: torch.Tensor) -> torch.Tensor:
+    out, nb = grouped.shape
+    return grouped.view(out // GROUP_ROWS, nb, GROUP_ROWS).transpose(1, 2).reshape(out, nb)
 
 
 @dataclass
@@ -120,18 +159,18 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed: two workers starting at once never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], check=True,
+        subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(built, target)
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
+def _library(isa: str = "native") -> ctypes.CDLL | None:
     if os.environ.get("FMSERVE_NO_C_KERNEL"):
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -139,12 +178,13 @@ def _library() -> ctypes.CDLL | None:
         log.info("no C compiler found: 4-bit decode stays on torch's kernels")
         return None
     text = b"".join(f.read_bytes() for f in SOURCES + HEADERS)
-    key = hashlib.sha256(text + compiler.encode() + " ".join(FLAGS).encode()
+    flags = FLAGS + ISA_FLAGS[isa]
+    key = hashlib.sha256(text + compiler.encode() + " ".join(flags).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     target = model_cache_dir() / "cpu_kernels" / f"q4_matmul-{key}.so"
     try:
         if not target.exists():
-            _build(compiler, target)
+            _build(compiler, target, flags)
         lib = ctypes.CDLL(str(target))  # after torch: it shares torch's libgomp.so.1
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
@@ -166,21 +206,27 @@ def _library() -> ctypes.CDLL | None:
     lib.q8_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.decode_step.restype = ctypes.c_int
+    lib.q4_kernel_isa.restype = ctypes.c_int
     return lib
 
 
-def library() -> ctypes.CDLL | None:
+def library(isa: str = "native") -> ctypes.CDLL | None:
     """The built library (None without a compiler or with FMSERVE_NO_C_KERNEL set)."""
-    return _library()
+    return _library(isa)
+
+
+def kernel_isa(isa: str = "native") -> str:
+    """Which dot-product loop the library runs: "avx512-vnni", "avx2" or "c"."""
+    return ("c", "avx2", "avx512-vnni")[_library(isa).q4_kernel_isa()]
 
 
 def available() -> bool:
     return _library() is not None
 
 
-def q4_matmul(x: torch.Tensor, w: Q4Rows) -> torch.Tensor:
+def q4_matmul(x: torch.Tensor, w: Q4Rows, isa: str = "native") -> torch.Tensor:
     """x [rows, width] fp32 @ w^T -> [rows, out] fp32."""
-    lib = _library()
+    lib = _library(isa)
     x = x.float().contiguous()
     rows, width = x.shape
     out = w.nibbles.shape[0]
@@ -194,7 +240,7 @@ def q4_matmul(x: torch.Tensor, w: Q4Rows) -> torch.Tensor:
     return y
 
 
-def q8_matmul(x: torch.Tensor, w: Q8Rows) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.Tensor:
     """x [rows, width] fp32 @ w^T -> [rows, out] fp32."""
     x = x.float().contiguous()
     rows, width = x.shape
@@ -202,7 +248,7 @@ def q8_matmul(x: torch.Tensor, w: Q8Rows) -> torch.Tensor:
     if width != w.codes.shape[1]:
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
     y = torch.empty(rows, out, dtype=torch.float32)
-    if _library().q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
+    if _library(isa).q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
                             out, y.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
     return y
@@ -338,4 +384,5 @@ def codes_linear_ok(weights: Int4Weight | list[Int4Weight]) -> bool:
     32 widened inputs mixes x and 16 x (one int8 scale for both would blur x)."""
     parts = weights if isinstance(weights, list) else [weights]
     return available() and all(w.widening != "digits16" and w.shape.width % Q4_GROUP == 0
-                               for w in parts)
+                               and (Q8Rows.from_pair(w) is not None
+                                    or w.shape.out_features % GROUP_ROWS == 0) for w in parts)

@@ -1,14 +1,21 @@
-/* y = x W^T for an int4 weight in the GGUF Q4_1 form (and, at the end, a Q8_0 one), for the
- * few rows of a CPU decode step.
+/* y = x W^T for an int4 weight (w = q s + m per block of 32 inputs: GGUF's Q4_0 and Q4_1, and
+ * the K-quants' groups), for the few rows of a CPU decode step.
  *
- * W [n, k]: per output row, blocks of 32 inputs, each 16 bytes of nibbles (byte j holds input j
- * in its low half and input j + 16 in its high half), a scale s and a minimum m (fp32):
- * w = q s + m. x [rows, k] fp32 is quantized per block of 32 to int8 with its own scale d
- * (as llama.cpp's Q8_1), so a block's dot product is integer work:
+ * x [rows, k] fp32 is quantized per block of 32 to int8 with its own scale d (as llama.cpp's
+ * Q8_1), so a block's dot product is integer work:
  *     sum_j w_j x_j ~= s d sum_j q_j x8_j + m d sum_j x8_j
- * With AVX2 the integer sums take two instructions per block (maddubs, madd). Output rows
- * are shared among OpenMP threads, as many as torch uses (its own pool: this library needs the
- * libgomp.so.1 that torch has already loaded). Built at first use by gpu/cpu_q4_kernel.py. */
+ * The codes are interleaved 16 output rows together (gpu/cpu_q4_kernel.py Q4Rows): for each
+ * group of 16 rows and block of 32 inputs, 8 steps of 32 bytes, a step holding inputs 4j..4j+3
+ * of the 16 rows (rows 0-7 in the low nibbles, 8-15 in the high ones, 4 bytes a row). One
+ * multiply-add of a step against an input's 4 bytes broadcast then sums for all 16 rows at
+ * once, and the float work (scales, minimums) is done once per block for 16 outputs, not once
+ * per block and output: with the codes row by row that float work bound a decode step at 4
+ * and more rows. AVX-512 VNNI does a step in one vpdpbusd; AVX2 in maddubs + madd per 8 rows.
+ *
+ * Each input row gets the same operations whatever rows come with it, so a row's result does
+ * not depend on the rows beside it. Groups of outputs are shared among OpenMP threads, as many
+ * as torch uses (its own pool: this library needs the libgomp.so.1 that torch has already
+ * loaded). Built at first use by gpu/cpu_q4_kernel.py. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,9 +24,21 @@
 #include "q4_matmul.h"
 
 #define GROUP 32
+#define STEP_BYTES 32                 /* 16 rows x 4 inputs, two nibbles a byte */
+#define BLOCK_BYTES (8 * STEP_BYTES) /* 16 rows x 32 inputs */
+
+int q4_kernel_isa(void) {
+#if defined(FMSERVE_VNNI)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* x [rows, k] -> x8 [rows, k] int8, d [rows, k/32] (the scale) and dsum [rows, k/32] (d sum x8). */
-static void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d, float *dsum) {
+void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d, float *dsum) {
     int nb = k / GROUP;
     for (int r = 0; r < rows; r++) {
         for (int b = 0; b < nb; b++) {
@@ -43,72 +62,127 @@ static void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d,
     }
 }
 
-static float row_dot(const uint8_t *qs, const float *s, const float *m, const int8_t *x8,
-                     const float *d, const float *dsum, int nb) {
-    float mins = 0.f;
-#ifdef __AVX2__
+static inline int32_t four_bytes(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The operands of one group's tile: R input rows from x8 (row i at x8 + i k, its block scales
+ * at d + i nb and d sum x8 at dsum + i nb) against the group's codes qs, scales s and
+ * minimums m ([nb][16] each); out[i][16] gets row i's 16 sums. */
+typedef struct {
+    const uint8_t *qs;
+    const float *s, *m;
+    const int8_t *x8;
+    const float *d, *dsum;
+    int nb, k;
+} tile_args;
+
+#if defined(FMSERVE_VNNI)
+#define TILE 8
+#define HALF_TILE 4
+static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
+                                                             float out[][16]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m128i t = _mm_loadu_si128((const __m128i *)(qs + b * 16));
-        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(x8 + b * GROUP));
-        __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[b]), _mm256_cvtepi32_ps(pairs), acc);
-        mins += m[b] * dsum[b];
+    __m512 acc[TILE];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const uint8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
+        __m512i sums[TILE];
+        for (int i = 0; i < R; i++)
+            sums[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            __m256i t = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES));
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(t, low)),
+                                           _mm256_and_si256(_mm256_srli_epi16(t, 4), low), 1);
+            for (int i = 0; i < R; i++) {
+                const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP + 4 * j;
+                sums[i] = _mm512_dpbusd_epi32(sums[i], q, _mm512_set1_epi32(four_bytes(x)));
+            }
+        }
+        __m512 s = _mm512_loadu_ps(a->s + b * 16), m = _mm512_loadu_ps(a->m + b * 16);
+        for (int i = 0; i < R; i++) {
+            size_t at = (size_t)i * a->nb + b;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(a->d[at])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->dsum[at]), acc[i]);
+        }
     }
-    return hsum(acc) + mins;
+    for (int i = 0; i < R; i++)
+        _mm512_storeu_ps(out[i], acc[i]);
+}
+#elif defined(__AVX2__)
+#define TILE 2
+#define HALF_TILE 1
+/* Rows 0-7 of the group in the low nibbles (h = 0), rows 8-15 in the high ones (h = 1). */
+static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
+                                                             float out[][16]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE][2];
+    for (int i = 0; i < R; i++)
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const uint8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
+        __m256i sums[TILE][2];
+        for (int i = 0; i < R; i++)
+            sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            __m256i t = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES));
+            __m256i q[2] = {_mm256_and_si256(t, low),
+                            _mm256_and_si256(_mm256_srli_epi16(t, 4), low)};
+            for (int i = 0; i < R; i++) {
+                const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP + 4 * j;
+                __m256i xv = _mm256_set1_epi32(four_bytes(x));
+                for (int h = 0; h < 2; h++)
+                    sums[i][h] = _mm256_add_epi32(
+                        sums[i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(q[h], xv), ones));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 s = _mm256_loadu_ps(a->s + b * 16 + 8 * h);
+            __m256 m = _mm256_loadu_ps(a->m + b * 16 + 8 * h);
+            for (int i = 0; i < R; i++) {
+                size_t at = (size_t)i * a->nb + b;
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]),
+                                            _mm256_mul_ps(s, _mm256_set1_ps(a->d[at])),
+                                            acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->dsum[at]), acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(out[i] + 8 * h, acc[i][h]);
+}
 #else
-    float total = 0.f;
-    for (int b = 0; b < nb; b++) {
-        int sum = 0;
-        for (int j = 0; j < 16; j++) {
-            sum += (qs[b * 16 + j] & 0x0F) * x8[b * GROUP + j];
-            sum += (qs[b * 16 + j] >> 4) * x8[b * GROUP + j + 16];
+#define TILE 1
+#define HALF_TILE 1
+static void group_tile(int R, const tile_args *a, float out[][16]) {
+    for (int i = 0; i < R; i++)
+        for (int l = 0; l < 16; l++) {
+            float total = 0.f;
+            for (int b = 0; b < a->nb; b++) {
+                const uint8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
+                const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP;
+                int sum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int u = 0; u < 4; u++) {
+                        uint8_t byte = qb[j * STEP_BYTES + 4 * (l % 8) + u];
+                        sum += (l < 8 ? byte & 0x0F : byte >> 4) * x[4 * j + u];
+                    }
+                size_t at = (size_t)i * a->nb + b;
+                total = fmaf((float)sum, a->s[b * 16 + l] * a->d[at], total);
+                total = fmaf(a->m[b * 16 + l], a->dsum[at], total);
+            }
+            out[i][l] = total;
         }
-        total += s[b] * d[b] * (float)sum;
-        mins += m[b] * dsum[b];
-    }
-    return total + mins;
-#endif
-}
-
-#ifdef __AVX2__
-#define ROW_TILE 4
-
-/* row_dot for ROW_TILE input rows at once (x8, d, dsum at the tile's first row; y[i * n] gets
- * row i): a block's codes are unpacked once for all of them. Each row's sums run in
- * row_dot's order, so a row's result does not depend on the rows beside it. */
-static void tile_dot(const uint8_t *qs, const float *s, const float *m, const int8_t *x8,
-                     const float *d, const float *dsum, int nb, int k, float *y, size_t n) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_TILE];
-    float mins[ROW_TILE];
-    for (int i = 0; i < ROW_TILE; i++) {
-        acc[i] = _mm256_setzero_ps();
-        mins[i] = 0.f;
-    }
-    for (int b = 0; b < nb; b++) {
-        __m128i t = _mm_loadu_si128((const __m128i *)(qs + b * 16));
-        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);
-        for (int i = 0; i < ROW_TILE; i++) {
-            const int8_t *xr = x8 + (size_t)i * k + b * GROUP;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)xr);
-            __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[(size_t)i * nb + b]),
-                                     _mm256_cvtepi32_ps(pairs), acc[i]);
-            mins[i] += m[b] * dsum[(size_t)i * nb + b];
-        }
-    }
-    for (int i = 0; i < ROW_TILE; i++)
-        y[(size_t)i * n] = hsum(acc[i]) + mins[i];
 }
 #endif
 
-/* y [rows, n] = x [rows, k] W^T on `threads` threads; k a multiple of 32. Returns 0, or -1
- * if out of memory. */
+/* y [rows, n] = x [rows, k] W^T on `threads` threads; k a multiple of 32, n of 16. Returns 0,
+ * or -1 if out of memory. */
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads) {
     int nb = k / GROUP;
@@ -122,101 +196,25 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
     float *dsum = d + (size_t)rows * nb;
     quantize_rows(x, rows, k, x8, d, dsum);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < n; o++) {
-        const uint8_t *qo = qs + (size_t)o * nb * 16;
-        const float *so = s + (size_t)o * nb, *mo = m + (size_t)o * nb;
-        int r = 0;
-#ifdef __AVX2__
-        for (; r + ROW_TILE <= rows; r += ROW_TILE)
-            tile_dot(qo, so, mo, x8 + (size_t)r * k, d + (size_t)r * nb, dsum + (size_t)r * nb,
-                     nb, k, y + (size_t)r * n + o, n);
-#endif
-        for (; r < rows; r++)
-            y[(size_t)r * n + o] = row_dot(qo, so, mo, x8 + (size_t)r * k, d + (size_t)r * nb,
-                                           dsum + (size_t)r * nb, nb);
-    }
-    free(x8);
-    free(d);
-    return 0;
-}
-
-/* A Q8_0 weight (llama.cpp's usual lm_head): W [n, k] int8 codes q with one scale s per block
- * of 32 inputs (w = q s), against the same int8 input. maddubs wants one unsigned operand: |q|
- * times x8 carrying q's sign (as llama.cpp does); |q| <= 128 and |x8| <= 127 keep its pair
- * sums within int16. */
-static float row_dot8(const int8_t *qs, const float *s, const int8_t *x8, const float *d,
-                      int nb) {
-#ifdef __AVX2__
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + b * GROUP));
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(x8 + b * GROUP));
-        __m256i pairs = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[b]), _mm256_cvtepi32_ps(pairs), acc);
-    }
-    return hsum(acc);
-#else
-    float total = 0.f;
-    for (int b = 0; b < nb; b++) {
-        int sum = 0;
-        for (int j = 0; j < GROUP; j++)
-            sum += qs[b * GROUP + j] * x8[b * GROUP + j];
-        total += s[b] * d[b] * (float)sum;
-    }
-    return total;
-#endif
-}
-
-#ifdef __AVX2__
-/* row_dot8 for ROW_TILE input rows at once: a block's |q| is taken once for all of them; each
- * row's sums in row_dot8's order (a row's result does not depend on the rows beside it). */
-static void tile_dot8(const int8_t *qs, const float *s, const int8_t *x8, const float *d,
-                      int nb, int k, float *y, size_t n) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_TILE];
-    for (int i = 0; i < ROW_TILE; i++)
-        acc[i] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + b * GROUP));
-        __m256i q_abs = _mm256_sign_epi8(q, q);
-        for (int i = 0; i < ROW_TILE; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(x8 + (size_t)i * k + b * GROUP));
-            __m256i pairs = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(xv, q)), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[(size_t)i * nb + b]),
-                                     _mm256_cvtepi32_ps(pairs), acc[i]);
+    for (int g = 0; g < n / 16; g++) {
+        float out[TILE][16];
+        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16,
+                       m + (size_t)g * nb * 16, x8, d, dsum, nb, k};
+        for (int r = 0; r < rows;) {
+            int left = rows - r, take = left >= TILE ? TILE : left >= HALF_TILE ? HALF_TILE : 1;
+            a.x8 = x8 + (size_t)r * k;
+            a.d = d + (size_t)r * nb;
+            a.dsum = dsum + (size_t)r * nb;
+            if (take == TILE) /* each a constant: the accumulators stay in registers */
+                group_tile(TILE, &a, out);
+            else if (take == HALF_TILE)
+                group_tile(HALF_TILE, &a, out);
+            else
+                group_tile(1, &a, out);
+            for (int i = 0; i < take; i++)
+                memcpy(y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
+            r += take;
         }
-    }
-    for (int i = 0; i < ROW_TILE; i++)
-        y[(size_t)i * n] = hsum(acc[i]);
-}
-#endif
-
-/* y [rows, n] = x [rows, k] W^T for a Q8_0 weight (codes qs [n, k], scales s [n, k/32]). */
-int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,
-              float *y, int threads) {
-    int nb = k / GROUP;
-    int8_t *x8 = malloc((size_t)rows * k);
-    float *d = malloc(sizeof(float) * (size_t)rows * nb * 2);
-    if (!x8 || !d) {
-        free(x8);
-        free(d);
-        return -1;
-    }
-    quantize_rows(x, rows, k, x8, d, d + (size_t)rows * nb);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < n; o++) {
-        int r = 0;
-#ifdef __AVX2__
-        for (; r + ROW_TILE <= rows; r += ROW_TILE)
-            tile_dot8(qs + (size_t)o * k, s + (size_t)o * nb, x8 + (size_t)r * k,
-                      d + (size_t)r * nb, nb, k, y + (size_t)r * n + o, n);
-#endif
-        for (; r < rows; r++)
-            y[(size_t)r * n + o] = row_dot8(qs + (size_t)o * k, s + (size_t)o * nb,
-                                            x8 + (size_t)r * k, d + (size_t)r * nb, nb);
     }
     free(x8);
     free(d);
@@ -230,42 +228,30 @@ void q4_dequantize(const uint8_t *qs, const float *s, const float *m, int k, int
     int nb = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int o = 0; o < count; o++) {
-        const uint8_t *qo = qs + (size_t)(o0 + o) * nb * 16;
-        const float *so = s + (size_t)(o0 + o) * nb, *mo = m + (size_t)(o0 + o) * nb;
-        float *row = dst + (size_t)o * k;
+        int row = o0 + o, g = row / 16, l = row % 16, shift = l < 8 ? 0 : 4;
+        const uint8_t *qg = qs + (size_t)g * nb * BLOCK_BYTES + 4 * (l % 8);
+        const float *sg = s + (size_t)g * nb * 16 + l, *mg = m + (size_t)g * nb * 16 + l;
+        float *w = dst + (size_t)o * k;
         for (int b = 0; b < nb; b++) {
-            const uint8_t *q = qo + b * 16;
-            float *w = row + b * GROUP;
+            const uint8_t *qb = qg + (size_t)b * BLOCK_BYTES;
+            float sb = sg[b * 16], mb = mg[b * 16];
 #ifdef __AVX2__
-            __m128i t = _mm_loadu_si128((const __m128i *)q);
-            __m128i lo = _mm_and_si128(t, _mm_set1_epi8(0x0F));
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(t, 4), _mm_set1_epi8(0x0F));
-            __m256 sv = _mm256_set1_ps(so[b]), mv = _mm256_set1_ps(mo[b]);
-            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            /* the row's 4 bytes of each of the 8 steps: its 32 codes in input order */
+            __m256i steps = _mm256_i32gather_epi32(
+                (const int *)qb, _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224), 1);
+            __m256i q = _mm256_and_si256(_mm256_srl_epi16(steps, _mm_cvtsi32_si128(shift)),
+                                         _mm256_set1_epi8(0x0F));
+            __m256 sv = _mm256_set1_ps(sb), mv = _mm256_set1_ps(mb);
+            __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
             for (int p = 0; p < 4; p++)
-                _mm256_storeu_ps(w + 8 * p, _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p])), sv, mv));
+                _mm256_storeu_ps(w + b * GROUP + 8 * p, _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        p % 2 ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2])), sv, mv));
             continue;
 #endif
-            for (int j = 0; j < 16; j++) {
-                w[j] = fmaf((float)(q[j] & 0x0F), so[b], mo[b]);
-                w[j + 16] = fmaf((float)(q[j] >> 4), so[b], mo[b]);
-            }
-        }
-    }
-}
-
-/* The same for a Q8_0 weight (w = q s). */
-void q8_dequantize(const int8_t *qs, const float *s, int k, int o0, int count, float *dst,
-                   int threads) {
-    int nb = k / GROUP;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < count; o++) {
-        const int8_t *qo = qs + (size_t)(o0 + o) * k;
-        const float *so = s + (size_t)(o0 + o) * nb;
-        float *row = dst + (size_t)o * k;
-        for (int b = 0; b < nb; b++)
             for (int j = 0; j < GROUP; j++)
-                row[b * GROUP + j] = (float)qo[b * GROUP + j] * so[b];
+                w[b * GROUP + j] = fmaf((float)((qb[(j / 4) * STEP_BYTES + j % 4] >> shift) & 0x0F),
+                                        sb, mb);
+        }
     }
 }

@@ -1,5 +1,5 @@
-/* The 4-bit matmul of q4_matmul.c, shared with the decode step of decode_step.c, and the
- * horizontal sum both use. */
+/* The 4-bit matmul of q4_matmul.c, shared with the decode step of decode_step.c, the 8-bit one
+ * of q8_matmul.c, the input quantization both use, and a horizontal sum. */
 #ifndef FMSERVE_Q4_MATMUL_H
 #define FMSERVE_Q4_MATMUL_H
 #include <stdint.h>
@@ -15,6 +15,14 @@ static inline float hsum(__m256 acc) {
 }
 #endif
 
+/* AVX-512 VNNI where the compiler targets it (-march=native on such a CPU). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX2__)
+#define FMSERVE_VNNI 1
+#endif
+
+/* Which loop this build's 4-bit kernel runs: 2 AVX-512 VNNI, 1 AVX2, 0 plain C. */
+int q4_kernel_isa(void);
+void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d, float *dsum);
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads);
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,

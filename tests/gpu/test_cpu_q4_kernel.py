@@ -38,16 +38,17 @@ def emulated(x: torch.Tensor, w: Q4Rows) -> torch.Tensor:
     """What the kernel computes, written out in torch (float64 sums): the input quantized to
     int8, integer dot products with the codes, then the scales and the minimums."""
     x8, d = int8_input(x)
-    pairs = w.nibbles.view(w.nibbles.shape[0], -1, 16)
-    q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).double()
+    out = w.nibbles.shape[0]
+    q = w.codes().double().view(out, -1, Q4_GROUP)
+    scale, minimum = w.row_params()
     dots = torch.einsum("obj,rbj->rob", q, x8.double())  # [rows, out, blocks]
-    scaled = dots * w.scale.double()[None] * d.double()[:, None]
-    mins = w.minimum.double()[None] * (d.double() * x8.double().sum(-1))[:, None]
+    scaled = dots * scale.double()[None] * d.double()[:, None]
+    mins = minimum.double()[None] * (d.double() * x8.double().sum(-1))[:, None]
     return (scaled + mins).sum(-1).float()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5])
-@pytest.mark.parametrize("out,width", [(48, 64), (576, 576), (40, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 13])
+@pytest.mark.parametrize("out,width", [(48, 64), (576, 576), (32, 1536), (16, 96)])
 def test_the_kernel_computes_what_it_says(rows, out, width):
     w = random_rows(out, width, seed=rows)
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(out))
@@ -155,7 +156,7 @@ def test_codes_linear_runs_small_forwards_on_the_kernel_and_wide_ones_on_scratch
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_the_dequantizing_kernel_gives_the_kernels_weights(type_name):
-    raw, exact = quantized(type_name, rows=40, cols=96)
+    raw, exact = quantized(type_name, rows=48, cols=96)
     rows = CodesLinear(int4(raw, type_name, exact.shape), 1).rows[0]
     assert isinstance(rows, Q8Rows if type_name == "Q8_0" else Q4Rows)
     out = torch.full((7, 96), float("nan"))
@@ -169,11 +170,11 @@ def test_the_dequantizing_kernel_gives_the_kernels_weights(type_name):
 
 
 def test_a_wide_forward_dequantizes_in_pieces_when_the_weight_outgrows_the_scratch(monkeypatch):
-    rows = random_rows(100, 64, seed=4)
+    rows = random_rows(112, 64, seed=4)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
     whole = scratch_matmul(x, rows)
     torch.testing.assert_close(whole, x @ rows.dequantize().t(), rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(cpu_q4_kernel, "SCRATCH_FLOATS", 64 * 30)  # pieces of 30, 30, 30, 10
+    monkeypatch.setattr(cpu_q4_kernel, "SCRATCH_FLOATS", 64 * 30)  # pieces of 30, 30, 30, 22
     monkeypatch.setattr(cpu_q4_kernel._scratch, "buf", None)
     pieces = scratch_matmul(x, rows)
     assert cpu_q4_kernel._scratch.buf.numel() == 64 * 30
@@ -181,7 +182,7 @@ def test_a_wide_forward_dequantizes_in_pieces_when_the_weight_outgrows_the_scrat
 
 
 def test_a_bf16_wide_forward_rounds_as_a_bf16_gemm_and_returns_fp32(monkeypatch):
-    rows = random_rows(100, 64, seed=5)
+    rows = random_rows(112, 64, seed=5)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(7))
     reference = (x.bfloat16() @ rows.dequantize().bfloat16().t()).float()
     monkeypatch.setattr(cpu_q4_kernel, "SCRATCH_FLOATS", 64 * 30)  # in pieces too
@@ -201,7 +202,7 @@ def test_the_scratch_made_in_inference_mode_serves_calls_outside_it(monkeypatch,
     buffer first made inside must not refuse the in-place writes of a later call outside."""
     for name in ("buf", "half"):
         monkeypatch.setattr(cpu_q4_kernel._scratch, name, None, raising=False)
-    rows = random_rows(100, 64, seed=8)
+    rows = random_rows(112, 64, seed=8)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
         inside = scratch_matmul(x, rows, bf16=bf16)
@@ -213,6 +214,41 @@ def test_an_embedding_kept_as_q8_0_codes_looks_up_the_files_rows():
     codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
     ids = torch.tensor([[3, 0], [49, 3]])
     assert torch.equal(codes.lookup(ids), exact[ids])
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_every_build_of_the_4_bit_kernel_gives_each_row_alone_what_it_gives_it_in_a_batch(isa):
+    """The kernel's loops (AVX-512 VNNI where the CPU has it, AVX2, plain C; the last two built
+    here without the newer instructions) take rows in tiles of 8, 4, 2 or 1: a row's result must
+    not depend on the tile it lands in, and every build must compute the written-out sum."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    w = random_rows(48, 576, seed=3)
+    x = torch.randn(15, 576, generator=torch.Generator().manual_seed(15))  # 8 + 4 + 1 + 1 + 1
+    batch = q4_matmul(x, w, isa)
+    for i in range(15):
+        assert torch.equal(q4_matmul(x[i:i + 1], w, isa)[0], batch[i]), i
+    torch.testing.assert_close(batch, emulated(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_form_interleaves_16_rows_and_gives_them_back_in_order():
+    codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(4))
+    scale, zero = torch.rand(32, 2), torch.rand(32, 2)
+    rows = Q4Rows.from_weight(Int4Weight(Q4Blocks(codes, scale, zero), 64))
+    assert torch.equal(rows.codes(), codes)
+    assert torch.equal(rows.row_params()[0], scale)
+    # row 9's first 4 inputs sit in the high nibbles of the first step's bytes 4..7
+    assert torch.equal(rows.nibbles.view(-1)[4:8] >> 4, codes[9, :4])
+    assert torch.equal(rows.nibbles.view(-1)[4:8] & 0x0F, codes[1, :4])
+
+
+def test_a_weight_of_rows_not_a_multiple_of_16_stays_off_the_kernel():
+    blocks = Q4Blocks(torch.zeros(40, 64, dtype=torch.uint8), torch.ones(40, 2),
+                      torch.zeros(40, 2))
+    assert not codes_linear_ok(Int4Weight(blocks, 64))
+    with pytest.raises(ValueError, match="multiple of 16 rows; this one has 40"):
+        Q4Rows.from_weight(Int4Weight(blocks, 64))
 
 
 def test_q6_k_digits_stay_off_the_kernel():
