@@ -90,7 +90,9 @@ def _cpu_key(in_features: int, out_features: int) -> str:
                       if ln.startswith("flags")), "")
     except OSError:
         model = platform.processor()
-    kernel = "c+scratch" if cpu_q4_kernel.available() else "torch+fbgemm"
+    # A new build of the C kernel (its sources changed) is timed afresh.
+    kernel = (f"c+scratch-{cpu_q4_kernel.build_key()}" if cpu_q4_kernel.available()
+              else "torch+fbgemm")
     raw = (f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}|"
            f"{in_features}x{out_features}")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]

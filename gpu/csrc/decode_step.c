@@ -248,10 +248,12 @@ static int layer_step(const decoder *m, const decoder_layer *l, float *h, int ro
     if (matmul(&l->gate_up, s->x, rows, s->gate_up, threads))
         return -1;
     int inter = m->intermediate;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int r = 0; r < rows; r++) {
-        const float *gate = s->gate_up + (size_t)r * 2 * inter, *up = gate + inter;
-        for (int i = 0; i < inter; i++)
-            s->act[(size_t)r * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (int i = 0; i < inter; i++) { /* expf bound: shared among the threads */
+            const float *gate = s->gate_up + (size_t)r * 2 * inter;
+            s->act[(size_t)r * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * gate[inter + i];
+        }
     }
     if (matmul(&l->down, s->act, rows, s->proj, threads))
         return -1;
