@@ -48,7 +48,7 @@ from ipc.cache_dirs import model_cache_dir
 log = logging.getLogger(__name__)
 
 # The row counts the hand-over is chosen among (decode batches are bucketed the same way).
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 CALIBRATION_REPEATS = 5
 # Above this share of the cores busy with other work, a measurement is used but not cached.
 BUSY_CORES = 0.5
@@ -108,10 +108,10 @@ def _best_ms(fn, x: torch.Tensor) -> float:
     return best * 1e3
 
 
-def measure_int4_max_rows(in_features: int, out_features: int) -> int:
+def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = False) -> int:
     """The most rows (of CANDIDATE_ROWS) at which the 4-bit kernel is still at least as fast
-    as the wide path (scratch dequantization, or FBGEMM fp16 without the C kernel) on a
-    random [out, in] weight; 0 where it never is."""
+    as the wide path (scratch dequantization with its GEMM in bf16 where `bf16`, else fp32; or
+    FBGEMM fp16 without the C kernel) on a random [out, in] weight; 0 where it never is."""
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=gen)
     scales_and_zeros = (torch.rand(in_features // Q4_GROUP, out_features, 2, generator=gen)
@@ -126,7 +126,7 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
             return cpu_q4_kernel.q4_matmul(x, rows_form)
 
         def wide(x: torch.Tensor) -> torch.Tensor:
-            return cpu_q4_kernel.scratch_matmul(x, rows_form)
+            return cpu_q4_kernel.scratch_matmul(x, rows_form, bf16)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         wide = Fp16Linear(torch.randn(out_features, in_features, generator=gen) * 0.02)
@@ -147,10 +147,11 @@ def measure_int4_max_rows(in_features: int, out_features: int) -> int:
     return best
 
 
-def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> int:
+def int4_max_rows(in_features: int, out_features: int, cache: bool = True,
+                  bf16: bool = False) -> int:
     """measure_int4_max_rows, cached per CPU, torch version, thread count and shape."""
     path = model_cache_dir() / "cpu_kernels.json"
-    key = _cpu_key(in_features, out_features)
+    key = _cpu_key(in_features, out_features) + ("-bf16" if bf16 else "")
     known: dict[str, int] = {}
     if cache and path.exists():
         try:
@@ -160,7 +161,7 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> in
         if isinstance(known.get(key), int):
             return known[key]
     start = time.perf_counter()
-    rows = measure_int4_max_rows(in_features, out_features)
+    rows = measure_int4_max_rows(in_features, out_features, bf16)
     log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, the wide path above "
              "(measured in %.2f s)", rows, time.perf_counter() - start)
     busy = os.getloadavg()[0] - 1.0  # this process's own measuring counts as one
@@ -181,16 +182,16 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True) -> in
 def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = True) -> Fp32Split:
     """The hand-over rows for a model's projections (measured on its MLP's up projection, the
     largest) and for its lm_head; $FMSERVE_CPU_CODES_ROWS, where set, gives both instead.
-    On a CPU with native bf16 the wide path multiplies in bf16 (`scratch_matmul`), but the
-    hand-over is still measured against its fp32 GEMM: the hand-over also bounds the batches the
-    whole decoder runs as one C call (gpu/cpu_decode_step.py), which beats op-by-op forwards
-    further than one projection shows (AVX512-BF16 EPYC, decode at batch 32: 281-322 tok/s with
-    the C step up to 48 rows, the fp32-measured hand-over; 199-257 with 16, the bf16 one)."""
+    On a CPU with native bf16 the wide path multiplies in bf16 (`scratch_matmul`) and the
+    hand-over is measured against that. (With the C kernel's codes row by row, that hand-over
+    fell to 16 rows, too few for the whole decoder in one C call, gpu/cpu_decode_step.py, so it
+    was measured against the fp32 GEMM; with the codes interleaved 16 rows together the kernel
+    keeps up with the bf16 GEMM to 128 rows on an AVX512-BF16 EPYC.)"""
     bf16 = cpu_has_native_bf16()
     if rows := os.environ.get(ENV_CODES_ROWS, "").strip():
         if not rows.isdigit():
             raise ValueError(f"{ENV_CODES_ROWS}={rows!r}: give a whole number of rows >= 0 "
                              f"(0: every forward on the fp16 packs), or unset it to measure")
         return Fp32Split(int(rows), int(rows), bf16)
-    return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache),
-                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache), bf16)
+    return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache, bf16),
+                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache, bf16), bf16)

@@ -140,7 +140,7 @@ def test_the_hand_over_is_measured_once_then_read_from_the_cache(tmp_path, monke
     calls = []
     real = cpu_kernels.measure_int4_max_rows
     monkeypatch.setattr(cpu_kernels, "measure_int4_max_rows",
-                        lambda i, o: calls.append((i, o)) or real(i, o))
+                        lambda i, o, bf16=False: calls.append((i, o)) or real(i, o, bf16))
     first = int4_max_rows(64, 128)
     assert first in (0, *cpu_kernels.CANDIDATE_ROWS) and calls == [(64, 128)]
     assert int4_max_rows(64, 128) == first and len(calls) == 1  # from the cache
