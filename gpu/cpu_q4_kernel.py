@@ -25,12 +25,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from gpu.codes_layout import GROUP_ROWS, Q4Rows, Q8Rows
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 from gpu.q4_linear import Q4Linear
 from ipc.cache_dirs import model_cache_dir
@@ -45,114 +45,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The library for this CPU ("native"), or without AVX-512 ("avx2": the AVX2 dot-product loop
 # an AVX2-only CPU runs, built on a newer one to compare the two).
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "c": ("-march=x86-64",)}
-
-
-# Output rows the kernel interleaves (gpu/csrc/q4_matmul.c): a weight's rows come in groups of it.
-GROUP_ROWS = 16
-
-
-@dataclass
-class Q4Rows:
-    """An [out, width] int4 matrix in the kernel's form: w = q * scale + minimum per block of
-    32 inputs, the rows interleaved GROUP_ROWS together. For each group of 16 rows and block,
-    8 steps of 32 bytes; step j holds inputs 4j..4j+3 of each row, 4 bytes a row, rows 0-7 in
-    the low nibbles and 8-15 in the high ones. Scales and minimums are [groups, blocks, 16].
-    The tensors keep the [out, ...] shapes of the plain layout (the bytes are the same count)."""
-
-    nibbles: torch.Tensor  # [out, width / 2] uint8, interleaved as above
-    scale: torch.Tensor  # [out, width / 32] fp32, as [out / 16, width / 32, 16]
-    minimum: torch.Tensor  # [out, width / 32] fp32, likewise
-
-    @staticmethod
-    def from_weight(weight: Int4Weight) -> "Q4Rows":
-        b = weight.blocks
-        out, width = b.codes.shape
-        if out % GROUP_ROWS:
-            raise ValueError(f"the 4-bit kernel takes weights of a multiple of {GROUP_ROWS} "
-                             f"rows; this one has {out}")
-        groups, nb = out // GROUP_ROWS, width // Q4_GROUP
-        # [group, row, block, step, byte] -> [group, block, step, row, byte]
-        q = b.codes.view(groups, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)
-        nibbles = (q[:, :, :, :8] | (q[:, :, :, 8:] << 4)).reshape(out, width // 2)
-        # (q - 8) s + z = q s + (z - 8 s): in float64, so only the final rounding to fp32 errs.
-        minimum = (b.zero.double() - 8 * b.scale.double()).float()
-        return Q4Rows(nibbles.contiguous(), _interleave(b.scale.float()), _interleave(minimum))
-
-    def codes(self) -> torch.Tensor:
-        """The [out, width] codes (0..15) in row order."""
-        out, half = self.nibbles.shape
-        groups, nb = out // GROUP_ROWS, 2 * half // Q4_GROUP
-        steps = self.nibbles.view(groups, nb, 8, 8, 4)  # [group, block, step, row % 8, byte]
-        q = torch.cat([steps & 0x0F, steps >> 4], dim=3)  # rows 0-7, then 8-15
-        return q.permute(0, 3, 1, 2, 4).reshape(out, 2 * half)
-
-    def row_params(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scales and minimums [out, width / 32] in row order."""
-        return _deinterleave(self.scale), _deinterleave(self.minimum)
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 [out, width] matrix (tests)."""
-        out = self.nibbles.shape[0]
-        q = self.codes().float().view(out, -1, Q4_GROUP)
-        scale, minimum = self.row_params()
-        return (q * scale[..., None] + minimum[..., None]).view(out, -1)
-
-
-def _interleave(per_row: torch.Tensor) -> torch.Tensor:
-    """[out, blocks] -> the same shape holding [out / 16, blocks, 16]."""
-    out, nb = per_row.shape
-    return per_row.view(out // GROUP_ROWS, GROUP_ROWS, nb).transpose(1, 2).reshape(out, nb)
-
-
-def _deinterleave(grouped: torch.Tensor) -> torch.Tensor:
-    out, nb = grouped.shape
-    return grouped.view(out // GROUP_ROWS, nb, GROUP_ROWS).transpose(1, 2).reshape(out, nb)
-
-
-@dataclass
-class Q8Rows:
-    """An [out, width] Q8_0 matrix as the file has it: w = codes * scale per block of 32."""
-
-    codes: torch.Tensor  # [out, width] int8
-    scale: torch.Tensor  # [out, width / 32] fp32
-
-    @staticmethod
-    def from_pair(weight: Int4Weight) -> "Q8Rows | None":
-        """The Q8_0 weight that the loader split into two 4-bit parts (gguf_q4.q8_0_as_q4_pair:
-        [hi | lo] side by side, scales 16 d and d, zeros 0 and 8 d); None if `weight` is not
-        such a pair (Q5_K's two digits also widen by "repeat")."""
-        b, n = weight.blocks, weight.in_features
-        if weight.widening != "repeat" or b.codes.shape[1] != 2 * n:
-            return None
-        nb = n // Q4_GROUP
-        d = b.scale[:, nb:]
-        if not (torch.equal(b.scale[:, :nb], 16 * d) and not b.zero[:, :nb].any()
-                and torch.equal(b.zero[:, nb:], 8 * d)):
-            return None
-        codes = (b.codes[:, :n].short() * 16 + b.codes[:, n:].short() - 128).to(torch.int8)
-        return Q8Rows(codes.contiguous(), d.float().contiguous())
-
-    @staticmethod
-    def quantize(weight: torch.Tensor) -> "Q8Rows":
-        """Q8_0 codes of an [out, width] float matrix (width a multiple of 32), as llama.cpp
-        quantizes: per block of 32, scale = max |w| / 127 and codes = round(w / scale)."""
-        out, width = weight.shape
-        blocks = weight.detach().float().reshape(out, width // Q4_GROUP, Q4_GROUP)
-        scale = blocks.abs().amax(-1) / 127
-        codes = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0).round()
-        return Q8Rows(codes.to(torch.int8).reshape(out, width).contiguous(),
-                      scale.contiguous())
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` as fp32 [*ids.shape, width]: an embedding table kept as its codes."""
-        q = self.codes[ids].float()
-        return (q.unflatten(-1, (-1, Q4_GROUP)) * self.scale[ids][..., None]).flatten(-2)
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 [out, width] matrix (tests)."""
-        out, width = self.codes.shape
-        return (self.codes.float().view(out, -1, Q4_GROUP) * self.scale[..., None]).view(
-            out, width)
 
 
 def _cpu_flags() -> str:
@@ -254,14 +146,14 @@ def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.Tensor:
     """x [rows, width] fp32 @ w^T -> [rows, out] fp32."""
     x = x.float().contiguous()
     rows, width = x.shape
-    out = w.codes.shape[0]
+    padded = w.codes.shape[0]
     if width != w.codes.shape[1]:
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
-    y = torch.empty(rows, out, dtype=torch.float32)
+    y = torch.empty(rows, padded, dtype=torch.float32)
     if _library(isa).q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
-                            out, y.data_ptr(), torch.get_num_threads()) != 0:
+                               padded, y.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
-    return y
+    return y if padded == w.out else y[:, :w.out].contiguous()
 
 
 def dequantize_rows(w: "Q4Rows | Q8Rows", start: int, out: torch.Tensor) -> None:
@@ -301,7 +193,7 @@ def scratch_matmul(x: torch.Tensor, w: "Q4Rows | Q8Rows", bf16: bool = False) ->
     GEMM in bf16 (weights and input rounded, output fp32 again), for a CPU with native bf16,
     where it ran 2.4-3x the fp32 GEMM on 128-512 rows (AVX512-BF16 EPYC): prefill is bound by
     the multiply there, and a bf16 model rounds the same way."""
-    out, width = (w.codes if isinstance(w, Q8Rows) else w.nibbles).shape[0], x.shape[1]
+    out, width = w.out if isinstance(w, Q8Rows) else w.nibbles.shape[0], x.shape[1]
     buf = _scratch_buffer("buf", torch.float32)
     if bf16:
         half = _scratch_buffer("half", torch.bfloat16)
@@ -332,7 +224,8 @@ _OPS.impl("q4_matmul", lambda x, nibbles, scale, minimum: q4_matmul(
 
 
 _OPS.define("q8_matmul(Tensor x, Tensor codes, Tensor scale) -> Tensor")
-_OPS.impl("q8_matmul", lambda x, codes, scale: q8_matmul(x, Q8Rows(codes, scale)), "CPU")
+_OPS.impl("q8_matmul", lambda x, codes, scale: q8_matmul(x, Q8Rows(codes, scale,
+                                                                     codes.shape[0])), "CPU")
 
 
 @torch.library.register_fake("fmserve::q4_matmul")
@@ -349,7 +242,7 @@ def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def _rows_matmul(x: torch.Tensor, rows: "Q4Rows | Q8Rows") -> torch.Tensor:
     if isinstance(rows, Q8Rows):
         if torch.compiler.is_compiling():
-            return torch.ops.fmserve.q8_matmul(x, rows.codes, rows.scale)
+            return torch.ops.fmserve.q8_matmul(x, rows.codes, rows.scale)[:, :rows.out]
         return q8_matmul(x, rows)
     if torch.compiler.is_compiling():
         return torch.ops.fmserve.q4_matmul(x, rows.nibbles, rows.scale, rows.minimum)

@@ -1,69 +1,127 @@
 /* y = x W^T for a Q8_0 weight (llama.cpp's usual lm_head; an EAGLE head's projections), for
  * the few rows of a CPU decode step, against the input quantized to int8 as q4_matmul.c does
- * it; and the weight dequantized a piece at a time for the wide forwards. */
+ * it; and the weight dequantized a piece at a time for the wide forwards.
+ *
+ * W: int8 codes q with one scale s per block of 32 inputs (w = q s), interleaved 16 output
+ * rows together as the 4-bit codes are (gpu/cpu_q4_kernel.py Q8Rows): per group of 16 rows
+ * and block, 8 steps of 64 bytes, step j holding inputs 4j..4j+3 of each row (4 bytes a row).
+ * The integer multiply-adds want one operand unsigned: |q| times x8 carrying q's sign (as
+ * llama.cpp does); |q| <= 128 and |x8| <= 127 keep maddubs' pair sums within int16. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "q4_matmul.h"
 
 #define GROUP 32
-#define ROW_TILE 4
+#define STEP_BYTES 64                 /* 16 rows x 4 inputs */
+#define BLOCK_BYTES (8 * STEP_BYTES) /* 16 rows x 32 inputs */
 
-/* A Q8_0 weight (llama.cpp's usual lm_head): W [n, k] int8 codes q with one scale s per block
- * of 32 inputs (w = q s), against the same int8 input. maddubs wants one unsigned operand: |q|
- * times x8 carrying q's sign (as llama.cpp does); |q| <= 128 and |x8| <= 127 keep its pair
- * sums within int16. */
-static float row_dot8(const int8_t *qs, const float *s, const int8_t *x8, const float *d,
-                      int nb) {
-#ifdef __AVX2__
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + b * GROUP));
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(x8 + b * GROUP));
-        __m256i pairs = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[b]), _mm256_cvtepi32_ps(pairs), acc);
-    }
-    return hsum(acc);
-#else
-    float total = 0.f;
-    for (int b = 0; b < nb; b++) {
-        int sum = 0;
-        for (int j = 0; j < GROUP; j++)
-            sum += qs[b * GROUP + j] * x8[b * GROUP + j];
-        total += s[b] * d[b] * (float)sum;
-    }
-    return total;
-#endif
+typedef struct {
+    const int8_t *qs;
+    const float *s;
+    const int8_t *x8;
+    const float *d;
+    int nb, k;
+} tile_args;
+
+static inline int32_t four_bytes(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-#ifdef __AVX2__
-/* row_dot8 for ROW_TILE input rows at once: a block's |q| is taken once for all of them; each
- * row's sums in row_dot8's order (a row's result does not depend on the rows beside it). */
-static void tile_dot8(const int8_t *qs, const float *s, const int8_t *x8, const float *d,
-                      int nb, int k, float *y, size_t n) {
+#if defined(FMSERVE_VNNI)
+#define TILE 4
+static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
+                                                             float out[][16]) {
+    __m512 acc[TILE];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
+        __m512i sums[TILE];
+        for (int i = 0; i < R; i++)
+            sums[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            __m512i q = _mm512_loadu_si512((const void *)(qb + j * STEP_BYTES));
+            __m512i q_abs = _mm512_abs_epi8(q);
+            __mmask64 negative = _mm512_movepi8_mask(q);
+            for (int i = 0; i < R; i++) {
+                __m512i x = _mm512_set1_epi32(four_bytes(a->x8 + (size_t)i * a->k + b * GROUP
+                                                         + 4 * j));
+                x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+                sums[i] = _mm512_dpbusd_epi32(sums[i], q_abs, x);
+            }
+        }
+        __m512 s = _mm512_loadu_ps(a->s + b * 16);
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(a->d[(size_t)i * a->nb + b])),
+                                     acc[i]);
+    }
+    for (int i = 0; i < R; i++)
+        _mm512_storeu_ps(out[i], acc[i]);
+}
+#elif defined(__AVX2__)
+#define TILE 2
+static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
+                                                             float out[][16]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_TILE];
-    for (int i = 0; i < ROW_TILE; i++)
-        acc[i] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + b * GROUP));
-        __m256i q_abs = _mm256_sign_epi8(q, q);
-        for (int i = 0; i < ROW_TILE; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(x8 + (size_t)i * k + b * GROUP));
-            __m256i pairs = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(xv, q)), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * d[(size_t)i * nb + b]),
-                                     _mm256_cvtepi32_ps(pairs), acc[i]);
+    __m256 acc[TILE][2];
+    for (int i = 0; i < R; i++)
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
+        __m256i sums[TILE][2];
+        for (int i = 0; i < R; i++)
+            sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            for (int h = 0; h < 2; h++) { /* rows 0-7, then 8-15 */
+                __m256i q = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES + 32 * h));
+                __m256i q_abs = _mm256_sign_epi8(q, q);
+                for (int i = 0; i < R; i++) {
+                    __m256i x = _mm256_set1_epi32(four_bytes(a->x8 + (size_t)i * a->k
+                                                             + b * GROUP + 4 * j));
+                    sums[i][h] = _mm256_add_epi32(sums[i][h], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q)), ones));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 s = _mm256_loadu_ps(a->s + b * 16 + 8 * h);
+            for (int i = 0; i < R; i++)
+                acc[i][h] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(sums[i][h]),
+                    _mm256_mul_ps(s, _mm256_set1_ps(a->d[(size_t)i * a->nb + b])), acc[i][h]);
         }
     }
-    for (int i = 0; i < ROW_TILE; i++)
-        y[(size_t)i * n] = hsum(acc[i]);
+    for (int i = 0; i < R; i++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(out[i] + 8 * h, acc[i][h]);
+}
+#else
+#define TILE 1
+static void group_tile(int R, const tile_args *a, float out[][16]) {
+    for (int i = 0; i < R; i++)
+        for (int l = 0; l < 16; l++) {
+            float total = 0.f;
+            for (int b = 0; b < a->nb; b++) {
+                const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES + 4 * l;
+                const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP;
+                int sum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int u = 0; u < 4; u++)
+                        sum += qb[j * STEP_BYTES + u] * x[4 * j + u];
+                total += (float)sum * (a->s[b * 16 + l] * a->d[(size_t)i * a->nb + b]);
+            }
+            out[i][l] = total;
+        }
 }
 #endif
 
-/* y [rows, n] = x [rows, k] W^T for a Q8_0 weight (codes qs [n, k], scales s [n, k/32]). */
+/* y [rows, n] = x [rows, k] W^T for a Q8_0 weight (codes qs, scales s, interleaved as above;
+ * k a multiple of 32, n of 16). Returns 0, or -1 if out of memory. */
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,
               float *y, int threads) {
     int nb = k / GROUP;
@@ -76,16 +134,21 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
     }
     quantize_rows(x, rows, k, x8, d, d + (size_t)rows * nb);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < n; o++) {
-        int r = 0;
-#ifdef __AVX2__
-        for (; r + ROW_TILE <= rows; r += ROW_TILE)
-            tile_dot8(qs + (size_t)o * k, s + (size_t)o * nb, x8 + (size_t)r * k,
-                      d + (size_t)r * nb, nb, k, y + (size_t)r * n + o, n);
-#endif
-        for (; r < rows; r++)
-            y[(size_t)r * n + o] = row_dot8(qs + (size_t)o * k, s + (size_t)o * nb,
-                                            x8 + (size_t)r * k, d + (size_t)r * nb, nb);
+    for (int g = 0; g < n / 16; g++) {
+        float out[TILE][16];
+        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16, x8, d, nb, k};
+        for (int r = 0; r < rows;) {
+            int take = rows - r >= TILE ? TILE : 1;
+            a.x8 = x8 + (size_t)r * k;
+            a.d = d + (size_t)r * nb;
+            if (take == TILE) /* a constant: the accumulators stay in registers */
+                group_tile(TILE, &a, out);
+            else
+                group_tile(1, &a, out);
+            for (int i = 0; i < take; i++)
+                memcpy(y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
+            r += take;
+        }
     }
     free(x8);
     free(d);
@@ -98,11 +161,14 @@ void q8_dequantize(const int8_t *qs, const float *s, int k, int o0, int count, f
     int nb = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int o = 0; o < count; o++) {
-        const int8_t *qo = qs + (size_t)(o0 + o) * k;
-        const float *so = s + (size_t)(o0 + o) * nb;
-        float *row = dst + (size_t)o * k;
-        for (int b = 0; b < nb; b++)
+        int row = o0 + o, g = row / 16, l = row % 16;
+        const int8_t *qg = qs + (size_t)g * nb * BLOCK_BYTES + 4 * l;
+        const float *sg = s + (size_t)g * nb * 16 + l;
+        float *w = dst + (size_t)o * k;
+        for (int b = 0; b < nb; b++) {
+            const int8_t *qb = qg + (size_t)b * BLOCK_BYTES;
             for (int j = 0; j < GROUP; j++)
-                row[b * GROUP + j] = (float)qo[b * GROUP + j] * so[b];
+                w[b * GROUP + j] = (float)qb[(j / 4) * STEP_BYTES + j % 4] * sg[b * 16];
+        }
     }
 }

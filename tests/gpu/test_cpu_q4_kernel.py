@@ -82,8 +82,9 @@ def test_a_q8_0_weight_is_kept_as_its_int8_codes_and_multiplied_as_they_say():
     assert isinstance(layer.rows[0], Q8Rows) and torch.equal(layer.weight, exact)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5))
     x8, d = int8_input(x)
-    dots = torch.einsum("obj,rbj->rob", codes.codes.double().view(48, -1, Q4_GROUP), x8.double())
-    expected = (dots * codes.scale.double()[None] * d.double()[:, None]).sum(-1).float()
+    dots = torch.einsum("obj,rbj->rob", codes.row_codes().double().view(48, -1, Q4_GROUP),
+                        x8.double())
+    expected = (dots * codes.row_scale().double()[None] * d.double()[:, None]).sum(-1).float()
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x), q8_matmul(x, codes))
     with pytest.raises(ValueError, match="input width 32 does not match the weight's 96"):
@@ -97,27 +98,35 @@ def test_quantizing_to_q8_0_agrees_with_gguf_and_rounds_each_weight_to_its_block
     raw, exact = quantized("Q8_0", rows=48, cols=96)
     again = Q8Rows.quantize(exact)
     assert again.codes.dtype == torch.int8 and torch.equal(again.dequantize(), exact)
-    assert torch.equal(again.codes, Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape)).codes)
+    assert torch.equal(again.row_codes(), Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape)).row_codes())
     w = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)) * 3
     w[0, :32] = 0  # an all-zero block: scale 0, codes 0, no division by zero
     q = Q8Rows.quantize(w)
-    step = q.scale.repeat_interleave(Q4_GROUP, dim=1)
+    step = q.row_scale().repeat_interleave(Q4_GROUP, dim=1)
     assert (q.dequantize() - w).abs().le(step / 2 + 1e-6).all()
-    assert q.codes.abs().max().item() == 127 and not q.codes[0, :32].any()
+    assert q.row_codes().abs().max().item() == 127 and not q.row_codes()[0, :32].any()
 
 
-def test_the_8_bit_kernel_gives_each_row_alone_what_it_gives_it_in_a_batch():
-    """Rows go through the kernel four at a time (one |q| per block for all four): a row's
-    result must not depend on the rows beside it, and must still be the written-out sum."""
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_the_8_bit_kernel_gives_each_row_alone_what_it_gives_it_in_a_batch(isa):
+    """Rows go through the kernel in tiles (one |q| per step for all of them), in each build
+    (AVX-512 VNNI, AVX2, plain C): a row's result must not depend on the rows beside it, and
+    must still be the written-out sum. 40 rows: the kernel runs 48, its last 8 zero padding."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
     raw, exact = quantized("Q8_0", rows=40, cols=128)
     codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
+    assert codes.codes.shape == (48, 128) and codes.out == 40
+    assert torch.equal(codes.dequantize(), exact)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(8))  # two tiles and one
-    batch = q8_matmul(x, codes)
+    batch = q8_matmul(x, codes, isa)
+    assert batch.shape == (9, 40)
     for i in range(9):
-        assert torch.equal(q8_matmul(x[i:i + 1], codes)[0], batch[i]), i
+        assert torch.equal(q8_matmul(x[i:i + 1], codes, isa)[0], batch[i]), i
     x8, d = int8_input(x)
-    dots = torch.einsum("obj,rbj->rob", codes.codes.double().view(40, -1, Q4_GROUP), x8.double())
-    expected = (dots * codes.scale.double()[None] * d.double()[:, None]).sum(-1).float()
+    dots = torch.einsum("obj,rbj->rob", codes.row_codes().double().view(40, -1, Q4_GROUP),
+                        x8.double())
+    expected = (dots * codes.row_scale().double()[None] * d.double()[:, None]).sum(-1).float()
     torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,151 @@
+"""The form the C kernels (gpu/csrc/q4_matmul.c, q8_matmul.c) keep a GGUF's codes in: 4-bit
+(Q4Rows) and 8-bit (Q8Rows) matrices with their output rows interleaved 16 together, so that
+one integer multiply-add sums 16 outputs and the block scales are applied once per block for
+16 outputs. Each form gives its weights back in row order (tests, the embedding lookup)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
+
+# Output rows the kernel interleaves (gpu/csrc/q4_matmul.c): a weight's rows come in groups of it.
+GROUP_ROWS = 16
+
+
+@dataclass
+class Q4Rows:
+    """An [out, width] int4 matrix in the kernel's form: w = q * scale + minimum per block of
+    32 inputs, the rows interleaved GROUP_ROWS together. For each group of 16 rows and block,
+    8 steps of 32 bytes; step j holds inputs 4j..4j+3 of each row, 4 bytes a row, rows 0-7 in
+    the low nibbles and 8-15 in the high ones. Scales and minimums are [groups, blocks, 16].
+    The tensors keep the [out, ...] shapes of the plain layout (the bytes are the same count)."""
+
+    nibbles: torch.Tensor  # [out, width / 2] uint8, interleaved as above
+    scale: torch.Tensor  # [out, width / 32] fp32, as [out / 16, width / 32, 16]
+    minimum: torch.Tensor  # [out, width / 32] fp32, likewise
+
+    @staticmethod
+    def from_weight(weight: Int4Weight) -> "Q4Rows":
+        b = weight.blocks
+        out, width = b.codes.shape
+        if out % GROUP_ROWS:
+            raise ValueError(f"the 4-bit kernel takes weights of a multiple of {GROUP_ROWS} "
+                             f"rows; this one has {out}")
+        groups, nb = out // GROUP_ROWS, width // Q4_GROUP
+        # [group, row, block, step, byte] -> [group, block, step, row, byte]
+        q = b.codes.view(groups, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        nibbles = (q[:, :, :, :8] | (q[:, :, :, 8:] << 4)).reshape(out, width // 2)
+        # (q - 8) s + z = q s + (z - 8 s): in float64, so only the final rounding to fp32 errs.
+        minimum = (b.zero.double() - 8 * b.scale.double()).float()
+        return Q4Rows(nibbles.contiguous(), _interleave(b.scale.float()), _interleave(minimum))
+
+    def codes(self) -> torch.Tensor:
+        """The [out, width] codes (0..15) in row order."""
+        out, half = self.nibbles.shape
+        groups, nb = out // GROUP_ROWS, 2 * half // Q4_GROUP
+        steps = self.nibbles.view(groups, nb, 8, 8, 4)  # [group, block, step, row % 8, byte]
+        q = torch.cat([steps & 0x0F, steps >> 4], dim=3)  # rows 0-7, then 8-15
+        return q.permute(0, 3, 1, 2, 4).reshape(out, 2 * half)
+
+    def row_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and minimums [out, width / 32] in row order."""
+        return _deinterleave(self.scale), _deinterleave(self.minimum)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [out, width] matrix (tests)."""
+        out = self.nibbles.shape[0]
+        q = self.codes().float().view(out, -1, Q4_GROUP)
+        scale, minimum = self.row_params()
+        return (q * scale[..., None] + minimum[..., None]).view(out, -1)
+
+
+def _interleave(per_row: torch.Tensor) -> torch.Tensor:
+    """[out, blocks] -> the same shape holding [out / 16, blocks, 16]."""
+    out, nb = per_row.shape
+    return per_row.view(out // GROUP_ROWS, GROUP_ROWS, nb).transpose(1, 2).reshape(out, nb)
+
+
+def _deinterleave(grouped: torch.Tensor) -> torch.Tensor:
+    out, nb = grouped.shape
+    return grouped.view(out // GROUP_ROWS, nb, GROUP_ROWS).transpose(1, 2).reshape(out, nb)
+
+
+@dataclass
+class Q8Rows:
+    """An [out, width] Q8_0 matrix: w = codes * scale per block of 32, the rows interleaved
+    GROUP_ROWS together as Q4Rows's are (for each group of 16 rows and block, 8 steps of 64
+    bytes; step j holds inputs 4j..4j+3 of each row, 4 bytes a row), zero rows padding `out`
+    to a multiple of 16. The kernel's outputs past `out` are dropped."""
+
+    codes: torch.Tensor  # [padded out, width] int8, interleaved as above
+    scale: torch.Tensor  # [padded out, width / 32] fp32, as [groups, width / 32, 16]
+    out: int
+
+    @staticmethod
+    def from_row_codes(codes: torch.Tensor, scale: torch.Tensor) -> "Q8Rows":
+        """From codes [out, width] int8 and scales [out, width / 32] in row order."""
+        out, width = codes.shape
+        pad = -out % GROUP_ROWS
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, width)])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        groups, nb = (out + pad) // GROUP_ROWS, width // Q4_GROUP
+        # [group, row, block, step, byte] -> [group, block, step, row, byte]
+        steps = codes.view(groups, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        return Q8Rows(steps.reshape(out + pad, width).contiguous(),
+                      _interleave(scale.float()).contiguous(), out)
+
+    @staticmethod
+    def from_pair(weight: Int4Weight) -> "Q8Rows | None":
+        """The Q8_0 weight that the loader split into two 4-bit parts (gguf_q4.q8_0_as_q4_pair:
+        [hi | lo] side by side, scales 16 d and d, zeros 0 and 8 d); None if `weight` is not
+        such a pair (Q5_K's two digits also widen by "repeat")."""
+        b, n = weight.blocks, weight.in_features
+        if weight.widening != "repeat" or b.codes.shape[1] != 2 * n:
+            return None
+        nb = n // Q4_GROUP
+        d = b.scale[:, nb:]
+        if not (torch.equal(b.scale[:, :nb], 16 * d) and not b.zero[:, :nb].any()
+                and torch.equal(b.zero[:, nb:], 8 * d)):
+            return None
+        codes = (b.codes[:, :n].short() * 16 + b.codes[:, n:].short() - 128).to(torch.int8)
+        return Q8Rows.from_row_codes(codes, d)
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> "Q8Rows":
+        """Q8_0 codes of an [out, width] float matrix (width a multiple of 32), as llama.cpp
+        quantizes: per block of 32, scale = max |w| / 127 and codes = round(w / scale)."""
+        out, width = weight.shape
+        blocks = weight.detach().float().reshape(out, width // Q4_GROUP, Q4_GROUP)
+        scale = blocks.abs().amax(-1) / 127
+        codes = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0).round()
+        return Q8Rows.from_row_codes(codes.to(torch.int8).reshape(out, width), scale)
+
+    def _steps(self) -> torch.Tensor:
+        rows, width = self.codes.shape  # [group, block, step, row, byte]
+        return self.codes.view(rows // GROUP_ROWS, width // Q4_GROUP, 8, GROUP_ROWS, 4)
+
+    def row_codes(self) -> torch.Tensor:
+        """The [out, width] codes in row order."""
+        rows, width = self.codes.shape
+        return self._steps().permute(0, 3, 1, 2, 4).reshape(rows, width)[:self.out]
+
+    def row_scale(self) -> torch.Tensor:
+        return _deinterleave(self.scale)[:self.out]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as fp32 [*ids.shape, width]: an embedding table kept as its codes."""
+        group, lane = ids // GROUP_ROWS, ids % GROUP_ROWS
+        q = self._steps()[group, :, :, lane].float()  # [*ids.shape, block, step, byte]
+        nb = self.scale.shape[1]
+        scale = self.scale.view(-1, nb, GROUP_ROWS)[group, :, lane]  # [*ids.shape, block]
+        return (q.flatten(-2) * scale[..., None]).flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [out, width] matrix (tests)."""
+        out, width = self.out, self.codes.shape[1]
+        return (self.row_codes().float().view(out, -1, Q4_GROUP)
+                * self.row_scale()[..., None]).view(out, width)
