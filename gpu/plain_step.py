@@ -125,8 +125,12 @@ class PlainStep:
         st.future_map.publish(batch.slots, batch.seq_lens)  # see the module docstring
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
-        if self.native_decode is not None and self.native_decode.can_run(batch):
-            return self.native_decode.run(batch)
+        native = self.native_decode
+        if native is not None and native.can_run(batch):
+            return native.run(batch)
+        if native is not None and native.can_run_as_rows(batch):  # a short chunk, a mixed
+            rows, key_locs = native.extend_rows(batch)  # step: as the EAGLE step's target
+            return native.run(rows, key_locs=key_locs)  # runs it, so both give one answer
         if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
             return self.compiled_decode.run(batch)
         if batch.batch_size:

@@ -205,3 +205,37 @@ def test_the_verify_runs_in_c_and_gives_the_plain_steps_tokens(model_path, codes
     assert greedy(spec, prompts, 12) == greedy(codes_engine, prompts, 12)
     assert native.runs >= 4  # 11 tokens after the first at most 4 a step
     assert all(n > 8 for n in torch_forwards), torch_forwards  # only the prompts' prefills
+
+
+def test_a_short_prefill_chunk_runs_in_c_and_gives_the_eagle_steps_tokens(model_path,
+                                                                          monkeypatch):
+    """A prompt of at most the C step's rows prefills there too, one row per token
+    (cpu_decode_step.causal_rows), in the plain step as in the EAGLE step's target: both
+    give the same tokens (through torch's forward with the same kernel the activations round
+    differently, which can flip a near-tie; SmolLM2 has one on dev prompt 3 at 124 tokens),
+    close to the fp32 model's, and no forward reaches the torch decoder."""
+    from ipc.spec_settings import SpecSettings
+
+    monkeypatch.setenv(cpu_decode_step.ENV_CODES_ROWS, "80")  # both prompts at once
+    monkeypatch.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+
+    def engine(spec=None) -> Engine:
+        return Engine(model=str(model_path), device="cpu", dtype="auto", max_kv_tokens=1024,
+                      max_running_requests=2, progress=False, spec=spec)
+
+    plain = engine()
+    native, model = plain.worker.step.native_decode, plain.worker.state.model
+    torch_forwards: list[int] = []
+    hidden_states = model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda batch, *a, **k: torch_forwards.append(
+        batch.num_tokens) or hidden_states(batch, *a, **k))
+    prompts = [p[:36] for p in dev_prompts(plain, 2)]
+    runs = native.runs
+    tokens = greedy(plain, prompts, 6)
+    assert torch_forwards == [] and native.runs - runs >= 6  # two prefills, >= 5 decodes
+    spec = engine(SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                               disable_above_batch_size=0))
+    assert greedy(spec, prompts, 6) == tokens
+    # and each prompt's first token is the fp32 model's (its logits, teacher-forced)
+    for prompt, out in zip(prompts, tokens):
+        assert prompt_logits(model, prompt)[-1].argmax().item() == out[0]
