@@ -85,6 +85,69 @@ static float dot(const float *a, const float *b, int n) {
     return total;
 }
 
+#ifdef __AVX2__
+/* e^x of 8 floats: Cephes' expf polynomial (within 2 ulp of expf), x clamped to [-87.3, 88.3]
+ * so that 2^n stays a normal float. Softmax and SiLU called expf ~3 million times a step at
+ * 32 rows, about 5 ms on 2 cores. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln 2 in two parts */
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i scale = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
+}
+#endif
+
+/* p[j] = e^(p[j] - best) for j < len; returns their sum. */
+static float exp_shifted(float *p, int len, float best) {
+    float total = 0.f;
+    int j = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), shift = _mm256_set1_ps(best);
+    for (; j + 8 <= len; j += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), shift));
+        _mm256_storeu_ps(p + j, v);
+        acc = _mm256_add_ps(acc, v);
+    }
+    total = hsum(acc);
+    if (j < len) { /* the tail through the same polynomial */
+        float tail[8] = {0};
+        memcpy(tail, p + j, sizeof(float) * (len - j));
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), shift)));
+        for (int i = 0; i < len - j; i++)
+            total += p[j + i] = tail[i];
+    }
+    return total;
+#endif
+    for (; j < len; j++)
+        total += p[j] = expf(p[j] - best);
+    return total;
+}
+
+/* act[i] = SiLU(gate[i]) up[i] for n values. */
+static void silu_mul(const float *gate, const float *up, float *act, int n) {
+    int i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 sig = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++)
+        act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 /* 1 where this build reads and writes an fp16 KV cache (F16C), else 0. */
 int kv_half_supported(void) {
 #ifdef __F16C__
@@ -201,11 +264,7 @@ static void attend(const decoder *m, const decoder_layer *l, const float *qkv, i
             float best = -INFINITY;
             for (int j = 0; j < len; j++)
                 best = p[j] > best ? p[j] : best;
-            float total = 0.f;
-            for (int j = 0; j < len; j++) {
-                p[j] = expf(p[j] - best);
-                total += p[j];
-            }
+            float total = exp_shifted(p, len, best);
             for (int j = 0; j < len; j++)
                 p[j] /= total;
             weighted_values(m, l->v_cache, locs, len, g, p,
@@ -247,12 +306,13 @@ static int layer_step(const decoder *m, const decoder_layer *l, float *h, int ro
     rms_norm(h, l->post_norm, m->eps, rows, n, s->x);
     if (matmul(&l->gate_up, s->x, rows, s->gate_up, threads))
         return -1;
-    int inter = m->intermediate;
+    int inter = m->intermediate, chunk = 256, chunks = (inter + chunk - 1) / chunk;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int r = 0; r < rows; r++) {
-        for (int i = 0; i < inter; i++) { /* expf bound: shared among the threads */
-            const float *gate = s->gate_up + (size_t)r * 2 * inter;
-            s->act[(size_t)r * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * gate[inter + i];
+        for (int c = 0; c < chunks; c++) { /* shared among the threads: exp bound */
+            const float *gate = s->gate_up + (size_t)r * 2 * inter + (size_t)c * chunk;
+            int n = inter - c * chunk < chunk ? inter - c * chunk : chunk;
+            silu_mul(gate, gate + inter, s->act + (size_t)r * inter + (size_t)c * chunk, n);
         }
     }
     if (matmul(&l->down, s->act, rows, s->proj, threads))
