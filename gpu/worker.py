@@ -147,8 +147,9 @@ class Worker:
             note += ", no CUDA graphs (they need the triton attention backend and one rank)"
         compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
         if isinstance(self.step, PlainStep) and self.step.native_decode is not None:
-            note += (f", decode batches up to {self.step.native_decode.max_batch} in C "
-                     f"(gpu/cpu_decode_step.py)")
+            from gpu.cpu_q4_kernel import kernel_isa
+            note += (f", decode batches and chunks up to {self.step.native_decode.max_batch} "
+                     f"rows in C ({kernel_isa()} kernels, gpu/cpu_decode_step.py)")
         elif compiled is not None and compiled.background is not None:
             note += (f", decode compiled for batches up to {compiled.max_batch}, batch 1 "
                      f"being built while decode steps run eagerly")

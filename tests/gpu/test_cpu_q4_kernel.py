@@ -278,3 +278,16 @@ def test_torch_compile_traces_the_kernel_as_one_op(type_name):
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), step(x))
+
+
+def test_the_build_runs_the_widest_loop_the_cpu_has():
+    """-march=native picks the loop: AVX-512 VNNI where the CPU has it (with AVX-512 BW), else
+    AVX2, else plain C; the "avx2" and "c" builds never run the newer ones."""
+    flags = set(cpu_q4_kernel._cpu_flags().split())
+    expected = ("avx512-vnni" if {"avx512_vnni", "avx512bw"} <= flags
+                else "avx2" if "avx2" in flags else "c")
+    assert cpu_q4_kernel.kernel_isa() == expected
+    for isa in ("avx2", "c"):
+        if cpu_q4_kernel.library(isa) is not None:
+            assert cpu_q4_kernel.kernel_isa(isa) == ("c" if isa == "c" or "avx2" not in flags
+                                                     else "avx2")
