@@ -210,8 +210,10 @@ static void key_scores(const decoder *m, const void *cache, const int32_t *locs,
             for (int u = 0; u < 4; u++)
                 acc[u] = _mm256_fmadd_ps(qv, kv8(m, cache, locs[j + u], g, i), acc[u]);
         }
-        for (int u = 0; u < 4; u++)
-            p[j + u] = hsum(acc[u]) * m->attn_scale;
+        /* the four sums at once: hadd pairs them up, the two halves add */
+        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        _mm_storeu_ps(p + j, _mm_mul_ps(sums, _mm_set1_ps(m->attn_scale)));
     }
 #endif
     for (; j < len; j++)
