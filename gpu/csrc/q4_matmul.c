@@ -37,9 +37,13 @@ int q4_kernel_isa(void) {
 #endif
 }
 
-/* x [rows, k] -> x8 [rows, k] int8, d [rows, k/32] (the scale) and dsum [rows, k/32] (d sum x8). */
-void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d, float *dsum) {
+float *quantize_input(const float *x, int rows, int k, int8_t **x8_out) {
     int nb = k / GROUP;
+    float *d = malloc(sizeof(float) * (size_t)rows * nb * 2 + (size_t)rows * k);
+    if (!d)
+        return NULL;
+    float *dsum = d + (size_t)rows * nb;
+    int8_t *x8 = *x8_out = (int8_t *)(dsum + (size_t)rows * nb);
     for (int r = 0; r < rows; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)r * k + b * GROUP;
@@ -60,6 +64,7 @@ void quantize_rows(const float *x, int rows, int k, int8_t *x8, float *d, float 
             dsum[(size_t)r * nb + b] = scale * (float)sum;
         }
     }
+    return d;
 }
 
 static inline int32_t four_bytes(const int8_t *p) {
@@ -186,15 +191,11 @@ static void group_tile(int R, const tile_args *a, float out[][16]) {
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads) {
     int nb = k / GROUP;
-    int8_t *x8 = malloc((size_t)rows * k);
-    float *d = malloc(sizeof(float) * (size_t)rows * nb * 2);
-    if (!x8 || !d) {
-        free(x8);
-        free(d);
+    int8_t *x8;
+    float *d = quantize_input(x, rows, k, &x8);
+    if (!d)
         return -1;
-    }
     float *dsum = d + (size_t)rows * nb;
-    quantize_rows(x, rows, k, x8, d, dsum);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
@@ -216,7 +217,6 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
             r += take;
         }
     }
-    free(x8);
     free(d);
     return 0;
 }

@@ -125,14 +125,10 @@ static void group_tile(int R, const tile_args *a, float out[][16]) {
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,
               float *y, int threads) {
     int nb = k / GROUP;
-    int8_t *x8 = malloc((size_t)rows * k);
-    float *d = malloc(sizeof(float) * (size_t)rows * nb * 2);
-    if (!x8 || !d) {
-        free(x8);
-        free(d);
+    int8_t *x8;
+    float *d = quantize_input(x, rows, k, &x8);
+    if (!d)
         return -1;
-    }
-    quantize_rows(x, rows, k, x8, d, d + (size_t)rows * nb);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
@@ -150,7 +146,6 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
             r += take;
         }
     }
-    free(x8);
     free(d);
     return 0;
 }
