@@ -6,7 +6,7 @@ Page 0 and slot 0 are reserved padding and are never handed out.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 
 class OutOfPages(Exception):
@@ -14,13 +14,25 @@ class OutOfPages(Exception):
 
 
 class _FreeList:
-    """Numbers 1 .. total - 1, handed out oldest-freed first (0 is reserved padding)."""
+    """Numbers 1 .. total - 1, the lowest free one handed out first (0 is reserved padding).
+
+    Lowest first, not oldest-freed first: the KV pool is allocated untouched, and a page
+    becomes resident memory the first time it is written. Handing out the lowest pages keeps
+    the resident part of the pool to the most pages ever in use at once; cycling through the
+    free list touched all of it over time (a 65,536-token pool grew the worker by ~24 KB a
+    decoded token until the whole 1.5 GB was resident)."""
 
     def __init__(self, total: int, what: str, one: str) -> None:
         if total < 2:
             raise ValueError(f"need at least 2 {what} ({one} 0 is reserved), got {total}")
-        self._free: deque[int] = deque(range(1, total))
+        self._free: list[int] = list(range(1, total))  # a heap; sorted is one already
         self._total = total
+
+    def _take(self) -> int:
+        return heapq.heappop(self._free)
+
+    def _give(self, number: int) -> None:
+        heapq.heappush(self._free, number)
 
     @property
     def num_free(self) -> int:
@@ -43,10 +55,11 @@ class PageAllocator(_FreeList):
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        return [self._take() for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        for page in pages:
+            self._give(page)
 
 
 class SlotAllocator(_FreeList):
@@ -55,7 +68,7 @@ class SlotAllocator(_FreeList):
         self.num_slots = num_slots
 
     def allocate(self) -> int | None:
-        return self._free.popleft() if self._free else None
+        return self._take() if self._free else None
 
     def free(self, slot: int) -> None:
-        self._free.append(slot)
+        self._give(slot)
