@@ -33,6 +33,11 @@ from gpu.forward_batch import ForwardBatch, ForwardMode
 # 4 rows 167 against 88, 8 rows 221 against 185, 16 rows 211 against 152, 32 rows 231 against
 # 205. $FMSERVE_CPU_CODES_ROWS, where set, fixes this too (the test suite).
 NATIVE_MAX_BATCH = 32
+# ... and batches (and chunks) of up to the projections' hand-over to the wide path, but never
+# more than this many rows: beyond, a chunk's attention (one row at a time in C, a score
+# scratch of rows x heads x keys) is better left to the torch step's SDPA, whose projections
+# still run on the C kernel.
+NATIVE_MAX_ROWS = 128
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -115,8 +120,8 @@ class NativeDecode:
         self.model, self.attn, self.lib = model, attn, library()
         cfg = model.config
         rows = os.environ.get(ENV_CODES_ROWS, "").strip()
-        self.max_batch = int(rows) if rows.isdigit() else max(NATIVE_MAX_BATCH,
-                                                              model.kernel_max_rows or 0)
+        self.max_batch = int(rows) if rows.isdigit() else min(NATIVE_MAX_ROWS, max(
+            NATIVE_MAX_BATCH, model.kernel_max_rows or 0))
         kv = attn.kv_pool
         # The structs hold raw pointers: every tensor they name lives as long as the model.
         self._layers = (_Layer * cfg.num_layers)(*[

@@ -47,8 +47,16 @@ from ipc.cache_dirs import model_cache_dir
 
 log = logging.getLogger(__name__)
 
-# The row counts the hand-over is chosen among (decode batches are bucketed the same way).
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+# The row counts the hand-over is chosen among: decode batches and EAGLE verifies up to 128,
+# then prefill chunks (runtime.max_tokens_per_step is 2048 by default). With its input
+# quantized in vectors, the C kernel ran 2x the bf16 scratch GEMM at 128-256 rows and 1.3x at
+# 2048 on an AVX512-BF16 EPYC: there the codes take prefill too.
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
+# An lm_head multiplies a forward's last rows only (one per request, or an EAGLE verify's few
+# per request): its hand-over is looked for up to here.
+LM_HEAD_CANDIDATE_ROWS = 256
+# The hand-over where the kernel kept up at every candidate: it takes forwards of any size.
+UNBOUNDED_ROWS = 1 << 30
 CALIBRATION_REPEATS = 5
 # Above this share of the cores busy with other work, a measurement is used but not cached.
 BUSY_CORES = 0.5
@@ -108,10 +116,12 @@ def _best_ms(fn, x: torch.Tensor) -> float:
     return best * 1e3
 
 
-def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = False) -> int:
-    """The most rows (of CANDIDATE_ROWS) at which the 4-bit kernel is still at least as fast
-    as the wide path (scratch dequantization with its GEMM in bf16 where `bf16`, else fp32; or
-    FBGEMM fp16 without the C kernel) on a random [out, in] weight; 0 where it never is."""
+def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = False,
+                          up_to: int = CANDIDATE_ROWS[-1]) -> int:
+    """The most rows (of CANDIDATE_ROWS up to `up_to`) at which the 4-bit kernel is still at
+    least as fast as the wide path (scratch dequantization with its GEMM in bf16 where `bf16`,
+    else fp32; or FBGEMM fp16 without the C kernel) on a random [out, in] weight; 0 where it
+    never is, UNBOUNDED_ROWS where it always is."""
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=gen)
     scales_and_zeros = (torch.rand(in_features // Q4_GROUP, out_features, 2, generator=gen)
@@ -136,22 +146,22 @@ def measure_int4_max_rows(in_features: int, out_features: int, bf16: bool = Fals
                 x.to(torch.bfloat16), packed, Q4_GROUP, scales_and_zeros).float()
 
     best = 0
-    for rows in CANDIDATE_ROWS:
+    for rows in (r for r in CANDIDATE_ROWS if r <= up_to):
         x = torch.randn(rows, in_features, generator=gen)
         # Interleaved pairs: a machine busy with other work slows both alike.
         t_int4 = min(_best_ms(int4, x) for _ in range(2))
         t_wide = min(_best_ms(wide, x) for _ in range(2))
         if t_int4 > t_wide:
-            break
+            return best
         best = rows
-    return best
+    return UNBOUNDED_ROWS
 
 
 def int4_max_rows(in_features: int, out_features: int, cache: bool = True,
-                  bf16: bool = False) -> int:
+                  bf16: bool = False, up_to: int = CANDIDATE_ROWS[-1]) -> int:
     """measure_int4_max_rows, cached per CPU, torch version, thread count and shape."""
     path = model_cache_dir() / "cpu_kernels.json"
-    key = _cpu_key(in_features, out_features) + ("-bf16" if bf16 else "")
+    key = _cpu_key(in_features, out_features) + ("-bf16" if bf16 else "") + f"-{up_to}"
     known: dict[str, int] = {}
     if cache and path.exists():
         try:
@@ -161,9 +171,10 @@ def int4_max_rows(in_features: int, out_features: int, cache: bool = True,
         if isinstance(known.get(key), int):
             return known[key]
     start = time.perf_counter()
-    rows = measure_int4_max_rows(in_features, out_features, bf16)
-    log.info("CPU kernels: the int4 kernel takes forwards up to %d rows, the wide path above "
-             "(measured in %.2f s)", rows, time.perf_counter() - start)
+    rows = measure_int4_max_rows(in_features, out_features, bf16, up_to)
+    log.info("CPU kernels: the int4 kernel takes forwards %s (measured in %.2f s)",
+             "of any size" if rows == UNBOUNDED_ROWS else f"up to {rows} rows, the wide path "
+             "above", time.perf_counter() - start)
     busy = os.getloadavg()[0] - 1.0  # this process's own measuring counts as one
     if cache and busy > BUSY_CORES * (os.cpu_count() or 1):
         # Other work skews the pair of timings: use this answer, measure again next start.
@@ -194,4 +205,5 @@ def plan_fp32_split(hidden: int, intermediate: int, vocab: int, cache: bool = Tr
                              f"(0: every forward on the fp16 packs), or unset it to measure")
         return Fp32Split(int(rows), int(rows), bf16)
     return Fp32Split(int4_max_rows(hidden, 2 * intermediate, cache, bf16),
-                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache, bf16), bf16)
+                     int4_max_rows(hidden, min(vocab, CALIBRATION_MAX_OUT), cache, bf16,
+                                   LM_HEAD_CANDIDATE_ROWS), bf16)

@@ -37,31 +37,72 @@ int q4_kernel_isa(void) {
 #endif
 }
 
-float *quantize_input(const float *x, int rows, int k, int8_t **x8_out) {
+/* One block of 32 inputs to int8 with its scale; returns the sum of the codes. lrintf's and
+ * cvtps2dq's rounding are the same (to nearest, ties to even), so both loops give the same
+ * bytes. */
+static inline int quantize_block(const float *xb, int8_t *qb, float *scale_out) {
+#ifdef __AVX2__
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float top = _mm_cvtss_f32(h), inv = top > 0.f ? 127.f / top : 0.f;
+    __m256 mul = _mm256_set1_ps(inv);
+    __m256i q[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], mul));
+        sum = _mm256_add_epi32(sum, q[i]);
+    }
+    /* 32 int32 in [-127, 127] to bytes; the packs interleave 128-bit lanes, the permute
+     * puts the input order back */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)qb, b);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *scale_out = top / 127.f;
+    return _mm_cvtsi128_si32(s4);
+#else
+    float amax = 0.f;
+    for (int j = 0; j < GROUP; j++) {
+        float a = fabsf(xb[j]);
+        amax = a > amax ? a : amax;
+    }
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < GROUP; j++) {
+        int q = (int)lrintf(xb[j] * inv);
+        qb[j] = (int8_t)q;
+        sum += q;
+    }
+    *scale_out = amax / 127.f;
+    return sum;
+#endif
+}
+
+float *quantize_input(const float *x, int rows, int k, int8_t **x8_out, int threads) {
     int nb = k / GROUP;
     float *d = malloc(sizeof(float) * (size_t)rows * nb * 2 + (size_t)rows * k);
     if (!d)
         return NULL;
     float *dsum = d + (size_t)rows * nb;
     int8_t *x8 = *x8_out = (int8_t *)(dsum + (size_t)rows * nb);
+    /* shared among the threads only where there is enough of it to pay for waking them */
+#pragma omp parallel for schedule(static) num_threads(threads) if ((size_t)rows * k >= 16384)
     for (int r = 0; r < rows; r++) {
         for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)r * k + b * GROUP;
-            int8_t *qb = x8 + (size_t)r * k + b * GROUP;
-            float amax = 0.f;
-            for (int j = 0; j < GROUP; j++) {
-                float a = fabsf(xb[j]);
-                amax = a > amax ? a : amax;
-            }
-            float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            int sum = 0;
-            for (int j = 0; j < GROUP; j++) {
-                int q = (int)lrintf(xb[j] * inv);
-                qb[j] = (int8_t)q;
-                sum += q;
-            }
-            d[(size_t)r * nb + b] = scale;
-            dsum[(size_t)r * nb + b] = scale * (float)sum;
+            size_t at = (size_t)r * nb + b;
+            float scale;
+            int sum = quantize_block(x + (size_t)r * k + b * GROUP, x8 + (size_t)r * k + b * GROUP,
+                                     &scale);
+            d[at] = scale;
+            dsum[at] = scale * (float)sum;
         }
     }
     return d;
@@ -192,7 +233,7 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
               const float *m, int n, float *y, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
-    float *d = quantize_input(x, rows, k, &x8);
+    float *d = quantize_input(x, rows, k, &x8, threads);
     if (!d)
         return -1;
     float *dsum = d + (size_t)rows * nb;

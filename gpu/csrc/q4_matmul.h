@@ -24,8 +24,8 @@ static inline float hsum(__m256 acc) {
 int q4_kernel_isa(void);
 /* x [rows, k] quantized per block of 32 into one allocation the caller frees (the returned
  * pointer): d [rows, k/32] the scales, then dsum [rows, k/32] (d sum x8), then x8 [rows, k]
- * (*x8 set). NULL if out of memory. */
-float *quantize_input(const float *x, int rows, int k, int8_t **x8);
+ * (*x8 set), on up to `threads` threads. NULL if out of memory. */
+float *quantize_input(const float *x, int rows, int k, int8_t **x8, int threads);
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads);
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,

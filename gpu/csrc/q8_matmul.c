@@ -126,7 +126,7 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
               float *y, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
-    float *d = quantize_input(x, rows, k, &x8);
+    float *d = quantize_input(x, rows, k, &x8, threads);
     if (!d)
         return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -134,27 +134,31 @@ def test_the_split_model_tracks_the_exact_fp32_model(split_model, gguf_path, mod
     assert ((on_codes - exact).norm() / exact.norm()).item() < 0.04
 
 
+HAND_OVERS = (0, *cpu_kernels.CANDIDATE_ROWS, cpu_kernels.UNBOUNDED_ROWS)
+
+
 def test_the_hand_over_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FMSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "BUSY_CORES", 1e9)  # however busy the test machine is
     calls = []
     real = cpu_kernels.measure_int4_max_rows
     monkeypatch.setattr(cpu_kernels, "measure_int4_max_rows",
-                        lambda i, o, bf16=False: calls.append((i, o)) or real(i, o, bf16))
+                        lambda i, o, bf16=False, up_to=2048: calls.append((i, o))
+                        or real(i, o, bf16, up_to))
     first = int4_max_rows(64, 128)
-    assert first in (0, *cpu_kernels.CANDIDATE_ROWS) and calls == [(64, 128)]
+    assert first in HAND_OVERS and calls == [(64, 128)]
     assert int4_max_rows(64, 128) == first and len(calls) == 1  # from the cache
     cache = tmp_path / "cpu_kernels.json"
     assert first in json.loads(cache.read_text()).values()
     cache.write_text("{not json")  # a damaged cache is measured again, not an error
-    assert int4_max_rows(64, 128) in (0, *cpu_kernels.CANDIDATE_ROWS) and len(calls) == 2
+    assert int4_max_rows(64, 128) in HAND_OVERS and len(calls) == 2
     assert len(json.loads(cache.read_text())) == 1
 
 
 def test_a_hand_over_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("FMSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_kernels.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
-    assert int4_max_rows(64, 128) in (0, *cpu_kernels.CANDIDATE_ROWS)
+    assert int4_max_rows(64, 128) in HAND_OVERS
     assert not (tmp_path / "cpu_kernels.json").exists()  # measured again at the next start
 
 

@@ -240,6 +240,40 @@ def test_every_build_of_the_4_bit_kernel_gives_each_row_alone_what_it_gives_it_i
     torch.testing.assert_close(batch, emulated(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_every_build_quantizes_the_input_to_the_same_bytes(isa):
+    """The input's int8 codes and scales, the vector loops' and the plain C loop's, against the
+    written-out rounding: ties to even (a block whose largest value is 127 scales by exactly 1,
+    so 2.5 and -3.5 are ties), an all-zero block, and enough rows to be shared among threads."""
+    import ctypes
+    lib = cpu_q4_kernel.library(isa)
+    if lib is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    rows, width = 40, 576
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(7)) * 3
+    x[0, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [4.0] * 26)
+    x[1, 32:64] = 0.0
+    codes, scale = int8_input(x)
+    lib.quantize_input.restype = ctypes.c_void_p
+    lib.quantize_input.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    x8_at = ctypes.c_void_p()
+    d_at = lib.quantize_input(x.data_ptr(), rows, width, ctypes.byref(x8_at), 2)
+    try:
+        blocks = rows * width // Q4_GROUP
+        d = torch.frombuffer((ctypes.c_float * blocks).from_address(d_at), dtype=torch.float32)
+        dsum = torch.frombuffer((ctypes.c_float * blocks).from_address(d_at + 4 * blocks),
+                                dtype=torch.float32)
+        x8 = torch.frombuffer((ctypes.c_int8 * (rows * width)).from_address(x8_at.value),
+                              dtype=torch.int8)
+        assert torch.equal(x8.view(rows, -1, Q4_GROUP), codes.to(torch.int8))
+        assert torch.equal(d.view(rows, -1), scale)
+        assert torch.equal(dsum.view(rows, -1), scale * codes.sum(-1))
+        assert x8[:6].tolist() == [127, 2, -4, 0, 0, 2]
+    finally:
+        ctypes.CDLL(None).free(ctypes.c_void_p(d_at))
+
+
 def test_the_kernels_form_interleaves_16_rows_and_gives_them_back_in_order():
     codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(4))
