@@ -32,6 +32,11 @@ from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
 
 
+# Chunk groups of fewer tokens (an EAGLE head's few accepted tokens a step) stay padded: their
+# padding is small, and a mask per request would cost more than it saves.
+RAGGED_MIN_TOKENS = 64
+
+
 @dataclass
 class _Ragged:
     """One request of a chunk group attended alone: its query rows [start, start + length) of
@@ -168,7 +173,8 @@ class TorchAttentionBackend(AttentionBackend):
         query_rows = host_to_device(firsts + np.arange(int(lens.sum())), device)
         group = _Group(int(slots.shape[0]), max_len, locs, mask[:, None, :, :],
                        query_index=query_index, query_rows=query_rows, tokens=tokens)
-        if device.type == "cpu" and batch.tree_mask is None and window is None:
+        if (device.type == "cpu" and batch.tree_mask is None and window is None
+                and int(lens.sum()) >= RAGGED_MIN_TOKENS):
             seq_host = batch.seq_lens_cpu.numpy()[rows if rows is not None else slice(None)]
             group.ragged = self._ragged(locs.view(len(lens), max_len), lens, seq_host)
         return group
