@@ -128,6 +128,7 @@ typedef struct {
 #if defined(FMSERVE_VNNI)
 #define TILE 8
 #define HALF_TILE 4
+#define QUARTER_TILE 2 /* 2-3 rows (a few streams) unpack the codes once, not once a row */
 static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
                                                              float out[][16]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -162,6 +163,7 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
 #elif defined(__AVX2__)
 #define TILE 2
 #define HALF_TILE 1
+#define QUARTER_TILE 1
 /* Rows 0-7 of the group in the low nibbles (h = 0), rows 8-15 in the high ones (h = 1). */
 static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
                                                              float out[][16]) {
@@ -205,6 +207,7 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
 #else
 #define TILE 1
 #define HALF_TILE 1
+#define QUARTER_TILE 1
 static void group_tile(int R, const tile_args *a, float out[][16]) {
     for (int i = 0; i < R; i++)
         for (int l = 0; l < 16; l++) {
@@ -243,7 +246,10 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16,
                        m + (size_t)g * nb * 16, x8, d, dsum, nb, k};
         for (int r = 0; r < rows;) {
-            int left = rows - r, take = left >= TILE ? TILE : left >= HALF_TILE ? HALF_TILE : 1;
+            int left = rows - r, take = left >= TILE        ? TILE
+                                      : left >= HALF_TILE    ? HALF_TILE
+                                      : left >= QUARTER_TILE ? QUARTER_TILE
+                                                             : 1;
             a.x8 = x8 + (size_t)r * k;
             a.d = d + (size_t)r * nb;
             a.dsum = dsum + (size_t)r * nb;
@@ -251,6 +257,8 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
                 group_tile(TILE, &a, out);
             else if (take == HALF_TILE)
                 group_tile(HALF_TILE, &a, out);
+            else if (take == QUARTER_TILE)
+                group_tile(QUARTER_TILE, &a, out);
             else
                 group_tile(1, &a, out);
             for (int i = 0; i < take; i++)
