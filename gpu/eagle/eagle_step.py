@@ -30,6 +30,7 @@ from gpu.device import host_to_device
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
+from gpu.eagle.head_lag import HeadLag
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
@@ -75,6 +76,9 @@ class EagleStep:
                   and state.dp_attention is None)  # DP ranks draft alike: their own sizes
         self.gate = SpecGate(settings.disable_above_batch_size, measured=timed,
                              unmeasured_auto=GPU_AUTO_LIMIT if on_gpu else 0)
+        # Where the gate times the two ways, a plain step leaves the head behind and it
+        # catches up before drafting again (gpu/eagle/head_lag.py); elsewhere it follows along.
+        self.lag = HeadLag(self) if timed else None
         # Decode steps the gate keeps from drafting run the target in C where the plain step
         # would (gpu/cpu_decode_step.py), with the head's features captured between segments
         # of layers: "auto" compares drafting with the plain step's own speed then.
@@ -165,6 +169,8 @@ class EagleStep:
 
     def _prefill(self, extends: list[ExtendEntry]) -> StepPart:
         st, dev = self.state, self.state.device
+        if self.lag is not None:  # a slot's new request: its last one's lag is moot
+            self.lag.forget([e.slot for e in extends])
         c = st.prefill_chunks(extends)
         # Checked on the host: the draft extend pairs each position with the next token.
         if any(not e.sample and e.next_token < 0 for e in extends):
@@ -219,6 +225,8 @@ class EagleStep:
             slots = host_to_device(slots_host, st.device)
             return self._decode_plain(slots, slots_host, fm.resolve_seq_lens(slots),
                                       fm.resolve_future(slots))
+        if self.lag is not None:
+            self.lag.catch_up(slots_host)
         if self.graphs is not None and self.graphs.can_run(slots_host):
             tokens, acc = self.graphs.run(slots_host)
             return StepPart(slots_host, {"tokens": tokens, "accept": acc}, verify=True)
@@ -299,7 +307,9 @@ class EagleStep:
         spec.disable_above_batch_size, or measured faster without: gpu/eagle/spec_gate.py):
         the target decodes the root and samples the next token exactly as the plain step
         does, then the draft extends over that one token, so its KV and the relayed top-k stay
-        complete and a later, smaller batch speculates from where this one left off. Rows
+        complete and a later, smaller batch speculates from where this one left off. Where the
+        gate is timed (a CPU) that draft extend is deferred instead (`HeadLag`): the head
+        catches up over every skipped token in one extend before the request drafts again. Rows
         report accept length -1: not verify steps, left out of the acceptance statistics."""
         st, batches = self.state, self.batches
         positions = seq_lens.clamp(max=self.max_position)
@@ -310,6 +320,9 @@ class EagleStep:
         out = st.sampler.sample(st.model.logits(hidden), slots, batch.seq_lens,
                                 slots_host=slots_host)
         st.commit(slots, out.token_ids, seq_lens=batch.seq_lens)
+        if self.lag is not None:  # the head runs over this token later, if ever needed
+            self.lag.defer(slots_host, seq_lens, out.token_ids, feats)
+            return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
         # Draft extend: the target's state at L paired with the token just sampled (L + 1);
         # the same positions, lengths and KV locations as the target's batch.
         h_out, h_logits = self.drafter.forward(

@@ -1,7 +1,8 @@
 """spec.disable_above_batch_size: decode batches above it run without drafting.
 
 Such a step must produce exactly what the plain engine produces (greedy and seeded sampling
-alike), and the draft head must keep following along, so that once the batch shrinks the
+alike), and the draft head must keep up (on a CPU it skips those steps and catches up over
+them before drafting again: gpu/eagle/head_lag.py), so that once the batch shrinks the
 remaining requests speculate as well as they would have from the start.
 """
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu.eagle import head_lag
 from gpu.eagle.spec_gate import TRIALS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
@@ -113,11 +115,16 @@ def _draft_keys_when(engine, chats, params, rid_index: int, at_tokens: int):
     return keys, tokens, spec
 
 
-def test_the_draft_follows_plain_steps_and_speculates_after(model_path, limited_chain):
+@pytest.mark.parametrize("max_lag", [64, 5])
+def test_the_draft_follows_plain_steps_and_speculates_after(model_path, limited_chain,
+                                                            monkeypatch, max_lag):
     """One long request shares its first steps with three short ones (batch 4 > 1: plain
     steps), then runs alone and speculates. The draft head's KV over its tokens must be what a
     run that speculated all along wrote (each position pairs the target's state there with the
-    next token), and its acceptance afterwards as good."""
+    next token), and its acceptance afterwards as good: whether the head caught up over the
+    plain steps only before drafting (64) or also every 5 of them."""
+    monkeypatch.setattr(head_lag, "MAX_LAG", max_lag)
+    assert limited_chain.worker.step.lag is not None  # a CPU worker defers the head
     long_chat = [{"role": "user", "content": LONG_QUESTION}]
     long_params = SamplingParams(temperature=0.0, max_new_tokens=72)
     alone_keys, alone_tokens, alone_spec = _draft_keys_when(

@@ -1,0 +1,93 @@
+"""The draft head left behind while the gate keeps a batch from drafting, and caught up later.
+
+A plain decode step of the EAGLE step used to run the head over its one new token too, so
+that a later drafting step found the head's KV and relayed top-k complete. On a 2-core CPU
+that follow-along cost ~1.5-2 ms a token (the head's ~25 small ops), as much as drafting saves
+there, so "auto" could not make speculation cost nothing where it does not pay (issue 29 item
+6). Now, where the gate is timed (a CPU worker), a plain step only records what the head
+would have read: the token and the target's captured states, per request. Before a request
+drafts again, or once it is MAX_LAG tokens behind, the head runs once over all of them as an
+extend (the same positions, KV locations and pairing as the steps it skipped) and stashes
+the top-k of the last, as the last of those steps would have. A new prefill of a slot forgets
+what its previous request left behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gpu.device import host_to_device
+from gpu.forward_batch import ForwardMode
+from gpu.sync_guard import expected_sync
+
+# Tokens a request's head may fall behind before it catches up anyway: bounds the states kept
+# (a token's EAGLE-3 features are 3 x hidden floats) and the catch-up's extend.
+MAX_LAG = 64
+
+
+@dataclass
+class _Behind:
+    first_position: int  # the first skipped token's position (its KV index in the request)
+    tokens: list[torch.Tensor] = field(default_factory=list)  # [1] each: the head's input id
+    states: list[torch.Tensor] = field(default_factory=list)  # [1, width] each
+
+    @property
+    def next_position(self) -> int:
+        return self.first_position + len(self.tokens)
+
+
+class HeadLag:
+    def __init__(self, step) -> None:
+        self.step = step  # the EagleStep: its drafter, batches and FutureMap
+        self.behind: dict[int, _Behind] = {}
+
+    def forget(self, slots_host) -> None:
+        for slot in np.asarray(slots_host).tolist():
+            self.behind.pop(int(slot), None)
+
+    def defer(self, slots_host: np.ndarray, positions: torch.Tensor, tokens: torch.Tensor,
+              states: torch.Tensor) -> None:
+        """Record one plain step's head inputs: request i's token tokens[i] at position
+        positions[i] (host-readable: a CPU worker), paired with its states[i]."""
+        with expected_sync():  # only where the gate is timed: a CPU worker, no device
+            positions = positions.tolist()
+        stale = [s for s, p in zip(slots_host.tolist(), positions)
+                 if s in self.behind and self.behind[s].next_position != p]
+        if stale:  # not the next token (should not happen): bring those up to date first
+            self.catch_up(np.array(stale, dtype=np.int64))
+        for i, (slot, position) in enumerate(zip(slots_host.tolist(), positions)):
+            behind = self.behind.setdefault(slot, _Behind(position))
+            behind.tokens.append(tokens[i:i + 1])
+            behind.states.append(states[i:i + 1])
+        if max(len(self.behind[s].tokens) for s in slots_host.tolist()) >= MAX_LAG:
+            self.catch_up(slots_host)
+
+    def catch_up(self, slots_host: np.ndarray) -> None:
+        """Run the head over every token these requests skipped, as one extend; stash the
+        top-k and state of each one's last token (the next drafting step reads them)."""
+        slots = [s for s in slots_host.tolist() if s in self.behind]
+        if not slots:
+            return
+        step = self.step
+        behind = [self.behind.pop(s) for s in slots]
+        dev = step.state.device
+        lens_host = np.array([len(b.tokens) for b in behind], dtype=np.int64)
+        firsts_host = np.array([b.first_position for b in behind], dtype=np.int64)
+        lens, firsts = host_to_device(lens_host, dev), host_to_device(firsts_host, dev)
+        slot_t = host_to_device(np.array(slots, dtype=np.int64), dev)
+        # Each skipped token's KV index in its request, and its request's slot, per row.
+        index = host_to_device(np.concatenate([np.arange(b.first_position, b.next_position)
+                                               for b in behind]), dev)
+        row_slots = host_to_device(np.repeat(np.array(slots, dtype=np.int64), lens_host), dev)
+        locs = step.state.req_to_token.req_to_token[row_slots, index].long()
+        tokens = torch.cat([t for b in behind for t in b.tokens])
+        states = torch.cat([x for b in behind for x in b.states])
+        batch = step.batches.make(ForwardMode.EXTEND, tokens, index.clamp(max=step.max_position),
+                                  slot_t, firsts, lens, firsts + lens, locs)
+        h_out, h_logits = step.drafter.forward(batch, states)
+        last = torch.cumsum(lens, 0) - 1
+        top_p, top_ids = step.drafter.topk(h_logits[last])
+        step.state.future_map.stash_spec(slot_t, top_p, top_ids, h_out[last])
