@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 # The kernel and the decode step built on it (gpu/cpu_decode_step.py), one library.
-SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c")
-HEADERS = (CSRC / "q4_matmul.h",)
+SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c",
+           CSRC / "head_step.c")
+HEADERS = (CSRC / "q4_matmul.h", CSRC / "step_ops.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The library for this CPU ("native"), or without AVX-512 ("avx2": the AVX2 dot-product loop
 # an AVX2-only CPU runs, built on a newer one to compare the two).
@@ -108,6 +109,7 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.q8_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.decode_step.restype = ctypes.c_int
+    lib.head_step.restype = ctypes.c_int
     lib.q4_kernel_isa.restype = ctypes.c_int
     return lib
 

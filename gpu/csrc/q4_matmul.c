@@ -127,8 +127,6 @@ typedef struct {
 
 #if defined(FMSERVE_VNNI)
 #define TILE 8
-#define HALF_TILE 4
-#define QUARTER_TILE 2 /* 2-3 rows (a few streams) unpack the codes once, not once a row */
 static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
                                                              float out[][16]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -162,8 +160,6 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
 }
 #elif defined(__AVX2__)
 #define TILE 2
-#define HALF_TILE 1
-#define QUARTER_TILE 1
 /* Rows 0-7 of the group in the low nibbles (h = 0), rows 8-15 in the high ones (h = 1). */
 static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
                                                              float out[][16]) {
@@ -206,8 +202,6 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
 }
 #else
 #define TILE 1
-#define HALF_TILE 1
-#define QUARTER_TILE 1
 static void group_tile(int R, const tile_args *a, float out[][16]) {
     for (int i = 0; i < R; i++)
         for (int l = 0; l < 16; l++) {
@@ -246,21 +240,24 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16,
                        m + (size_t)g * nb * 16, x8, d, dsum, nb, k};
         for (int r = 0; r < rows;) {
-            int left = rows - r, take = left >= TILE        ? TILE
-                                      : left >= HALF_TILE    ? HALF_TILE
-                                      : left >= QUARTER_TILE ? QUARTER_TILE
-                                                             : 1;
+            int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
             a.d = d + (size_t)r * nb;
             a.dsum = dsum + (size_t)r * nb;
-            if (take == TILE) /* each a constant: the accumulators stay in registers */
-                group_tile(TILE, &a, out);
-            else if (take == HALF_TILE)
-                group_tile(HALF_TILE, &a, out);
-            else if (take == QUARTER_TILE)
-                group_tile(QUARTER_TILE, &a, out);
-            else
-                group_tile(1, &a, out);
+            switch (take) { /* each a constant: the accumulators stay in registers */
+            case 1: group_tile(1, &a, out); break;
+#if TILE >= 2
+            case 2: group_tile(2, &a, out); break;
+#endif
+#if TILE >= 8 /* any few rows in one tile: the codes unpacked once, not once a tile */
+            case 3: group_tile(3, &a, out); break;
+            case 4: group_tile(4, &a, out); break;
+            case 5: group_tile(5, &a, out); break;
+            case 6: group_tile(6, &a, out); break;
+            case 7: group_tile(7, &a, out); break;
+            case 8: group_tile(8, &a, out); break;
+#endif
+            }
             for (int i = 0; i < take; i++)
                 memcpy(y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
             r += take;

@@ -134,16 +134,19 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
         float out[TILE][16];
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16, x8, d, nb, k};
         for (int r = 0; r < rows;) {
-            /* 2-3 rows of the VNNI loop (an lm_head at 2-3 streams) read the codes once */
-            int left = rows - r, take = left >= TILE ? TILE : left >= 2 && TILE > 2 ? 2 : 1;
+            int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
             a.d = d + (size_t)r * nb;
-            if (take == TILE) /* a constant: the accumulators stay in registers */
-                group_tile(TILE, &a, out);
-            else if (take == 2)
-                group_tile(2, &a, out);
-            else
-                group_tile(1, &a, out);
+            switch (take) { /* each a constant: the accumulators stay in registers */
+            case 1: group_tile(1, &a, out); break;
+#if TILE >= 2
+            case 2: group_tile(2, &a, out); break;
+#endif
+#if TILE >= 4 /* an lm_head at 3 streams: the codes read once */
+            case 3: group_tile(3, &a, out); break;
+            case 4: group_tile(4, &a, out); break;
+#endif
+            }
             for (int i = 0; i < take; i++)
                 memcpy(y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
             r += take;

@@ -328,17 +328,30 @@ class DraftHead(nn.Module):
     def weight_dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos / signed sin in apply_rope's layout, the same arithmetic as RotaryEmbedding's
-        table (fp32 products, rounded to the model dtype after cos/sin), for any position."""
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, head_dim / 2] fp32 at each position, the scaling applied: the same
+        arithmetic as RotaryEmbedding's table (fp32 products), for any position."""
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq[positions.device] = host_to_device(self._inv_freq_cpu,
                                                                          positions.device)
         freqs = positions.to(torch.float32)[:, None] * inv_freq  # [n, half]
-        sin = freqs.sin() * self._rope_scale
-        cos = (freqs.cos() * self._rope_scale).to(dtype)[:, None, None, :]
-        return cos, torch.stack([-sin, sin], dim=1).to(dtype)[:, None]
+        return freqs.cos() * self._rope_scale, freqs.sin() * self._rope_scale
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos / signed sin in apply_rope's layout, rounded to the model dtype after cos/sin."""
+        cos, sin = self.rope_tables(positions)
+        return cos.to(dtype)[:, None, None, :], torch.stack([-sin, sin], dim=1).to(dtype)[:, None]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [n, H] in the head's dtype (its own table or the target's)."""
+        if self.embed_tokens is not None:
+            emb = F.embedding(input_ids, self.embed_tokens.weight)
+        elif self._parallel_embed is not None:
+            emb = self._parallel_embed(input_ids)
+        else:
+            emb = F.embedding(input_ids, self.target_embed)
+        return emb if emb.dtype == self.weight_dtype else emb.to(self.weight_dtype)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 attention: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,14 +361,7 @@ class DraftHead(nn.Module):
         logits_hidden [n, H]: what ``logits`` takes; normed for eagle3, hidden_out for eagle).
         """
         dtype = self.weight_dtype
-        if self.embed_tokens is not None:
-            emb = F.embedding(input_ids, self.embed_tokens.weight)
-        elif self._parallel_embed is not None:
-            emb = self._parallel_embed(input_ids)
-        else:
-            emb = F.embedding(input_ids, self.target_embed)
-        if emb.dtype != dtype:
-            emb = emb.to(dtype)
+        emb = self.embed(input_ids)
         if hidden.dtype != dtype:
             hidden = hidden.to(dtype)
         cos, signed_sin = self._cos_sin(positions, dtype)

@@ -13,6 +13,7 @@ import torch
 from gpu.attention.factory import make_attention_backend
 from gpu.eagle.draft_head import DraftHead
 from gpu.eagle.head_io import load_draft_head
+from gpu.eagle.head_native import NativeHead, why_not as why_not_native
 from gpu.eagle.tree import DraftTree, organize_draft_tree
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
@@ -102,10 +103,19 @@ class Drafter:
         self.max_position = min(state.max_context_len, hc.max_position_embeddings) - 1
         self.device = state.device
         self.idle_counts = state.idle_counts
+        # Where its projections run on the C kernel's codes, the layer runs in C too (a
+        # chain's few rows); not under TP or deterministic mode, as the target's decode step.
+        self.native: NativeHead | None = None
+        if (state.cfg.parallel.tp == 1 and not state.cfg.runtime.deterministic
+                and why_not_native(self.head, self.draft_kv, self.draft_attn) is None):
+            self.native = NativeHead(self.head, self.draft_kv, self.draft_attn,
+                                     self.head.midlayer.self_attn.q_proj.max_rows)
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft head forward over `batch` (its KV goes to the draft pool at the same
         locations); returns (hidden fed back, hidden for logits)."""
+        if self.native is not None and self.native.can_run(batch):
+            return self.native.forward(batch, hidden)
         if batch.batch_size:
             self.draft_attn.init_forward_metadata(batch)
         else:
