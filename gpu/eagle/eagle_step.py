@@ -126,9 +126,15 @@ class EagleStep:
         if prefills:  # idle where this rank has no chunk: its target forward takes part
             parts.append(self._prefill(plan.extends) if plan.extends else self._idle_prefill())
         if decodes or not prefills:  # an empty plan runs the decode path idle
-            start = time.perf_counter()
+            start, lag = time.perf_counter(), self.lag
+            caught = (lag.seconds, lag.tokens) if lag is not None else (0.0, 0)
             parts.append(self._decode(decode_host))
-            pending.decode_s = time.perf_counter() - start  # on a CPU: the forwards themselves
+            # On a CPU: the forwards themselves, less any catch-up of the head (the gate
+            # charges that to the plain way: gpu/eagle/spec_gate.py).
+            pending.decode_s = time.perf_counter() - start
+            if lag is not None and lag.tokens > caught[1]:
+                pending.decode_s -= lag.seconds - caught[0]
+                self.gate.record_catch_up(lag.seconds - caught[0], lag.tokens - caught[1])
         pending.parts = parts
         pending.copy = self.state.streams.copy_to_host(outputs_of(parts))
 

@@ -14,6 +14,7 @@ what its previous request left behind.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,10 @@ class HeadLag:
     def __init__(self, step) -> None:
         self.step = step  # the EagleStep: its drafter, batches and FutureMap
         self.behind: dict[int, _Behind] = {}
+        # Host seconds and tokens of every catch-up so far: the gate charges them to the
+        # plain way, whose deferred cost they are, not to the step they happen in.
+        self.seconds = 0.0
+        self.tokens = 0
 
     def forget(self, slots_host) -> None:
         for slot in np.asarray(slots_host).tolist():
@@ -71,7 +76,7 @@ class HeadLag:
         slots = [s for s in slots_host.tolist() if s in self.behind]
         if not slots:
             return
-        step = self.step
+        start, step = time.perf_counter(), self.step
         behind = [self.behind.pop(s) for s in slots]
         dev = step.state.device
         lens_host = np.array([len(b.tokens) for b in behind], dtype=np.int64)
@@ -91,3 +96,5 @@ class HeadLag:
         last = torch.cumsum(lens, 0) - 1
         top_p, top_ids = step.drafter.topk(h_logits[last])
         step.state.future_map.stash_spec(slot_t, top_p, top_ids, h_out[last])
+        self.seconds += time.perf_counter() - start
+        self.tokens += int(lens_host.sum())

@@ -7,8 +7,10 @@ longer bound by reading the weights, a verify costs ~4x a decode, and speculatio
 cores it measured 0.79-0.85x of plain decoding at batch 4). Where that point lies depends on
 the CPU, the model, the head and the prompts, so "auto" measures it while serving: per batch
 size class (1, 2, 3-4, 5-8, ...) it keeps the recent seconds per emitted token of drafting
-steps and of plain steps (both run from the same state: EagleStep's plain decode keeps the
-head following along), and drafts where drafting is the faster. A class tries drafting first,
+steps and of plain steps (both run from the same state: the head catches up over the tokens
+plain steps skipped before a request drafts again, gpu/eagle/head_lag.py; that catch-up is
+timed apart and charged to the plain way per token it covers), and drafts where drafting is
+the faster. A class tries drafting first,
 then plain for a few steps, then keeps the winner and re-measures the loser now and then, so a
 change (longer contexts, a different acceptance) is noticed.
 
@@ -28,20 +30,29 @@ import math
 from dataclasses import dataclass
 
 TRIALS = 4  # steps each way before a class decides
-REPROBE_EVERY = 64  # steps of a class between two measurements of the losing way
-SMOOTHING = 0.25  # weight of the newest step in a way's running seconds per token
+REPROBE_EVERY = 16  # steps of a class between two measurements of the losing way
+SMOOTHING = 0.1  # weight of the newest step in a way's running seconds per token
 GPU_AUTO_LIMIT = 2  # what "auto" means on a GPU (the module docstring)
 
 
 @dataclass
 class _Way:
-    seconds_per_token: float = math.nan
+    """Running means of a way's step seconds and tokens. Their ratio, not a running mean of
+    each step's ratio: a drafting step emits 1 to 4 tokens a request, and the mean of
+    seconds / tokens over such steps overstates its cost per token (by ~25% at one stream on
+    the 2-core EPYC), which kept "auto" from drafting where it was the faster."""
+    seconds: float = 0.0
+    tokens: float = 0.0
     steps: int = 0
 
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.tokens if self.steps else math.nan
+
     def add(self, seconds: float, tokens: int) -> None:
-        value = seconds / max(tokens, 1)
-        self.seconds_per_token = value if self.steps == 0 else (
-            (1 - SMOOTHING) * self.seconds_per_token + SMOOTHING * value)
+        weight = SMOOTHING if self.steps else 1.0
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (max(tokens, 1) - self.tokens)
         self.steps += 1
 
 
@@ -65,6 +76,9 @@ class SpecGate:
         self.auto = limit == "auto" and measured
         self.limit = unmeasured_auto if limit == "auto" and not measured else limit
         self.classes: dict[int, _SizeClass] = {}
+        # The head's catch-up per token it covers (gpu/eagle/head_lag.py): a plain step's
+        # deferred cost, added to the plain way's; 0 until one is measured.
+        self.catch_up_per_token = 0.0
 
     def drafts(self, batch_size: int) -> bool:
         if not self.auto:
@@ -74,7 +88,8 @@ class SpecGate:
             return True
         if c.plain.steps < TRIALS:
             return False
-        faster = c.drafting.seconds_per_token <= c.plain.seconds_per_token
+        faster = (c.drafting.seconds_per_token
+                  <= c.plain.seconds_per_token + self.catch_up_per_token)
         if c.since_probe >= REPROBE_EVERY:  # the loser once more, then back to the winner
             c.since_probe = 0
             return not faster
@@ -87,6 +102,15 @@ class SpecGate:
         if self.auto:
             c = self._class(batch_size)
             (c.drafting if drafted else c.plain).add(seconds, tokens)
+
+    def record_catch_up(self, seconds: float, tokens: int) -> None:
+        """One catch-up of the head over `tokens` tokens that plain steps skipped. Timed
+        apart from the step it happens in: before a drafting step it would make drafting
+        look slower by the plain steps' deferred work."""
+        if self.auto and tokens > 0:
+            value = seconds / tokens
+            self.catch_up_per_token = value if self.catch_up_per_token == 0.0 else (
+                (1 - SMOOTHING) * self.catch_up_per_token + SMOOTHING * value)
 
     def _class(self, batch_size: int) -> _SizeClass:
         key = size_class(batch_size)

@@ -134,6 +134,10 @@ def test_the_draft_follows_plain_steps_and_speculates_after(model_path, limited_
     mixed_keys, mixed_tokens, mixed_spec = _draft_keys_when(
         limited_chain, [long_chat, *shorts], [long_params, *short_params], 0, 48)
     assert mixed_tokens == alone_tokens
+    lag = limited_chain.worker.step.lag
+    # The catch-ups covered the long request's plain steps: the shorts' 24 tokens are the
+    # prefill's first, then 23 steps at batch 4.
+    assert lag.tokens >= 23 and lag.seconds > 0
     n = min(len(alone_keys), len(mixed_keys))
     torch.testing.assert_close(mixed_keys[:n], alone_keys[:n], atol=2e-3, rtol=2e-3)
 

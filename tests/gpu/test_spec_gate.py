@@ -42,9 +42,9 @@ def run(gate: SpecGate, batch: int, steps: int, draft_s: float, plain_s: float) 
 def test_auto_drafts_where_drafting_is_faster_per_token_and_not_elsewhere():
     gate = SpecGate("auto", measured=True)
     # batch 1: a verify of 2 tokens costs 1.2x a decode -> 0.6 a token against 1.0
-    small = run(gate, 1, 2 * TRIALS + 20, draft_s=1.2, plain_s=1.0)
+    small = run(gate, 1, 2 * TRIALS + REPROBE_EVERY - 1, draft_s=1.2, plain_s=1.0)
     # batch 8: a verify costs 3x a decode -> 1.5 a token against 1.0
-    large = run(gate, 8, 2 * TRIALS + 20, draft_s=3.0, plain_s=1.0)
+    large = run(gate, 8, 2 * TRIALS + REPROBE_EVERY - 1, draft_s=3.0, plain_s=1.0)
     assert small[:TRIALS] == [True] * TRIALS and small[TRIALS:2 * TRIALS] == [False] * TRIALS
     assert all(small[2 * TRIALS:]) and not any(large[2 * TRIALS:])
     assert gate.drafts(5) is False  # 5-8 is one class: measured once for all of it
@@ -60,3 +60,18 @@ def test_auto_measures_the_losing_way_again_and_follows_a_change():
     period = REPROBE_EVERY + 1
     assert sum(chosen[:period]) == 1  # plain, but for one probe of drafting
     assert sum(chosen[-period:]) == period - 1  # drafting, but for one probe of plain
+
+
+def test_the_heads_catch_up_counts_against_the_plain_way():
+    """Plain steps defer the head's work to a catch-up (gpu/eagle/head_lag.py). Drafting at
+    2.2 s for 2 tokens loses to plain at 1.0 s a token alone, and wins once each plain token
+    also costs 0.2 s of catch-up; a catch-up is never charged to drafting."""
+    alone = SpecGate("auto", measured=True)
+    assert run(alone, 1, TRIALS * 2 + 6, 2.2, 1.0)[-6:] == [False] * 6
+    charged = SpecGate("auto", measured=True)
+    charged.record_catch_up(2.0, 10)
+    assert charged.catch_up_per_token == pytest.approx(0.2)
+    assert run(charged, 1, TRIALS * 2 + 6, 2.2, 1.0)[-6:] == [True] * 6
+    fixed = SpecGate(0, measured=True)
+    fixed.record_catch_up(2.0, 10)
+    assert fixed.catch_up_per_token == 0.0
