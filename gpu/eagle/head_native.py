@@ -44,11 +44,19 @@ def _codes(linear) -> Q8Rows | None:
     return linear.q8 if isinstance(linear, SmallRowsInt8Linear) else None
 
 
-def _fused(parts: list[Q8Rows]) -> Q8Rows:
-    """One Q8Rows of several stacked by output: the codes are grouped 16 output rows at a
-    time, so whole groups stack as they are (why_not checks every part fills its groups)."""
-    return Q8Rows(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                  sum(p.out for p in parts))
+def _fused(linears: list[SmallRowsInt8Linear]) -> Q8Rows:
+    """One Q8Rows of several linears' stacked by output (the codes are grouped 16 output rows
+    at a time, so whole groups stack as they are: why_not checks every part fills its
+    groups). Each linear then reads its rows of it, so the codes are not held twice."""
+    parts = [linear.q8 for linear in linears]
+    fused = Q8Rows(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                   sum(p.out for p in parts))
+    start = 0
+    for linear, part in zip(linears, parts):
+        rows = slice(start, start + part.codes.shape[0])
+        linear.q8 = Q8Rows(fused.codes[rows], fused.scale[rows], part.out)
+        start = rows.stop
+    return fused
 
 
 def why_not(head: DraftHead, draft_kv: KVPool, attn) -> str | None:
@@ -89,8 +97,8 @@ class NativeHead:
         cfg, layer = head.config, head.midlayer
         a, mlp = layer.self_attn, layer.mlp
         # q/k/v and gate/up each one product, as the target's decode step has them.
-        self._weights = {"qkv": _fused([_codes(a.q_proj), _codes(a.k_proj), _codes(a.v_proj)]),
-                         "gate_up": _fused([_codes(mlp.gate_proj), _codes(mlp.up_proj)]),
+        self._weights = {"qkv": _fused([a.q_proj, a.k_proj, a.v_proj]),
+                         "gate_up": _fused([mlp.gate_proj, mlp.up_proj]),
                          "o": _codes(a.o_proj), "down": _codes(mlp.down_proj)}
         w = {k: _Q8Weight(v.codes.data_ptr(), v.scale.data_ptr(), v.codes.shape[0],
                           v.codes.shape[1]) for k, v in self._weights.items()}

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 TRIALS = 4  # steps each way before a class decides
 REPROBE_EVERY = 16  # steps of a class between two measurements of the losing way
 SMOOTHING = 0.1  # weight of the newest step in a way's running seconds per token
+CLOSE = 1.25  # a loser within this factor of the winner is probed every REPROBE_EVERY steps
+FAR_BEHIND = 8  # ... else every REPROBE_EVERY * FAR_BEHIND steps
 GPU_AUTO_LIMIT = 2  # what "auto" means on a GPU (the module docstring)
 
 
@@ -88,10 +90,15 @@ class SpecGate:
             return True
         if c.plain.steps < TRIALS:
             return False
-        faster = (c.drafting.seconds_per_token
-                  <= c.plain.seconds_per_token + self.catch_up_per_token)
-        if c.since_probe >= REPROBE_EVERY:  # the loser once more, then back to the winner
-            c.since_probe = 0
+        drafting = c.drafting.seconds_per_token
+        plain = c.plain.seconds_per_token + self.catch_up_per_token
+        faster = drafting <= plain
+        # A loser far behind is measured again less often: at 32 streams a drafting step costs
+        # several plain ones, and a probe every REPROBE_EVERY steps cost ~20% of the service's
+        # speed there, while a close call (one stream) is worth watching.
+        close = max(drafting, plain) <= CLOSE * min(drafting, plain)
+        if c.since_probe >= (REPROBE_EVERY if close else REPROBE_EVERY * FAR_BEHIND):
+            c.since_probe = 0  # the loser once more, then back to the winner
             return not faster
         c.since_probe += 1
         return faster

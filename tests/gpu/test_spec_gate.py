@@ -2,7 +2,8 @@
 
 import pytest
 
-from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, REPROBE_EVERY, TRIALS, SpecGate, size_class
+from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, REPROBE_EVERY, TRIALS, SpecGate,
+                                 size_class)
 
 
 def test_size_classes_are_powers_of_two():
@@ -53,13 +54,21 @@ def test_auto_drafts_where_drafting_is_faster_per_token_and_not_elsewhere():
 
 def test_auto_measures_the_losing_way_again_and_follows_a_change():
     gate = SpecGate("auto", measured=True)
-    run(gate, 4, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # plain wins
+    run(gate, 4, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # plain wins, drafting 1.5x behind
+    far = REPROBE_EVERY * FAR_BEHIND + 1
+    assert sum(run(gate, 4, 3 * far, draft_s=3.0, plain_s=1.0)) == 3  # a probe every `far`
     # Drafting becomes far cheaper (longer contexts, better acceptance): the periodic probes
-    # of drafting see it, and the class turns to drafting.
-    chosen = run(gate, 4, 6 * (REPROBE_EVERY + 1), draft_s=0.5, plain_s=1.0)
-    period = REPROBE_EVERY + 1
-    assert sum(chosen[:period]) == 1  # plain, but for one probe of drafting
-    assert sum(chosen[-period:]) == period - 1  # drafting, but for one probe of plain
+    # of drafting see it, and the class turns to drafting; plain, far behind now, is probed
+    # every `far` steps in turn.
+    chosen = run(gate, 4, 8 * far, draft_s=0.5, plain_s=1.0)
+    assert chosen.index(True) < far and chosen[-far:].count(False) == 1
+
+
+def test_a_close_call_is_measured_again_sooner():
+    gate = SpecGate("auto", measured=True)
+    run(gate, 1, 2 * TRIALS, draft_s=2.0, plain_s=0.9)  # 1.0 a token against 0.9: close
+    chosen = run(gate, 1, 3 * (REPROBE_EVERY + 1), draft_s=2.0, plain_s=0.9)
+    assert sum(chosen) == 3  # plain, but for a probe of drafting every REPROBE_EVERY + 1
 
 
 def test_the_heads_catch_up_counts_against_the_plain_way():
