@@ -104,9 +104,11 @@ class Drafter:
         self.device = state.device
         self.idle_counts = state.idle_counts
         # Where its projections run on the C kernel's codes, the layer runs in C too (a
-        # chain's few rows); not under TP or deterministic mode, as the target's decode step.
+        # chain's few rows); not under TP, DP attention or deterministic mode, as the
+        # target's decode step.
         self.native: NativeHead | None = None
-        if (state.cfg.parallel.tp == 1 and not state.cfg.runtime.deterministic
+        if (state.cfg.parallel.tp == 1 and state.dp_attention is None
+                and not state.cfg.runtime.deterministic
                 and why_not_native(self.head, self.draft_kv, self.draft_attn) is None):
             self.native = NativeHead(self.head, self.draft_kv, self.draft_attn,
                                      self.head.midlayer.self_attn.q_proj.max_rows)
