@@ -18,7 +18,7 @@ import torch
 
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.codes_layout import Q8Rows
-from gpu.cpu_decode_step import NATIVE_MAX_ROWS, causal_rows
+from gpu.cpu_decode_step import NATIVE_MAX_ROWS, causal_rows, half_kv_supported
 from gpu.cpu_q4_kernel import library
 from gpu.eagle.draft_head import DraftHead, SmallRowsInt8Linear
 from gpu.forward_batch import ForwardBatch, ForwardMode
@@ -68,6 +68,8 @@ def why_not(head: DraftHead, draft_kv: KVPool, attn) -> str | None:
     if not isinstance(attn, TorchAttentionBackend) or draft_kv.dtype not in (
             torch.float32, torch.float16) or draft_kv.device.type != "cpu":
         return "it reads an fp32 or fp16 draft pool of the torch attention backend on the CPU"
+    if draft_kv.dtype == torch.float16 and not half_kv_supported():
+        return "this CPU has no F16C to read an fp16 draft pool"
     layer, cfg = head.midlayer, head.config
     if layer.input_layernorm is None or cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 8:
         return "its layer is not the plain EAGLE-3 one"
