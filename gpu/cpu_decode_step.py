@@ -195,11 +195,8 @@ class NativeDecode:
         cos = rope.cos[positions].contiguous()
         sin = rope.signed_sin[positions, 1].contiguous()
         max_len = batch.max_seq_len
-        if key_locs is None:
-            key_locs = self.attn.req_to_token.req_to_token[batch.slots, :max_len]
-        key_locs = key_locs.to(torch.int32).contiguous()
-        seq_lens = batch.seq_lens.to(torch.int64).contiguous()
-        out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        key_locs, seq_lens, out_loc = row_operands(batch, self.attn.req_to_token.req_to_token,
+                                                   key_locs)
         out = torch.empty_like(h)
         for i, decoder in enumerate(segments or [self._decoder]):
             if i:  # the C step adds into h in place
@@ -214,6 +211,17 @@ class NativeDecode:
                                   f"{batch.batch_size} rows of up to {max_len} keys")
         self.runs += 1
         return out
+
+
+def row_operands(batch: ForwardBatch, table: torch.Tensor, key_locs: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a C step reads of a decode batch (one row per token): each row's key locations
+    [rows, max_seq_len] int32 (its request's first ones in `table` unless given), its key
+    count and its new token's location, int64; contiguous."""
+    if key_locs is None:
+        key_locs = table[batch.slots, :batch.max_seq_len]
+    return (key_locs.to(torch.int32).contiguous(), batch.seq_lens.to(torch.int64).contiguous(),
+            batch.out_cache_loc.to(torch.int64).contiguous())
 
 
 def causal_rows(batch: ForwardBatch) -> ForwardBatch:

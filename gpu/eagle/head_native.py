@@ -18,7 +18,8 @@ import torch
 
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.codes_layout import Q8Rows
-from gpu.cpu_decode_step import NATIVE_MAX_ROWS, causal_rows, half_kv_supported
+from gpu.cpu_decode_step import (NATIVE_MAX_ROWS, causal_rows, half_kv_supported,
+                                  row_operands)
 from gpu.cpu_q4_kernel import library
 from gpu.eagle.draft_head import DraftHead, SmallRowsInt8Linear
 from gpu.forward_batch import ForwardBatch, ForwardMode
@@ -133,10 +134,7 @@ class NativeHead:
         h = hidden.float().clone(memory_format=torch.contiguous_format)  # the C step adds into h
         cos, sin = head.rope_tables(batch.positions)
         max_len = batch.max_seq_len
-        key_locs = self.attn.req_to_token.req_to_token[rows.slots, :max_len]
-        key_locs = key_locs.to(torch.int32).contiguous()
-        seq_lens = rows.seq_lens.to(torch.int64).contiguous()
-        out_loc = batch.out_cache_loc.to(torch.int64).contiguous()
+        key_locs, seq_lens, out_loc = row_operands(rows, self.attn.req_to_token.req_to_token)
         normed = torch.empty_like(h)
         status = self.lib.head_step(
             ctypes.byref(self._layer), h.shape[0], _PTR(emb.data_ptr()), _PTR(h.data_ptr()),
