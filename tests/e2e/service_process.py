@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ from ipc.client import Client
 from ipc.client_errors import ServiceUnavailable
 from ipc.client_messages import Stats
 from ipc.curve import CurveClient
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:

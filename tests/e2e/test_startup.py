@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.service_process import ROOT, free_port
+from tests.e2e.service_process import ROOT
+from tests.ports import free_port
 
 
 def test_worker_load_failure_is_one_message_and_the_log_keeps_the_traceback(tiny_llama,

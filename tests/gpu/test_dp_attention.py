@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from tests.gpu import dp_rank_runs as dr
 from tests.gpu.spec_runs import CHAIN, TREE
-from tests.gpu.test_tensor_parallel import free_port
+from tests.ports import free_port
 
 TIMEOUT_S = 60.0  # a collective no rank answers fails the run after this long
 SINGLE_PLAIN = [dr.request_plans(dr.PROMPT_A, 0, 5), [dr.empty_plan(k) for k in range(5)]]

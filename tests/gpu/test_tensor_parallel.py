@@ -3,7 +3,6 @@ two-rank model (real processes, gloo) against the one-rank model on the same wei
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from gpu.tensor_parallel import split_heads
 from tests.gpu import family_models as fm
 from tests.gpu import tp_rank_runs
 from tests.gpu.kquant_models import write_kquant_llama
+from tests.ports import free_port
 from tests.gpu.test_worker_process import tiny_plans
 
 
@@ -69,11 +69,6 @@ def test_heads_split_or_replicated_and_a_tp_that_cannot_split_them_refused():
                                          r"attention heads.*one of 1, 3, 9"):
         split_heads(9, 3, 2, 0)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_ranks(tmp_path, model: str, dtype: str, plans) -> list[dict]:

@@ -20,7 +20,7 @@ from ipc.spec_settings import accept_length
 from ipc.worker_config import worker_config
 from tests.gpu import tp_rank_runs
 from tests.gpu.spec_runs import CHAIN, QUESTIONS, TREE
-from tests.gpu.test_tensor_parallel import free_port
+from tests.ports import free_port
 
 TP = 3
 CHATS = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]
