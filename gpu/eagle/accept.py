@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from gpu.eagle.tree import DraftTree
+from gpu.kv_cache import KVPool
 from gpu.seeded_random import gumbel_, seeded_uniform
 
 ACCEPT_STREAM = 1  # seeded_uniform stream of the accept coins
@@ -155,3 +156,19 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, seeds: Tensor,
     noise = gumbel_(seeded_uniform(seeds, positions[rows, cur], vocab, stream=BONUS_STREAM))
     bonus = (residual.log() + noise).argmax(-1)
     return _finish(tree, path, accept_lens, bonus)
+
+
+def compact_accepted_kv(pool: KVPool, table: Tensor, slots: Tensor, seq_lens: Tensor,
+                        result: AcceptResult) -> None:
+    """Move the accepted nodes' target KV from index L + column to L + depth. Static
+    shapes (no host sync): every depth is copied; one off the path, or already in place,
+    copies its own KV onto itself (all reads happen before the writes)."""
+    path = result.path[:, 1:]  # depth 1.. (the root is already at L)
+    depth = torch.arange(1, path.shape[1] + 1, device=path.device).expand_as(path)
+    src_col = torch.where(path >= 0, path, depth)
+    rows = slots[:, None].expand_as(path)
+    src = table[rows, seq_lens[:, None] + src_col].long().reshape(-1)
+    dst = table[rows, seq_lens[:, None] + depth].long().reshape(-1)
+    for layer in range(len(pool.k_buffer)):
+        pool.k_buffer[layer][dst] = pool.k_buffer[layer][src]
+        pool.v_buffer[layer][dst] = pool.v_buffer[layer][src]

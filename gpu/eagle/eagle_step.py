@@ -27,17 +27,18 @@ import torch
 from gpu import cpu_decode_step
 from gpu.cpu_decode_step import native_decode_applies
 from gpu.device import host_to_device
-from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
+from gpu.eagle.accept import (AcceptResult, accept_greedy, accept_sampling,
+                              compact_accepted_kv)
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.head_lag import HeadLag
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
-from gpu.eagle.tree import DraftTree
+from gpu.eagle.tree import DraftTree, drafted_before
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.plain_step import PlainStep, graphs_apply
-from gpu.sampling_state import BatchFlags, DraftedBefore
+from gpu.sampling_state import BatchFlags
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
 from ipc.worker_messages import ExtendEntry, StepResult, pack_i32, unpack_i32
@@ -123,12 +124,18 @@ class EagleStep:
             self.state.idle_counts["step"] += 1
         if self.state.dp_attention is not None:  # every rank runs the parts any rank runs,
             prefills, decodes = self.state.dp_attention.agree_parts(prefills, decodes)
+        drafts = bool(len(decode_host)) and self.gate.drafts(len(decode_host))
+        if prefills and decodes and not drafts and self.lag is not None:
+            # Chunks and plain decodes in one target forward, as the plain step runs them
+            # (the head left behind for the decodes): EAGLE costs nothing where it is off.
+            parts.append(self._prefill(plan.extends, decode_host))
+            prefills = decodes = False
         if prefills:  # idle where this rank has no chunk: its target forward takes part
             parts.append(self._prefill(plan.extends) if plan.extends else self._idle_prefill())
-        if decodes or not prefills:  # an empty plan runs the decode path idle
+        if decodes or not (prefills or parts):  # an empty plan runs the decode path idle
             start, lag = time.perf_counter(), self.lag
             caught = (lag.seconds, lag.tokens) if lag is not None else (0.0, 0)
-            parts.append(self._decode(decode_host))
+            parts.append(self._decode(decode_host, drafts))
             # On a CPU: the forwards themselves, less any catch-up of the head (the gate
             # charges that to the plain way: gpu/eagle/spec_gate.py).
             pending.decode_s = time.perf_counter() - start
@@ -173,8 +180,12 @@ class EagleStep:
         feats = torch.cat(captured, dim=-1) if captured else hidden
         return hidden, feats.view(-1, hidden_size_for(self))
 
-    def _prefill(self, extends: list[ExtendEntry]) -> StepPart:
-        st, dev = self.state, self.state.device
+    def _prefill(self, extends: list[ExtendEntry], plain_decodes: np.ndarray | None = None
+                 ) -> StepPart:
+        """The chunks' target forward, sampling and draft extend. `plain_decodes`: slots
+        that decode without drafting in the same target forward (their rows follow the
+        chunks', one token each), the head left behind for them (`HeadLag`)."""
+        st, dev, fm = self.state, self.state.device, self.state.future_map
         if self.lag is not None:  # a slot's new request: its last one's lag is moot
             self.lag.forget([e.slot for e in extends])
         c = st.prefill_chunks(extends)
@@ -183,34 +194,54 @@ class EagleStep:
             raise ValueError("a non-final prefill chunk came without next_token: the scheduler "
                              "must send one token of lookahead when speculating")
         input_ids, slots, prefix, lens = c.input_ids, c.slots, c.prefix_lens, c.extend_lens
-        token_slots = torch.repeat_interleave(slots, lens, output_size=int(input_ids.shape[0]))
-        batch = self.batches.make(ForwardMode.EXTEND, input_ids, c.positions, slots, prefix,
-                                  lens, prefix + lens,
-                                  st.req_to_token.req_to_token[token_slots, c.positions].long())
+        n_chunk = int(input_ids.shape[0])
+        token_slots = torch.repeat_interleave(slots, lens, output_size=n_chunk)
+        locs = st.req_to_token.req_to_token[token_slots, c.positions].long()
+        chunks = self.batches.make(ForwardMode.EXTEND, input_ids, c.positions, slots, prefix,
+                                   lens, prefix + lens, locs)
+        batch, decode_host = chunks, np.zeros(0, dtype=np.int64)
+        if plain_decodes is not None:
+            decode_host = plain_decodes
+            d_slots = host_to_device(decode_host, dev)
+            d_lens, d_ids = fm.resolve_seq_lens(d_slots), fm.resolve_future(d_slots)
+            ones = torch.ones_like(d_lens)
+            d_pos = d_lens.clamp(max=self.max_position)
+            batch = self.batches.make(
+                ForwardMode.EXTEND, torch.cat([input_ids, d_ids]), torch.cat([c.positions, d_pos]),
+                torch.cat([slots, d_slots]), torch.cat([prefix, d_lens]), torch.cat([lens, ones]),
+                torch.cat([prefix + lens, d_lens + 1]),
+                torch.cat([locs, self.batches.locs(d_slots, d_lens[:, None])]))
         hidden, feats = self._target(batch)
-        st.future_map.publish(slots, batch.seq_lens)  # every chunk's length, sampled or not
+        fm.publish(batch.slots, batch.seq_lens)  # every chunk's length, sampled or not
 
         last = c.starts + lens - 1
         sample_host = np.array([i for i, e in enumerate(extends) if e.sample], dtype=np.int64)
         sample_rows = host_to_device(sample_host, dev)
-        sample_slots = slots[sample_rows]
-        slots_host = np.array([extends[i].slot for i in sample_host], dtype=np.int64)
-        out = st.sampler.sample(st.model.logits(hidden[last[sample_rows]]), sample_slots,
-                                batch.seq_lens[sample_rows], slots_host=slots_host)
+        n_sampled, nd = len(sample_host), len(decode_host)
+        rows = torch.cat([last[sample_rows], n_chunk + torch.arange(nd, device=dev)])
+        sample_slots = torch.cat([slots[sample_rows], batch.slots[len(extends):]])
+        slots_host = np.concatenate([np.array([extends[i].slot for i in sample_host],
+                                              dtype=np.int64), decode_host])
+        seq_rows = torch.cat([sample_rows, len(extends) + torch.arange(nd, device=dev)])
+        out = st.sampler.sample(st.model.logits(hidden[rows]), sample_slots,
+                                batch.seq_lens[seq_rows], slots_host=slots_host)
         st.commit(sample_slots, out.token_ids)
+        if nd:  # the head runs over the decodes' tokens later, if ever needed
+            self.lag.defer(decode_host, batch.seq_lens[len(extends):] - 1,
+                           out.token_ids[n_sampled:], feats[n_chunk:])
 
         # Draft extend: position t pairs the target's state at t with token t + 1.
         following = host_to_device(np.array([e.next_token for e in extends], dtype=np.int64),
                                    dev)
-        following[sample_rows] = out.token_ids
+        following[sample_rows] = out.token_ids[:n_sampled]
         draft_ids = torch.empty_like(input_ids)
         draft_ids[:-1] = input_ids[1:]
         draft_ids[last] = following
-        h_out, h_logits = self.drafter.forward(dataclasses.replace(batch, input_ids=draft_ids),
-                                               feats)
-        rows = last[sample_rows]
-        topk_p, topk_ids = self.drafter.topk(h_logits[rows])
-        st.future_map.stash_spec(sample_slots, topk_p, topk_ids, h_out[rows])
+        h_out, h_logits = self.drafter.forward(dataclasses.replace(chunks, input_ids=draft_ids),
+                                               feats[:n_chunk])
+        chunk_rows = last[sample_rows]
+        topk_p, topk_ids = self.drafter.topk(h_logits[chunk_rows])
+        fm.stash_spec(slots[sample_rows], topk_p, topk_ids, h_out[chunk_rows])
         return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
 
     def _idle_prefill(self) -> StepPart:
@@ -224,10 +255,11 @@ class EagleStep:
         self.drafter.forward(batch, feats)
         return StepPart(np.zeros(0, dtype=np.int64), {"tokens": none})
 
-    def _decode(self, slots_host: np.ndarray) -> StepPart:
+    def _decode(self, slots_host: np.ndarray, drafts: bool) -> StepPart:
+        """`drafts`: the gate's choice for this batch."""
         st = self.state
         bs, fm = len(slots_host), st.future_map
-        if bs and not self.gate.drafts(bs):
+        if bs and not drafts:
             slots = host_to_device(slots_host, st.device)
             return self._decode_plain(slots, slots_host, fm.resolve_seq_lens(slots),
                                       fm.resolve_future(slots))
@@ -283,7 +315,8 @@ class EagleStep:
         result = self._accept(tree, logits, slots, slots_host, positions, flags)
         acc = result.accept_lens
         if s.topk > 1:
-            self._compact_kv(slots, seq_lens, result)
+            compact_accepted_kv(self.state.kv_pool, self.state.req_to_token.req_to_token,
+                                slots, seq_lens, result)
         emitted = torch.arange(E, device=dev)[None, :] <= acc[:, None]  # [bs, E]
         out_tokens = pad_to(result.accepted_tokens, E)
         # Static shapes: every candidate is recorded, weighted by whether it was emitted.
@@ -356,29 +389,3 @@ class EagleStep:
                                         drafted=drafted)
         seeds = st.sampling_state.seeds_of(slots)
         return accept_sampling(tree, probs.view(bs, T, -1), seeds, positions + 1)
-
-    def _compact_kv(self, slots: torch.Tensor, seq_lens: torch.Tensor,
-                    result: AcceptResult) -> None:
-        """Move the accepted nodes' target KV from index L + column to L + depth. Static
-        shapes (no host sync): every depth is copied; one off the path, or already in place,
-        copies its own KV onto itself (all reads happen before the writes)."""
-        path = result.path[:, 1:]  # depth 1.. (the root is already at L)
-        depth = torch.arange(1, path.shape[1] + 1, device=path.device).expand_as(path)
-        src_col = torch.where(path >= 0, path, depth)
-        rows = slots[:, None].expand_as(path)
-        table = self.state.req_to_token.req_to_token
-        src = table[rows, seq_lens[:, None] + src_col].long().reshape(-1)
-        dst = table[rows, seq_lens[:, None] + depth].long().reshape(-1)
-        pool = self.state.kv_pool
-        for layer in range(len(pool.k_buffer)):
-            pool.k_buffer[layer][dst] = pool.k_buffer[layer][src]
-            pool.v_buffer[layer][dst] = pool.v_buffer[layer][src]
-
-
-def drafted_before(tree: DraftTree) -> DraftedBefore:
-    """Per tree node (row b * T + j), the drafts on its path from the root, itself included:
-    the outputs that come before the token node j's logits sample. The root's own token was
-    counted when it was emitted (it is the previous step's bonus)."""
-    bs, t = tree.tokens.shape
-    tokens = tree.tokens[:, None, 1:].expand(bs, t, t - 1).reshape(bs * t, t - 1)
-    return DraftedBefore(tokens.clamp(min=0), tree.mask[:, :, 1:].reshape(bs * t, t - 1))

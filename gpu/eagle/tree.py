@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gpu.sampling_state import DraftedBefore
+
 
 @dataclass
 class DraftTree:
@@ -131,3 +133,12 @@ def organize_draft_tree(scores: list[Tensor], tokens: list[Tensor], parents: lis
     depth = mask.sum(-1) - 1
     tree_tokens = torch.cat([root_tokens.long()[:, None], draft], dim=1)
     return DraftTree(tree_tokens, parent, depth, mask, max_depth=max_depth, selected=sel)
+
+
+def drafted_before(tree: DraftTree) -> DraftedBefore:
+    """Per tree node (row b * T + j), the drafts on its path from the root, itself included:
+    the outputs that come before the token node j's logits sample. The root's own token was
+    counted when it was emitted (it is the previous step's bonus)."""
+    bs, t = tree.tokens.shape
+    tokens = tree.tokens[:, None, 1:].expand(bs, t, t - 1).reshape(bs * t, t - 1)
+    return DraftedBefore(tokens.clamp(min=0), tree.mask[:, :, 1:].reshape(bs * t, t - 1))

@@ -115,8 +115,17 @@ def _draft_keys_when(engine, chats, params, rid_index: int, at_tokens: int):
     return keys, tokens, spec
 
 
+@pytest.fixture(scope="module")
+def long_alone(model_path):
+    """The long request alone under an always-drafting chain: its draft keys after 48 tokens,
+    its tokens and its (verify steps, accepted drafts)."""
+    return _draft_keys_when(make_engine(model_path, CHAIN),
+                            [[{"role": "user", "content": LONG_QUESTION}]],
+                            [SamplingParams(temperature=0.0, max_new_tokens=72)], 0, 48)
+
+
 @pytest.mark.parametrize("max_lag", [64, 5])
-def test_the_draft_follows_plain_steps_and_speculates_after(model_path, limited_chain,
+def test_the_draft_follows_plain_steps_and_speculates_after(limited_chain, long_alone,
                                                             monkeypatch, max_lag):
     """One long request shares its first steps with three short ones (batch 4 > 1: plain
     steps), then runs alone and speculates. The draft head's KV over its tokens must be what a
@@ -127,8 +136,7 @@ def test_the_draft_follows_plain_steps_and_speculates_after(model_path, limited_
     assert limited_chain.worker.step.lag is not None  # a CPU worker defers the head
     long_chat = [{"role": "user", "content": LONG_QUESTION}]
     long_params = SamplingParams(temperature=0.0, max_new_tokens=72)
-    alone_keys, alone_tokens, alone_spec = _draft_keys_when(
-        make_engine(model_path, CHAIN), [long_chat], [long_params], 0, 48)
+    alone_keys, alone_tokens, alone_spec = long_alone
     shorts = [[{"role": "user", "content": q}] for q in QUESTIONS[1:4]]
     short_params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)] * 3
     mixed_keys, mixed_tokens, mixed_spec = _draft_keys_when(
@@ -147,6 +155,38 @@ def test_the_draft_follows_plain_steps_and_speculates_after(model_path, limited_
     alone_rate, mixed_rate = (a / v for v, a in (alone_spec, mixed_spec))
     assert alone_rate > 0.3, alone_spec  # the shipped head drafts this answer well
     assert mixed_rate > 0.75 * alone_rate, (mixed_spec, alone_spec)
+
+
+def test_prefills_sharing_a_step_with_plain_decodes_leave_the_draft_whole(
+        limited_chain, long_alone, monkeypatch):
+    """Four requests at a time with drafting limited to one: as a short request ends, the next
+    one's prefill runs in the same target forward as the others' plain decodes
+    (EagleStep._prefill with plain decodes). The long request's tokens, and its draft-head KV
+    once it runs alone and speculates, are those of a run that speculated all along."""
+    from gpu.eagle.eagle_step import EagleStep
+    shared = []
+    prefill = EagleStep._prefill
+
+    def counting(self, extends, plain_decodes=None):
+        shared.append(plain_decodes is not None)
+        return prefill(self, extends, plain_decodes)
+
+    monkeypatch.setattr(EagleStep, "_prefill", counting)
+    long_chat = [{"role": "user", "content": LONG_QUESTION}]
+    long_params = SamplingParams(temperature=0.0, max_new_tokens=72)
+    alone_keys, alone_tokens, alone_spec = long_alone
+    # The long one with shorts of 8, 20, 20 tokens; then two of 8 join, one at a time.
+    shorts = [[{"role": "user", "content": q}] for q in QUESTIONS[1:6]]
+    short_params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+                    for n in (8, 20, 20, 8, 8)]
+    mixed_keys, mixed_tokens, mixed_spec = _draft_keys_when(
+        limited_chain, [long_chat, *shorts], [long_params, *short_params], 0, 48)
+    assert sum(shared) >= 2, shared
+    assert mixed_tokens == alone_tokens
+    n = min(len(alone_keys), len(mixed_keys))
+    torch.testing.assert_close(mixed_keys[:n], alone_keys[:n], atol=2e-3, rtol=2e-3)
+    alone_rate, mixed_rate = (a / v for v, a in (alone_spec, mixed_spec))
+    assert mixed_spec[0] > 0 and mixed_rate > 0.75 * alone_rate, (mixed_spec, alone_spec)
 
 
 def test_a_negative_limit_is_refused():
