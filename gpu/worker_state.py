@@ -94,6 +94,7 @@ class WorkerState:
         self.model_config = mc = loaded.config
         fp32_split = (plan_fp32_split(mc.hidden_size, mc.intermediate_size, mc.vocab_size)
                       if split and loaded.q4 else None)
+        self.fp32_split = fp32_split  # the EAGLE head's wide forwards multiply as the target's
         self.model_name = Path(cfg.model.path).name
         # The rank's heads and MLP slice (the whole model on one rank); vocab_size is the model's.
         local = ranked.shard_weights(loaded) if ranked is not None else mc

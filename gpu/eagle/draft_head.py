@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu_q4_kernel import Q8Rows, q8_matmul
 from gpu.device import host_to_device
+from gpu.eagle.head_linear import SmallRowsInt8Linear
 from gpu.layers import apply_rope, rms_norm
-from gpu.quantized_linear import quantize_int8_per_channel
 from gpu.rope_scaling import RopeScaling, rope_inv_freq
 from gpu.rowwise_linear import RowwiseLinear
 
@@ -115,44 +114,6 @@ def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> n
     # kaiming init over a large lm_head would be wasted time.
     return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias,
                                     device=device, dtype=dtype)
-
-
-class SmallRowsInt8Linear(nn.Module):
-    """An nn.Linear (no bias) that also keeps its weight as int8, for forwards of at most
-    ``max_rows`` rows on the CPU: in bf16 per-output-channel int8 (``aten._weight_int8pack_mm``),
-    in fp32 (``fp32_codes``, a CPU without native bf16) Q8_0 blocks on fmserve's C kernel
-    (gpu/cpu_q4_kernel.py), as the target's lm_head there.
-
-    A draft step at batch 1 multiplies one row by each of the head's weights, and on the CPU that
-    costs what reading the weight costs: int8 halves the bytes (quarters them against fp32). The
-    draft only proposes tokens (the target verifies them), so its rounding can change the accept
-    length, never the output. Same state_dict as the nn.Linear it wraps."""
-
-    def __init__(self, linear: nn.Linear, max_rows: int, fp32_codes: bool = False) -> None:
-        super().__init__()
-        if linear.bias is not None:
-            raise ValueError("SmallRowsInt8Linear wraps linears without a bias")
-        self.weight = linear.weight
-        self.max_rows = max_rows
-        self.q8 = None
-        if fp32_codes:
-            self.q8 = Q8Rows.quantize(linear.weight)
-            return
-        q, scale = quantize_int8_per_channel(linear.weight.detach())
-        self.register_buffer("qweight", q, persistent=False)
-        self.register_buffer("qscale", scale.to(torch.bfloat16), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > self.max_rows or x.device.type != "cpu":
-            return F.linear(x, self.weight)
-        if self.q8 is not None and x.dtype == torch.float32:
-            y = q8_matmul(rows, self.q8)
-        elif self.q8 is None and x.dtype == torch.bfloat16:
-            y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.qweight, self.qscale)
-        else:
-            return F.linear(x, self.weight)
-        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class RMSNorm(nn.Module):
@@ -304,15 +265,18 @@ class DraftHead(nn.Module):
         self.target_lm_head = None
         self._parallel_embed, self._parallel_lm_head = embed, lm_head
 
-    def use_int8_for_small_forwards(self, max_rows: int, fp32_codes: bool = False) -> int:
+    def use_int8_for_small_forwards(self, max_rows: int, fp32_codes: bool = False,
+                                    codes_only: str | None = None) -> int:
         """Serve forwards of at most ``max_rows`` rows on int8 copies of every bias-free linear
-        (on the CPU; see SmallRowsInt8Linear). Returns how many linears it wrapped."""
+        (on the CPU; see SmallRowsInt8Linear, and its `codes_only`). Returns how many linears
+        it wrapped."""
         wrapped = 0
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child.bias is None and not (
                         fp32_codes and child.in_features % 32):  # Q8_0 blocks of 32
-                    setattr(module, name, SmallRowsInt8Linear(child, max_rows, fp32_codes))
+                    setattr(module, name, SmallRowsInt8Linear(child, max_rows, fp32_codes,
+                                                              codes_only))
                     wrapped += 1
         return wrapped
 
@@ -326,7 +290,8 @@ class DraftHead(nn.Module):
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        weight = self.fc.weight
+        return torch.float32 if weight is None else weight.dtype  # codes only: an fp32 head
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n, head_dim / 2] fp32 at each position, the scaling applied: the same

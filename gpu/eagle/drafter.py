@@ -87,7 +87,12 @@ class Drafter:
         if q4_applies(state.device, state.dtype, q4_max_tokens):
             self.head.use_int8_for_small_forwards(q4_max_tokens)
         elif model.kernel_max_rows and codes_kernel_available():  # fp32 on the C kernel
-            self.head.use_int8_for_small_forwards(model.kernel_max_rows, fp32_codes=True)
+            # Codes only, as the target's projections: wide forwards (a prompt, a catch-up)
+            # dequantize a piece at a time; bf16 GEMMs where the target's run in bf16.
+            split, exact = state.fp32_split, state.cfg.runtime.deterministic
+            self.head.use_int8_for_small_forwards(
+                model.kernel_max_rows, fp32_codes=True, codes_only=None if exact else
+                "bf16" if split is not None and split.bf16_gemm else "fp32")
         if state.cfg.runtime.deterministic:
             self.head.use_rowwise_linears()
         hc = self.head.config

@@ -21,7 +21,8 @@ from gpu.codes_layout import Q8Rows
 from gpu.cpu_decode_step import (NATIVE_MAX_ROWS, causal_rows, half_kv_supported,
                                   row_operands)
 from gpu.cpu_q4_kernel import library
-from gpu.eagle.draft_head import DraftHead, SmallRowsInt8Linear
+from gpu.eagle.draft_head import DraftHead
+from gpu.eagle.head_linear import SmallRowsInt8Linear
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
 

@@ -164,6 +164,27 @@ def test_an_fp32_head_on_the_8_bit_kernel_stays_close_and_keeps_its_state(target
     assert torch.equal(head.fc(x), torch.nn.functional.linear(x, head.fc.weight))
 
 
+@pytest.mark.skipif(not cpu_q4_kernel.available(), reason="the C kernel is not built here")
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+def test_a_served_fp32_head_keeps_only_its_codes_and_multiplies_wide_forwards_on_them(target,
+                                                                                      gemm):
+    """Serving keeps the codes only (no fp32 weight beside them): a forward wider than max_rows
+    multiplies the dequantized codes, as the target's projections do, in fp32 or in bf16."""
+    head = make_head(target, "eagle3", 200)
+    exact = run(head, 3 * H)
+    linears = head.use_int8_for_small_forwards(max_rows=8, fp32_codes=True, codes_only=gemm)
+    kept = [n for n, p in head.named_parameters() if p.dim() == 2]
+    assert linears == 9 and kept == [], kept  # fc, q/k/v/o, gate/up/down, lm_head
+    assert head.weight_dtype == torch.float32
+    x = torch.randn(40, 3 * H)
+    dense = head.fc.q8.dequantize()
+    want = ((x.bfloat16() @ dense.bfloat16().t()).float() if gemm == "bf16"
+            else x @ dense.t())
+    torch.testing.assert_close(head.fc(x), want, atol=1e-4, rtol=1e-3)
+    for a, b in zip(run(head, 3 * H), exact):  # the whole head stays close to the fp32 one
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+
+
 # ----- an independent re-implementation from the safetensors file, plain torch ops -----
 
 def ref_rms(x, w):

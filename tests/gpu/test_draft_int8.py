@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fmserve.engine import Engine
-from gpu.eagle.draft_head import SmallRowsInt8Linear
+from gpu.eagle.head_linear import SmallRowsInt8Linear
 from gpu.quantized_linear import dequantize_int8, quantize_int8_per_channel
 from gpu.q4_linear import q4_kernel_available
 from ipc.sampling import SamplingParams
