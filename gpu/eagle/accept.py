@@ -39,10 +39,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from gpu.eagle.tree import DraftTree
+from gpu.eagle.tree import DraftTree, drafted_before
 from gpu.kv_cache import KVPool
 from gpu.seeded_random import gumbel_, seeded_uniform
 
@@ -172,3 +173,24 @@ def compact_accepted_kv(pool: KVPool, table: Tensor, slots: Tensor, seq_lens: Te
     for layer in range(len(pool.k_buffer)):
         pool.k_buffer[layer][dst] = pool.k_buffer[layer][src]
         pool.v_buffer[layer][dst] = pool.v_buffer[layer][src]
+
+
+def accept_verified(sampler, sampling_state, tree: DraftTree, logits: Tensor, slots: Tensor,
+                    slots_host, positions: Tensor, flags) -> AcceptResult:
+    """The accepted path of a verified tree, by the batch's sampling: greedy (with penalties
+    and bans applied as plain decoding would) or by rejection sampling. `flags`: the batch's
+    BatchFlags, every node's the same as its request's; `slots_host` may be None for a greedy
+    batch (inside a CUDA graph)."""
+    bs, T = tree.tokens.shape
+    node_slots = slots.repeat_interleave(T)
+    # A node samples the token after the drafts on its path: the penalties and the
+    # min_new_tokens ban count them, as plain decoding would have by then.
+    drafted = drafted_before(tree) if flags.any_penalty or flags.any_min_tokens else None
+    if flags.all_greedy:
+        processed = sampler.process_logits(logits, node_slots, flags, drafted)
+        return accept_greedy(tree, processed.argmax(-1).view(bs, T))
+    following = (positions + 1).reshape(-1)  # the position the next token takes
+    probs = sampler.target_probs(logits, node_slots, following,
+                                 slots_host=np.repeat(slots_host, T), drafted=drafted)
+    seeds = sampling_state.seeds_of(slots)
+    return accept_sampling(tree, probs.view(bs, T, -1), seeds, positions + 1)

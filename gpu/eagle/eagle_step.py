@@ -27,15 +27,14 @@ import torch
 from gpu import cpu_decode_step
 from gpu.cpu_decode_step import native_decode_applies
 from gpu.device import host_to_device
-from gpu.eagle.accept import (AcceptResult, accept_greedy, accept_sampling,
-                              compact_accepted_kv)
+from gpu.eagle.accept import accept_verified, compact_accepted_kv
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.head_lag import HeadLag
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
-from gpu.eagle.tree import DraftTree, drafted_before
+from gpu.eagle.tree import drafted_before
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.plain_step import PlainStep, graphs_apply
 from gpu.sampling_state import BatchFlags
@@ -124,7 +123,14 @@ class EagleStep:
             self.state.idle_counts["step"] += 1
         if self.state.dp_attention is not None:  # every rank runs the parts any rank runs,
             prefills, decodes = self.state.dp_attention.agree_parts(prefills, decodes)
-        drafts = bool(len(decode_host)) and self.gate.drafts(len(decode_host))
+        lag = self.lag
+        if lag is not None:  # headless admissions (gpu/eagle/head_lag.py); the batch they join
+            lag.release(unpack_i32(plan.released_slots))  # is about the running decodes and
+            if plan.new_requests:  # this step's chunks
+                far = self.gate.far_from_drafting(len(decode_host) + len(plan.extends))
+                lag.admit([r.slot for r in plan.new_requests], headless=far)
+        drafts = bool(len(decode_host)) and self.gate.drafts(len(decode_host)) and not (
+            lag is not None and lag.any_headless(decode_host))
         if prefills and decodes and not drafts and self.lag is not None:
             # Chunks and plain decodes in one target forward, as the plain step runs them
             # (the head left behind for the decodes): EAGLE costs nothing where it is off.
@@ -163,20 +169,25 @@ class EagleStep:
 
     # -- forwards ---------------------------------------------------------------------------
 
-    def _target(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward; returns (final hidden, the draft's input features)."""
+    def _target(self, batch: ForwardBatch, capture: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target forward; returns (final hidden, the draft's input features; None without
+        `capture`: a batch of headless requests only)."""
         st = self.state
         native, key_locs = self.native_decode, None
+        layers = self.capture_layers if capture else ()
         if native is not None and native.can_run_as_rows(batch):  # a verify, a short chunk
             batch, key_locs = native.extend_rows(batch)
         if native is not None and native.can_run(batch):
-            hidden, captured = native.run_capturing(batch, self.capture_layers, key_locs)
+            hidden, captured = native.run_capturing(batch, layers, key_locs)
         else:
             if batch.batch_size:
                 st.attn.init_forward_metadata(batch)
             else:
                 st.idle_counts["target"] += 1
-            hidden, captured = st.model.hidden_states(batch, st.attn, self.capture_layers)
+            hidden, captured = st.model.hidden_states(batch, st.attn, layers)
+        if not capture:
+            return hidden, None
         feats = torch.cat(captured, dim=-1) if captured else hidden
         return hidden, feats.view(-1, hidden_size_for(self))
 
@@ -186,8 +197,6 @@ class EagleStep:
         that decode without drafting in the same target forward (their rows follow the
         chunks', one token each), the head left behind for them (`HeadLag`)."""
         st, dev, fm = self.state, self.state.device, self.state.future_map
-        if self.lag is not None:  # a slot's new request: its last one's lag is moot
-            self.lag.forget([e.slot for e in extends])
         c = st.prefill_chunks(extends)
         # Checked on the host: the draft extend pairs each position with the next token.
         if any(not e.sample and e.next_token < 0 for e in extends):
@@ -230,6 +239,8 @@ class EagleStep:
             self.lag.defer(decode_host, batch.seq_lens[len(extends):] - 1,
                            out.token_ids[n_sampled:], feats[n_chunk:])
 
+        if self.lag is not None and self.lag.all_headless([e.slot for e in extends]):
+            return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
         # Draft extend: position t pairs the target's state at t with token t + 1.
         following = host_to_device(np.array([e.next_token for e in extends], dtype=np.int64),
                                    dev)
@@ -312,7 +323,8 @@ class EagleStep:
             tree.mask if s.topk > 1 else None)  # a chain is the ordinary causal extend
         hidden, feats = self._target(batch)
         logits = st.model.logits(hidden)  # [bs * T, V]
-        result = self._accept(tree, logits, slots, slots_host, positions, flags)
+        result = accept_verified(st.sampler, st.sampling_state, tree, logits, slots,
+                                 slots_host, positions, flags)
         acc = result.accept_lens
         if s.topk > 1:
             compact_accepted_kv(self.state.kv_pool, self.state.req_to_token.req_to_token,
@@ -355,12 +367,14 @@ class EagleStep:
         batch = batches.make(ForwardMode.DECODE, root, positions, slots, seq_lens,
                              torch.ones_like(seq_lens), seq_lens + 1,
                              batches.locs(slots, seq_lens[:, None]))
-        hidden, feats = self._target(batch)
+        lag = self.lag
+        hidden, feats = self._target(batch, lag is None or not lag.all_headless(slots_host))
         out = st.sampler.sample(st.model.logits(hidden), slots, batch.seq_lens,
                                 slots_host=slots_host)
         st.commit(slots, out.token_ids, seq_lens=batch.seq_lens)
-        if self.lag is not None:  # the head runs over this token later, if ever needed
-            self.lag.defer(slots_host, seq_lens, out.token_ids, feats)
+        if lag is not None:  # the head runs over this token later, if ever needed
+            if feats is not None:
+                lag.defer(slots_host, seq_lens, out.token_ids, feats)
             return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
         # Draft extend: the target's state at L paired with the token just sampled (L + 1);
         # the same positions, lengths and KV locations as the target's batch.
@@ -369,23 +383,3 @@ class EagleStep:
         next_p, next_ids = self.drafter.topk(h_logits)
         st.future_map.stash_spec(slots, next_p, next_ids, h_out)
         return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
-
-    def _accept(self, tree: DraftTree, logits: torch.Tensor, slots: torch.Tensor,
-                slots_host: np.ndarray | None, positions: torch.Tensor,
-                flags: BatchFlags) -> AcceptResult:
-        """`flags`: the batch's, every node's the same as its request's. `slots_host` may be None for a greedy batch (inside a CUDA graph)."""
-        st = self.state
-        bs, T = tree.tokens.shape
-        node_slots = slots.repeat_interleave(T)
-        # A node samples the token after the drafts on its path: the penalties and the
-        # min_new_tokens ban count them, as plain decoding would have by then.
-        drafted = drafted_before(tree) if flags.any_penalty or flags.any_min_tokens else None
-        if flags.all_greedy:
-            processed = st.sampler.process_logits(logits, node_slots, flags, drafted)
-            return accept_greedy(tree, processed.argmax(-1).view(bs, T))
-        following = (positions + 1).reshape(-1)  # the position the next token takes
-        probs = st.sampler.target_probs(logits, node_slots, following,
-                                        slots_host=np.repeat(slots_host, T),
-                                        drafted=drafted)
-        seeds = st.sampling_state.seeds_of(slots)
-        return accept_sampling(tree, probs.view(bs, T, -1), seeds, positions + 1)

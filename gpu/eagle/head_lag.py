@@ -10,6 +10,12 @@ drafts again, or once it is MAX_LAG tokens behind, the head runs once over all o
 extend (the same positions, KV locations and pairing as the steps it skipped) and stashes
 the top-k of the last, as the last of those steps would have. A new prefill of a slot forgets
 what its previous request left behind.
+
+A request admitted while the gate finds drafting far slower than plain at the batch's size
+(SpecGate.far_from_drafting: 8 streams on a 2-core CPU) is *headless*: the head never runs
+over its prompt or its tokens and it never drafts; a step with such a request decodes plain.
+The head's prefill over every prompt and the states plain steps keep cost ~5% there, for
+drafts that would never come.
 """
 
 from __future__ import annotations
@@ -44,19 +50,42 @@ class HeadLag:
     def __init__(self, step) -> None:
         self.step = step  # the EagleStep: its drafter, batches and FutureMap
         self.behind: dict[int, _Behind] = {}
+        self.headless: set[int] = set()  # slots whose requests run without the head
         # Host seconds and tokens of every catch-up so far: the gate charges them to the
         # plain way, whose deferred cost they are, not to the step they happen in.
         self.seconds = 0.0
         self.tokens = 0
 
-    def forget(self, slots_host) -> None:
+    def admit(self, slots_host, headless: bool) -> None:
+        """New requests in these slots: their last ones' lag is moot."""
         for slot in np.asarray(slots_host).tolist():
             self.behind.pop(int(slot), None)
+            (self.headless.add if headless else self.headless.discard)(int(slot))
+
+    def release(self, slots_host) -> None:
+        for slot in np.asarray(slots_host).tolist():
+            self.behind.pop(int(slot), None)
+            self.headless.discard(int(slot))
+
+    def all_headless(self, slots_host) -> bool:
+        return all(int(s) in self.headless for s in np.asarray(slots_host).tolist())
+
+    def any_headless(self, slots_host) -> bool:
+        return any(int(s) in self.headless for s in np.asarray(slots_host).tolist())
 
     def defer(self, slots_host: np.ndarray, positions: torch.Tensor, tokens: torch.Tensor,
               states: torch.Tensor) -> None:
         """Record one plain step's head inputs: request i's token tokens[i] at position
-        positions[i] (host-readable: a CPU worker), paired with its states[i]."""
+        positions[i] (host-readable: a CPU worker), paired with its states[i]. Headless
+        requests' rows are dropped."""
+        if self.headless:
+            keep = [i for i, s in enumerate(slots_host.tolist()) if s not in self.headless]
+            if not keep:
+                return
+            if len(keep) < len(slots_host):
+                rows = torch.tensor(keep, device=tokens.device)
+                slots_host, positions = slots_host[keep], positions[rows]
+                tokens, states = tokens[rows], states[rows]
         with expected_sync():  # only where the gate is timed: a CPU worker, no device
             positions = positions.tolist()
         stale = [s for s, p in zip(slots_host.tolist(), positions)

@@ -15,6 +15,10 @@ for a few steps, then keeps the winner and re-measures the loser now and then, s
 (longer contexts, a different acceptance) is noticed. The window spans several requests on
 purpose: one request's acceptance swings (1.3 to 3.6 tokens a step over 16 dev prompts at one
 stream), and following each request's ran 0.98x plain where always drafting ran 1.08x.
+A class above one where drafting measured far behind is not tried (on a CPU a verify only
+costs more the more requests share it), and requests admitted into such a batch run without
+the head at all (`far_from_drafting`, gpu/eagle/head_lag.py): at 8 streams "auto" then served
+0.98-1.0x the plain service once measured, where following along had cost ~8%.
 
 Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
 the launch returns before the device is done, so there "auto" is a fixed limit instead,
@@ -89,6 +93,8 @@ class SpecGate:
         if not self.auto:
             return self.limit in (0, "auto") or batch_size <= int(self.limit)
         c = self._class(batch_size)
+        if self._far_below(batch_size):  # drafting only loses more at larger batches
+            return False
         if c.drafting.steps < TRIALS:
             return True
         if c.plain.steps < TRIALS:
@@ -105,6 +111,26 @@ class SpecGate:
             return not faster
         c.since_probe += 1
         return faster
+
+    def far_from_drafting(self, batch_size: int) -> bool:
+        """Whether "auto" has measured drafting at this batch size class as slower than plain
+        by more than CLOSE: a request admitted into such a batch runs without the head
+        (gpu/eagle/head_lag.py), so speculation costs nothing where it is off."""
+        c = self.classes.get(size_class(batch_size)) if self.auto else None
+        return (c is not None and self._far(c)) or self._far_below(batch_size)
+
+    def _far(self, c: _SizeClass) -> bool:
+        if c.drafting.steps < TRIALS or c.plain.steps < TRIALS:
+            return False
+        plain = c.plain.seconds_per_token + self.catch_up_per_token
+        return c.drafting.seconds_per_token > CLOSE * plain
+
+    def _far_below(self, batch_size: int) -> bool:
+        """Whether a smaller class measured drafting far behind: on a CPU a verify's rows
+        cost more the more requests share it, so a larger batch is not tried (its trials of
+        drafting cost ~3x a plain step each at 8-32 streams)."""
+        key = size_class(batch_size)
+        return any(k < key and self._far(c) for k, c in self.classes.items())
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
         """One decode step: its host seconds and the tokens it emitted (accepted drafts plus

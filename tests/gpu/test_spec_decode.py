@@ -17,8 +17,9 @@ import torch
 
 import gpu.eagle.accept as accept_mod
 from fmserve.engine import Engine
+from gpu.eagle.accept import accept_verified
 from gpu.eagle.drafter import Drafter
-from gpu.eagle.eagle_step import EagleStep, hidden_size_for
+from gpu.eagle.eagle_step import hidden_size_for
 from gpu.eagle.head_io import random_draft_head, save_draft_head
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
@@ -341,7 +342,7 @@ VOCAB, A, B, ROOT, EOS = 16, 5, 6, 7, 2
 @pytest.fixture(scope="module")
 def spec_runner(tiny_llama, tmp_path_factory):
     """A worker with a random EAGLE-1 head on tiny_llama: only its sampler state and
-    EagleStep._accept are used, with logits made here."""
+    accept_verified are used, with logits made here."""
     from gpu.eagle.head_io import random_draft_head, save_draft_head
     from gpu.worker import Worker
     from ipc.worker_config import worker_config
@@ -371,8 +372,8 @@ def verify(runner, params: SamplingParams, drafts: list[int], logits: torch.Tens
     tree = chain_tree(torch.tensor([ROOT], device=device), torch.tensor([drafts], device=device))
     positions = torch.arange(len(drafts) + 1, device=device)[None, :] + 10
     flags = runner.state.sampler.batch_flags(slots, np.array([1]))
-    result = EagleStep._accept(runner.step, tree, logits.to(device), slots, np.array([1]),
-                               positions, flags)
+    result = accept_verified(runner.state.sampler, state, tree, logits.to(device), slots,
+                             np.array([1]), positions, flags)
     out = result.accepted_tokens[0]
     return out[out >= 0].tolist()
 

@@ -189,6 +189,33 @@ def test_prefills_sharing_a_step_with_plain_decodes_leave_the_draft_whole(
     assert mixed_spec[0] > 0 and mixed_rate > 0.75 * alone_rate, (mixed_spec, alone_spec)
 
 
+def test_requests_admitted_far_past_break_even_run_without_the_head(model_path, reference,
+                                                                    monkeypatch):
+    """Under "auto", requests admitted into a batch whose size the gate measured drafting far
+    slower at run headless: the tokens are the plain engine's, the head never runs for them
+    and they never draft, even once their batch shrinks. A request admitted alone, where
+    drafting measured faster, drafts."""
+    from gpu.eagle.drafter import Drafter
+    engine = make_engine(model_path, _with_limit(CHAIN, "auto"), max_tokens_per_step=512)
+    gate = engine.worker.step.gate
+    for _ in range(TRIALS):  # per token: 4 requests drafting 5 ms, plain 2.5; alone 3.3 / 10
+        gate.record(4, True, 0.040, 8), gate.record(4, False, 0.010, 4)
+        gate.record(1, True, 0.010, 3), gate.record(1, False, 0.010, 1)
+    assert gate.far_from_drafting(4) and not gate.far_from_drafting(1)
+    head_runs = []
+    forward = Drafter.forward
+    monkeypatch.setattr(Drafter, "forward",
+                        lambda self, *a: head_runs.append(1) or forward(self, *a))
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    runs = run_requests(engine, chats, scenario()[:4], overlap=True)
+    assert [r.visible for r in runs] == reference[:4]
+    assert head_runs == [] and all(r.verify_steps == 0 for r in runs)
+    assert engine.worker.step.lag.behind == {}  # nothing kept for them either
+    alone = run_requests(engine, [[{"role": "user", "content": LONG_QUESTION}]],
+                         [SamplingParams(temperature=0.0, max_new_tokens=24)], overlap=True)
+    assert head_runs and alone[0].verify_steps > 0
+
+
 def test_a_negative_limit_is_refused():
     with pytest.raises(ValueError, match="disable_above_batch_size must be >= 0"):
         _with_limit(CHAIN, -1).validate()

@@ -50,6 +50,10 @@ def test_auto_drafts_where_drafting_is_faster_per_token_and_not_elsewhere():
     assert all(small[2 * TRIALS:]) and not any(large[2 * TRIALS:])
     assert gate.drafts(5) is False  # 5-8 is one class: measured once for all of it
     assert gate.drafts(2) is True  # a class not measured yet tries drafting first
+    # ... unless a smaller class measured drafting far behind: a larger one is not tried
+    assert gate.far_from_drafting(8) and gate.far_from_drafting(32)
+    assert not gate.far_from_drafting(1) and not gate.far_from_drafting(4)
+    assert run(gate, 32, 2 * TRIALS, draft_s=1.0, plain_s=1.0) == [False] * (2 * TRIALS)
 
 
 def test_auto_measures_the_losing_way_again_and_follows_a_change():
