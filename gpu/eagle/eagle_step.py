@@ -129,8 +129,8 @@ class EagleStep:
             if plan.new_requests:  # this step's chunks
                 far = self.gate.far_from_drafting(len(decode_host) + len(plan.extends))
                 lag.admit([r.slot for r in plan.new_requests], headless=far)
-        drafts = bool(len(decode_host)) and self.gate.drafts(len(decode_host)) and not (
-            lag is not None and lag.any_headless(decode_host))
+        drafts = bool(len(decode_host)) and self.gate.drafts(
+            len(decode_host), can_draft=lag is None or not lag.any_headless(decode_host))
         if prefills and decodes and not drafts and self.lag is not None:
             # Chunks and plain decodes in one target forward, as the plain step runs them
             # (the head left behind for the decodes): EAGLE costs nothing where it is off.

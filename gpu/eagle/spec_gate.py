@@ -89,11 +89,14 @@ class SpecGate:
         # deferred cost, added to the plain way's; 0 until one is measured.
         self.catch_up_per_token = 0.0
 
-    def drafts(self, batch_size: int) -> bool:
+    def drafts(self, batch_size: int, can_draft: bool = True) -> bool:
+        """`can_draft` False: the batch holds a headless request (gpu/eagle/head_lag.py); the
+        step is counted, and a probe that falls due waits for a batch that can draft."""
         if not self.auto:
-            return self.limit in (0, "auto") or batch_size <= int(self.limit)
+            return can_draft and (self.limit in (0, "auto") or batch_size <= int(self.limit))
         c = self._class(batch_size)
-        if self._far_below(batch_size):  # drafting only loses more at larger batches
+        if self._far_below(batch_size) or not can_draft:  # drafting only loses more at
+            c.since_probe += 1  # larger batches
             return False
         if c.drafting.steps < TRIALS:
             return True
@@ -117,7 +120,11 @@ class SpecGate:
         by more than CLOSE: a request admitted into such a batch runs without the head
         (gpu/eagle/head_lag.py), so speculation costs nothing where it is off."""
         c = self.classes.get(size_class(batch_size)) if self.auto else None
-        return (c is not None and self._far(c)) or self._far_below(batch_size)
+        # Once its probe of drafting is due, the class admits requests with the head again,
+        # so a batch of them can draft once more and the gate sees a change (it never could
+        # while every batch held a headless request).
+        due = c is not None and c.since_probe >= REPROBE_EVERY * FAR_BEHIND
+        return (c is not None and self._far(c) and not due) or self._far_below(batch_size)
 
     def _far(self, c: _SizeClass) -> bool:
         if c.drafting.steps < TRIALS or c.plain.steps < TRIALS:

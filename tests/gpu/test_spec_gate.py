@@ -88,3 +88,18 @@ def test_the_heads_catch_up_counts_against_the_plain_way():
     fixed = SpecGate(0, measured=True)
     fixed.record_catch_up(2.0, 10)
     assert fixed.catch_up_per_token == 0.0
+
+
+def test_a_probe_that_falls_due_among_headless_requests_waits_and_readmits_the_head():
+    """While a batch holds a headless request it cannot draft: its steps count toward the
+    probe, and once the probe is due new requests are admitted with the head again, and the
+    first batch that can draft runs it."""
+    gate = SpecGate("auto", measured=True)
+    run(gate, 1, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # drafting 1.5 a token against 1.0
+    assert gate.far_from_drafting(1)
+    far = REPROBE_EVERY * FAR_BEHIND
+    headless = [gate.drafts(1, can_draft=False) for _ in range(far + 5)]
+    assert not any(headless)
+    assert not gate.far_from_drafting(1)  # the probe is due: admit with the head
+    assert gate.drafts(1) is True  # the first batch that can draft probes
+    assert gate.far_from_drafting(1) and gate.drafts(1) is False
