@@ -40,6 +40,10 @@ REPROBE_EVERY = 16  # steps of a class between two measurements of the losing wa
 SMOOTHING = 0.03  # weight of the newest step in a way's running seconds and tokens
 CLOSE = 1.25  # a loser within this factor of the winner is probed every REPROBE_EVERY steps
 FAR_BEHIND = 8  # ... else every REPROBE_EVERY * FAR_BEHIND steps
+# Steps of a class far behind, its batches holding headless requests, before it admits with the
+# head again so that a batch can draft and be measured (each such round costs the head's work
+# over a batch's worth of requests).
+HEADLESS_REPROBE = REPROBE_EVERY * FAR_BEHIND * 8
 GPU_AUTO_LIMIT = 2  # what "auto" means on a GPU (the module docstring)
 
 
@@ -123,7 +127,7 @@ class SpecGate:
         # Once its probe of drafting is due, the class admits requests with the head again,
         # so a batch of them can draft once more and the gate sees a change (it never could
         # while every batch held a headless request).
-        due = c is not None and c.since_probe >= REPROBE_EVERY * FAR_BEHIND
+        due = c is not None and c.since_probe >= HEADLESS_REPROBE
         return (c is not None and self._far(c) and not due) or self._far_below(batch_size)
 
     def _far(self, c: _SizeClass) -> bool:

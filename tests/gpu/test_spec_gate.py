@@ -2,8 +2,8 @@
 
 import pytest
 
-from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, REPROBE_EVERY, TRIALS, SpecGate,
-                                 size_class)
+from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, HEADLESS_REPROBE, REPROBE_EVERY,
+                                 TRIALS, SpecGate, size_class)
 
 
 def test_size_classes_are_powers_of_two():
@@ -97,9 +97,9 @@ def test_a_probe_that_falls_due_among_headless_requests_waits_and_readmits_the_h
     gate = SpecGate("auto", measured=True)
     run(gate, 1, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # drafting 1.5 a token against 1.0
     assert gate.far_from_drafting(1)
-    far = REPROBE_EVERY * FAR_BEHIND
-    headless = [gate.drafts(1, can_draft=False) for _ in range(far + 5)]
-    assert not any(headless)
+    headless = [gate.drafts(1, can_draft=False) for _ in range(HEADLESS_REPROBE - 1)]
+    assert not any(headless) and gate.far_from_drafting(1)
+    gate.drafts(1, can_draft=False)
     assert not gate.far_from_drafting(1)  # the probe is due: admit with the head
     assert gate.drafts(1) is True  # the first batch that can draft probes
     assert gate.far_from_drafting(1) and gate.drafts(1) is False
