@@ -124,11 +124,12 @@ class EagleStep:
         if self.state.dp_attention is not None:  # every rank runs the parts any rank runs,
             prefills, decodes = self.state.dp_attention.agree_parts(prefills, decodes)
         lag = self.lag
-        if lag is not None:  # headless admissions (gpu/eagle/head_lag.py); the batch they join
-            lag.release(unpack_i32(plan.released_slots))  # is about the running decodes and
-            if plan.new_requests:  # this step's chunks
-                far = self.gate.far_from_drafting(len(decode_host) + len(plan.extends))
-                lag.admit([r.slot for r in plan.new_requests], headless=far)
+        if lag is not None:  # headless admissions (gpu/eagle/head_lag.py), by the size of
+            lag.release(unpack_i32(plan.released_slots))  # the batch they join: every
+            if plan.new_requests:  # request the worker holds (many still to prefill)
+                new = [r.slot for r in plan.new_requests]
+                headless = self.gate.admits_headless(len(lag.running | set(new)))
+                lag.admit(new, headless=headless)
         drafts = bool(len(decode_host)) and self.gate.drafts(
             len(decode_host), can_draft=lag is None or not lag.any_headless(decode_host))
         if prefills and decodes and not drafts and self.lag is not None:
@@ -220,7 +221,10 @@ class EagleStep:
                 torch.cat([slots, d_slots]), torch.cat([prefix, d_lens]), torch.cat([lens, ones]),
                 torch.cat([prefix + lens, d_lens + 1]),
                 torch.cat([locs, self.batches.locs(d_slots, d_lens[:, None])]))
-        hidden, feats = self._target(batch)
+        lag, chunk_slots = self.lag, [e.slot for e in extends]
+        headless = lag is not None and lag.all_headless(chunk_slots)  # no head for the chunks
+        hidden, feats = self._target(batch, capture=not (headless and (
+            not len(decode_host) or lag.all_headless(decode_host))))
         fm.publish(batch.slots, batch.seq_lens)  # every chunk's length, sampled or not
 
         last = c.starts + lens - 1
@@ -235,11 +239,10 @@ class EagleStep:
         out = st.sampler.sample(st.model.logits(hidden[rows]), sample_slots,
                                 batch.seq_lens[seq_rows], slots_host=slots_host)
         st.commit(sample_slots, out.token_ids)
-        if nd:  # the head runs over the decodes' tokens later, if ever needed
-            self.lag.defer(decode_host, batch.seq_lens[len(extends):] - 1,
-                           out.token_ids[n_sampled:], feats[n_chunk:])
-
-        if self.lag is not None and self.lag.all_headless([e.slot for e in extends]):
+        if nd and feats is not None:  # the head runs over the decodes' tokens later, if ever
+            lag.defer(decode_host, batch.seq_lens[len(extends):] - 1,
+                      out.token_ids[n_sampled:], feats[n_chunk:])
+        if headless:
             return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
         # Draft extend: position t pairs the target's state at t with token t + 1.
         following = host_to_device(np.array([e.next_token for e in extends], dtype=np.int64),

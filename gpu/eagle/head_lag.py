@@ -11,8 +11,8 @@ extend (the same positions, KV locations and pairing as the steps it skipped) an
 the top-k of the last, as the last of those steps would have. A new prefill of a slot forgets
 what its previous request left behind.
 
-A request admitted while the gate finds drafting far slower than plain at the batch's size
-(SpecGate.far_from_drafting: 8 streams on a 2-core CPU) is *headless*: the head never runs
+A request admitted while the gate finds drafting slower than plain at the batch's size
+(SpecGate.admits_headless: 8 streams on a 2-core CPU) is *headless*: the head never runs
 over its prompt or its tokens and it never drafts; a step with such a request decodes plain.
 The head's prefill over every prompt and the states plain steps keep cost ~5% there, for
 drafts that would never come.
@@ -51,6 +51,7 @@ class HeadLag:
         self.step = step  # the EagleStep: its drafter, batches and FutureMap
         self.behind: dict[int, _Behind] = {}
         self.headless: set[int] = set()  # slots whose requests run without the head
+        self.running: set[int] = set()  # slots holding a request (admitted, not released)
         # Host seconds and tokens of every catch-up so far: the gate charges them to the
         # plain way, whose deferred cost they are, not to the step they happen in.
         self.seconds = 0.0
@@ -61,11 +62,13 @@ class HeadLag:
         for slot in np.asarray(slots_host).tolist():
             self.behind.pop(int(slot), None)
             (self.headless.add if headless else self.headless.discard)(int(slot))
+            self.running.add(int(slot))
 
     def release(self, slots_host) -> None:
         for slot in np.asarray(slots_host).tolist():
             self.behind.pop(int(slot), None)
             self.headless.discard(int(slot))
+            self.running.discard(int(slot))
 
     def all_headless(self, slots_host) -> bool:
         return all(int(s) in self.headless for s in np.asarray(slots_host).tolist())

@@ -15,9 +15,9 @@ for a few steps, then keeps the winner and re-measures the loser now and then, s
 (longer contexts, a different acceptance) is noticed. The window spans several requests on
 purpose: one request's acceptance swings (1.3 to 3.6 tokens a step over 16 dev prompts at one
 stream), and following each request's ran 0.98x plain where always drafting ran 1.08x.
-A class above one where drafting measured far behind is not tried (on a CPU a verify only
-costs more the more requests share it), and requests admitted into such a batch run without
-the head at all (`far_from_drafting`, gpu/eagle/head_lag.py): at 8 streams "auto" then served
+A class above one where drafting measured slower (by LOSES_BY) is not tried (on a CPU a verify
+only costs more the more requests share it), and requests admitted into such a batch run
+without the head at all (`admits_headless`, gpu/eagle/head_lag.py): at 8 streams "auto" then served
 0.98-1.0x the plain service once measured, where following along had cost ~8%.
 
 Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
@@ -40,7 +40,10 @@ REPROBE_EVERY = 16  # steps of a class between two measurements of the losing wa
 SMOOTHING = 0.03  # weight of the newest step in a way's running seconds and tokens
 CLOSE = 1.25  # a loser within this factor of the winner is probed every REPROBE_EVERY steps
 FAR_BEHIND = 8  # ... else every REPROBE_EVERY * FAR_BEHIND steps
-# Steps of a class far behind, its batches holding headless requests, before it admits with the
+# Drafting measured this much slower per token than plain at a class: requests admitted into
+# it run headless (gpu/eagle/head_lag.py), and larger classes are not tried.
+LOSES_BY = 1.1
+# Steps of such a class, its batches holding headless requests, before it admits with the
 # head again so that a batch can draft and be measured (each such round costs the head's work
 # over a batch's worth of requests).
 HEADLESS_REPROBE = REPROBE_EVERY * FAR_BEHIND * 8
@@ -99,7 +102,7 @@ class SpecGate:
         if not self.auto:
             return can_draft and (self.limit in (0, "auto") or batch_size <= int(self.limit))
         c = self._class(batch_size)
-        if self._far_below(batch_size) or not can_draft:  # drafting only loses more at
+        if self._loses_below(batch_size) or not can_draft:  # drafting only loses more at
             c.since_probe += 1  # larger batches
             return False
         if c.drafting.steps < TRIALS:
@@ -119,29 +122,29 @@ class SpecGate:
         c.since_probe += 1
         return faster
 
-    def far_from_drafting(self, batch_size: int) -> bool:
-        """Whether "auto" has measured drafting at this batch size class as slower than plain
-        by more than CLOSE: a request admitted into such a batch runs without the head
-        (gpu/eagle/head_lag.py), so speculation costs nothing where it is off."""
+    def admits_headless(self, batch_size: int) -> bool:
+        """Whether a request admitted into a batch of this size runs without the head
+        (gpu/eagle/head_lag.py): "auto" measured drafting slower than plain by more than
+        LOSES_BY at its class or a smaller one, so speculation costs nothing where it is off."""
         c = self.classes.get(size_class(batch_size)) if self.auto else None
         # Once its probe of drafting is due, the class admits requests with the head again,
         # so a batch of them can draft once more and the gate sees a change (it never could
         # while every batch held a headless request).
         due = c is not None and c.since_probe >= HEADLESS_REPROBE
-        return (c is not None and self._far(c) and not due) or self._far_below(batch_size)
+        return (c is not None and self._loses(c) and not due) or self._loses_below(batch_size)
 
-    def _far(self, c: _SizeClass) -> bool:
+    def _loses(self, c: _SizeClass) -> bool:
         if c.drafting.steps < TRIALS or c.plain.steps < TRIALS:
             return False
         plain = c.plain.seconds_per_token + self.catch_up_per_token
-        return c.drafting.seconds_per_token > CLOSE * plain
+        return c.drafting.seconds_per_token > LOSES_BY * plain
 
-    def _far_below(self, batch_size: int) -> bool:
-        """Whether a smaller class measured drafting far behind: on a CPU a verify's rows
-        cost more the more requests share it, so a larger batch is not tried (its trials of
+    def _loses_below(self, batch_size: int) -> bool:
+        """Whether drafting measured slower at a smaller class: on a CPU a verify's rows cost
+        more the more requests share it, so a larger batch is not tried (its trials of
         drafting cost ~3x a plain step each at 8-32 streams)."""
         key = size_class(batch_size)
-        return any(k < key and self._far(c) for k, c in self.classes.items())
+        return any(k < key and self._loses(c) for k, c in self.classes.items())
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
         """One decode step: its host seconds and the tokens it emitted (accepted drafts plus

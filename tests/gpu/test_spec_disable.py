@@ -201,7 +201,7 @@ def test_requests_admitted_far_past_break_even_run_without_the_head(model_path, 
     for _ in range(TRIALS):  # per token: 4 requests drafting 5 ms, plain 2.5; alone 3.3 / 10
         gate.record(4, True, 0.040, 8), gate.record(4, False, 0.010, 4)
         gate.record(1, True, 0.010, 3), gate.record(1, False, 0.010, 1)
-    assert gate.far_from_drafting(4) and not gate.far_from_drafting(1)
+    assert gate.admits_headless(4) and not gate.admits_headless(1)
     head_runs = []
     forward = Drafter.forward
     monkeypatch.setattr(Drafter, "forward",

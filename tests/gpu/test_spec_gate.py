@@ -51,8 +51,8 @@ def test_auto_drafts_where_drafting_is_faster_per_token_and_not_elsewhere():
     assert gate.drafts(5) is False  # 5-8 is one class: measured once for all of it
     assert gate.drafts(2) is True  # a class not measured yet tries drafting first
     # ... unless a smaller class measured drafting far behind: a larger one is not tried
-    assert gate.far_from_drafting(8) and gate.far_from_drafting(32)
-    assert not gate.far_from_drafting(1) and not gate.far_from_drafting(4)
+    assert gate.admits_headless(8) and gate.admits_headless(32)
+    assert not gate.admits_headless(1) and not gate.admits_headless(4)
     assert run(gate, 32, 2 * TRIALS, draft_s=1.0, plain_s=1.0) == [False] * (2 * TRIALS)
 
 
@@ -96,10 +96,10 @@ def test_a_probe_that_falls_due_among_headless_requests_waits_and_readmits_the_h
     first batch that can draft runs it."""
     gate = SpecGate("auto", measured=True)
     run(gate, 1, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # drafting 1.5 a token against 1.0
-    assert gate.far_from_drafting(1)
+    assert gate.admits_headless(1)
     headless = [gate.drafts(1, can_draft=False) for _ in range(HEADLESS_REPROBE - 1)]
-    assert not any(headless) and gate.far_from_drafting(1)
+    assert not any(headless) and gate.admits_headless(1)
     gate.drafts(1, can_draft=False)
-    assert not gate.far_from_drafting(1)  # the probe is due: admit with the head
+    assert not gate.admits_headless(1)  # the probe is due: admit with the head
     assert gate.drafts(1) is True  # the first batch that can draft probes
-    assert gate.far_from_drafting(1) and gate.drafts(1) is False
+    assert gate.admits_headless(1) and gate.drafts(1) is False
