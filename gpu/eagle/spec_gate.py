@@ -43,6 +43,10 @@ FAR_BEHIND = 8  # ... else every REPROBE_EVERY * FAR_BEHIND steps
 # Drafting measured this much slower per token than plain at a class: requests admitted into
 # it run headless (gpu/eagle/head_lag.py), and larger classes are not tried.
 LOSES_BY = 1.1
+# ... from this batch size class up. One stream's trials ride on one request's acceptance
+# (1.3 to 3.6 tokens a step over the dev prompts): a wrong verdict there would leave every
+# later request headless, never drafting, for HEADLESS_REPROBE steps (seen: a whole bench).
+HEADLESS_FROM = 4
 # Steps of such a class, its batches holding headless requests, before it admits with the
 # head again so that a batch can draft and be measured (each such round costs the head's work
 # over a batch's worth of requests).
@@ -125,16 +129,18 @@ class SpecGate:
     def admits_headless(self, batch_size: int) -> bool:
         """Whether a request admitted into a batch of this size runs without the head
         (gpu/eagle/head_lag.py): "auto" measured drafting slower than plain by more than
-        LOSES_BY at its class or a smaller one, so speculation costs nothing where it is off."""
-        c = self.classes.get(size_class(batch_size)) if self.auto else None
+        LOSES_BY at its class or a smaller one (from HEADLESS_FROM up), so speculation costs
+        nothing where it is off."""
+        key = size_class(batch_size)
+        c = self.classes.get(key) if self.auto else None
         # Once its probe of drafting is due, the class admits requests with the head again,
         # so a batch of them can draft once more and the gate sees a change (it never could
         # while every batch held a headless request).
         due = c is not None and c.since_probe >= HEADLESS_REPROBE
-        return (c is not None and self._loses(c) and not due) or self._loses_below(batch_size)
+        return (c is not None and self._loses(key, c) and not due) or self._loses_below(batch_size)
 
-    def _loses(self, c: _SizeClass) -> bool:
-        if c.drafting.steps < TRIALS or c.plain.steps < TRIALS:
+    def _loses(self, key: int, c: _SizeClass) -> bool:
+        if key < HEADLESS_FROM or c.drafting.steps < TRIALS or c.plain.steps < TRIALS:
             return False
         plain = c.plain.seconds_per_token + self.catch_up_per_token
         return c.drafting.seconds_per_token > LOSES_BY * plain
@@ -144,7 +150,7 @@ class SpecGate:
         more the more requests share it, so a larger batch is not tried (its trials of
         drafting cost ~3x a plain step each at 8-32 streams)."""
         key = size_class(batch_size)
-        return any(k < key and self._loses(c) for k, c in self.classes.items())
+        return any(k < key and self._loses(k, c) for k, c in self.classes.items())
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
         """One decode step: its host seconds and the tokens it emitted (accepted drafts plus

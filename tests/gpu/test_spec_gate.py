@@ -95,11 +95,21 @@ def test_a_probe_that_falls_due_among_headless_requests_waits_and_readmits_the_h
     probe, and once the probe is due new requests are admitted with the head again, and the
     first batch that can draft runs it."""
     gate = SpecGate("auto", measured=True)
-    run(gate, 1, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # drafting 1.5 a token against 1.0
-    assert gate.admits_headless(1)
-    headless = [gate.drafts(1, can_draft=False) for _ in range(HEADLESS_REPROBE - 1)]
-    assert not any(headless) and gate.admits_headless(1)
-    gate.drafts(1, can_draft=False)
-    assert not gate.admits_headless(1)  # the probe is due: admit with the head
-    assert gate.drafts(1) is True  # the first batch that can draft probes
-    assert gate.admits_headless(1) and gate.drafts(1) is False
+    run(gate, 4, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # drafting 1.5 a token against 1.0
+    assert gate.admits_headless(4)
+    headless = [gate.drafts(4, can_draft=False) for _ in range(HEADLESS_REPROBE - 1)]
+    assert not any(headless) and gate.admits_headless(4)
+    gate.drafts(4, can_draft=False)
+    assert not gate.admits_headless(4)  # the probe is due: admit with the head
+    assert gate.drafts(4) is True  # the first batch that can draft probes
+    assert gate.admits_headless(4) and gate.drafts(4) is False
+
+
+def test_one_or_two_streams_are_never_admitted_headless():
+    """A trial at one stream rides on one request's acceptance: drafting measured slower there
+    keeps the head (the gate goes on probing), and says nothing of larger batches."""
+    gate = SpecGate("auto", measured=True)
+    run(gate, 1, 2 * TRIALS, draft_s=3.0, plain_s=1.0)
+    run(gate, 2, 2 * TRIALS, draft_s=3.0, plain_s=1.0)
+    assert not any(gate.admits_headless(n) for n in (1, 2, 3, 4))
+    assert gate.drafts(4) is True  # class 3-4 is still tried
