@@ -148,7 +148,8 @@ class EagleStep:
             pending.decode_s = time.perf_counter() - start
             if lag is not None and lag.tokens > caught[1]:
                 pending.decode_s -= lag.seconds - caught[0]
-                self.gate.record_catch_up(lag.seconds - caught[0], lag.tokens - caught[1])
+                self.gate.record_catch_up(len(decode_host), lag.seconds - caught[0],
+                                          lag.tokens - caught[1])
         pending.parts = parts
         pending.copy = self.state.streams.copy_to_host(outputs_of(parts))
 

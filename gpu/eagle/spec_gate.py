@@ -15,9 +15,9 @@ for a few steps, then keeps the winner and re-measures the loser now and then, s
 (longer contexts, a different acceptance) is noticed. The window spans several requests on
 purpose: one request's acceptance swings (1.3 to 3.6 tokens a step over 16 dev prompts at one
 stream), and following each request's ran 0.98x plain where always drafting ran 1.08x.
-A class above one where drafting measured slower (by LOSES_BY) is not tried (on a CPU a verify
-only costs more the more requests share it), and requests admitted into such a batch run
-without the head at all (`admits_headless`, gpu/eagle/head_lag.py): at 8 streams "auto" then served
+A class above one where drafting did not measure clearly faster (HEADED_IF_FASTER_BY) is not
+tried (on a CPU a verify only costs more the more requests share it), and requests admitted into
+such a batch run without the head at all (`admits_headless`, gpu/eagle/head_lag.py): at 8 streams "auto" then served
 0.98-1.0x the plain service once measured, where following along had cost ~8%.
 
 Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
@@ -40,9 +40,12 @@ REPROBE_EVERY = 16  # steps of a class between two measurements of the losing wa
 SMOOTHING = 0.03  # weight of the newest step in a way's running seconds and tokens
 CLOSE = 1.25  # a loser within this factor of the winner is probed every REPROBE_EVERY steps
 FAR_BEHIND = 8  # ... else every REPROBE_EVERY * FAR_BEHIND steps
-# Drafting measured this much slower per token than plain at a class: requests admitted into
-# it run headless (gpu/eagle/head_lag.py), and larger classes are not tried.
-LOSES_BY = 1.1
+# Requests admitted into a class keep the head only where drafting measured at least this much
+# faster per token than plain; elsewhere they run headless (gpu/eagle/head_lag.py), and larger
+# classes are not tried. The decode steps alone do not show what drafting costs around them (the
+# head over every prompt, a chunk and a verify as two target forwards): served at 8 streams,
+# drafting measured 2.04 against plain's 2.00 ms a token and the service ran 0.79x plain.
+HEADED_IF_FASTER_BY = 1.1
 # ... from this batch size class up. One stream's trials ride on one request's acceptance
 # (1.3 to 3.6 tokens a step over the dev prompts): a wrong verdict there would leave every
 # later request headless, never drafting, for HEADLESS_REPROBE steps (seen: a whole bench).
@@ -62,18 +65,20 @@ class _Way:
     the 2-core EPYC), which kept "auto" from drafting where it was the faster."""
     seconds: float = 0.0
     tokens: float = 0.0
-    steps: int = 0
+    steps: int = 0  # the first is counted but not measured: new shapes, first calls (2-3x)
 
     @property
     def seconds_per_token(self) -> float:
-        return self.seconds / self.tokens if self.steps else math.nan
+        return self.seconds / self.tokens if self.steps > 1 else math.nan
 
     def add(self, seconds: float, tokens: int) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            return
         # The plain mean of the first 1 / SMOOTHING steps, then a running mean that long.
-        weight = max(SMOOTHING, 1.0 / (self.steps + 1))
+        weight = max(SMOOTHING, 1.0 / (self.steps - 1))
         self.seconds += weight * (seconds - self.seconds)
         self.tokens += weight * (max(tokens, 1) - self.tokens)
-        self.steps += 1
 
 
 @dataclass
@@ -81,6 +86,13 @@ class _SizeClass:
     drafting: _Way
     plain: _Way
     since_probe: int = 0
+    # The head's catch-up per token it covers before this class drafts (gpu/eagle/head_lag.py):
+    # a plain step's deferred cost, added to the plain way's; 0 until one is measured. Per
+    # class: one stream's catch-ups cover a token or two (~1.5 ms a token), a batch's many.
+    catch_up_per_token: float = 0.0
+
+    def plain_cost(self) -> float:
+        return self.plain.seconds_per_token + self.catch_up_per_token
 
 
 def size_class(batch_size: int) -> int:
@@ -96,9 +108,6 @@ class SpecGate:
         self.auto = limit == "auto" and measured
         self.limit = unmeasured_auto if limit == "auto" and not measured else limit
         self.classes: dict[int, _SizeClass] = {}
-        # The head's catch-up per token it covers (gpu/eagle/head_lag.py): a plain step's
-        # deferred cost, added to the plain way's; 0 until one is measured.
-        self.catch_up_per_token = 0.0
 
     def drafts(self, batch_size: int, can_draft: bool = True) -> bool:
         """`can_draft` False: the batch holds a headless request (gpu/eagle/head_lag.py); the
@@ -114,7 +123,7 @@ class SpecGate:
         if c.plain.steps < TRIALS:
             return False
         drafting = c.drafting.seconds_per_token
-        plain = c.plain.seconds_per_token + self.catch_up_per_token
+        plain = c.plain_cost()
         faster = drafting <= plain
         # A loser far behind is measured again less often: at 32 streams a drafting step costs
         # several plain ones, and a probe every REPROBE_EVERY steps cost ~20% of the service's
@@ -128,8 +137,8 @@ class SpecGate:
 
     def admits_headless(self, batch_size: int) -> bool:
         """Whether a request admitted into a batch of this size runs without the head
-        (gpu/eagle/head_lag.py): "auto" measured drafting slower than plain by more than
-        LOSES_BY at its class or a smaller one (from HEADLESS_FROM up), so speculation costs
+        (gpu/eagle/head_lag.py): "auto" did not measure drafting HEADED_IF_FASTER_BY faster
+        than plain at its class or a smaller one (from HEADLESS_FROM up), so speculation costs
         nothing where it is off."""
         key = size_class(batch_size)
         c = self.classes.get(key) if self.auto else None
@@ -142,8 +151,8 @@ class SpecGate:
     def _loses(self, key: int, c: _SizeClass) -> bool:
         if key < HEADLESS_FROM or c.drafting.steps < TRIALS or c.plain.steps < TRIALS:
             return False
-        plain = c.plain.seconds_per_token + self.catch_up_per_token
-        return c.drafting.seconds_per_token > LOSES_BY * plain
+        # No catch-up here: a headless request never catches up.
+        return c.drafting.seconds_per_token * HEADED_IF_FASTER_BY > c.plain.seconds_per_token
 
     def _loses_below(self, batch_size: int) -> bool:
         """Whether drafting measured slower at a smaller class: on a CPU a verify's rows cost
@@ -159,14 +168,14 @@ class SpecGate:
             c = self._class(batch_size)
             (c.drafting if drafted else c.plain).add(seconds, tokens)
 
-    def record_catch_up(self, seconds: float, tokens: int) -> None:
-        """One catch-up of the head over `tokens` tokens that plain steps skipped. Timed
-        apart from the step it happens in: before a drafting step it would make drafting
-        look slower by the plain steps' deferred work."""
+    def record_catch_up(self, batch_size: int, seconds: float, tokens: int) -> None:
+        """One catch-up of the head over `tokens` tokens that plain steps skipped, before a
+        drafting step of `batch_size` requests. Timed apart from the step it happens in:
+        there it would make drafting look slower by the plain steps' deferred work."""
         if self.auto and tokens > 0:
-            value = seconds / tokens
-            self.catch_up_per_token = value if self.catch_up_per_token == 0.0 else (
-                (1 - SMOOTHING) * self.catch_up_per_token + SMOOTHING * value)
+            c, value = self._class(batch_size), seconds / tokens
+            c.catch_up_per_token = value if c.catch_up_per_token == 0.0 else (
+                (1 - SMOOTHING) * c.catch_up_per_token + SMOOTHING * value)
 
     def _class(self, batch_size: int) -> _SizeClass:
         key = size_class(batch_size)

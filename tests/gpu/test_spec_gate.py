@@ -82,12 +82,14 @@ def test_the_heads_catch_up_counts_against_the_plain_way():
     alone = SpecGate("auto", measured=True)
     assert run(alone, 1, TRIALS * 2 + 6, 2.2, 1.0)[-6:] == [False] * 6
     charged = SpecGate("auto", measured=True)
-    charged.record_catch_up(2.0, 10)
-    assert charged.catch_up_per_token == pytest.approx(0.2)
+    charged.record_catch_up(1, 2.0, 10)
+    assert charged.classes[1].catch_up_per_token == pytest.approx(0.2)
     assert run(charged, 1, TRIALS * 2 + 6, 2.2, 1.0)[-6:] == [True] * 6
+    # Per batch size class: one stream's catch-ups say nothing of a batch of 8's
+    assert run(charged, 8, TRIALS * 2 + 6, 2.2 * 8, 1.0 * 8)[-6:] == [False] * 6
     fixed = SpecGate(0, measured=True)
-    fixed.record_catch_up(2.0, 10)
-    assert fixed.catch_up_per_token == 0.0
+    fixed.record_catch_up(1, 2.0, 10)
+    assert fixed.classes == {}
 
 
 def test_a_probe_that_falls_due_among_headless_requests_waits_and_readmits_the_head():
@@ -113,3 +115,16 @@ def test_one_or_two_streams_are_never_admitted_headless():
     run(gate, 2, 2 * TRIALS, draft_s=3.0, plain_s=1.0)
     assert not any(gate.admits_headless(n) for n in (1, 2, 3, 4))
     assert gate.drafts(4) is True  # class 3-4 is still tried
+
+
+def test_a_ways_first_step_in_a_class_is_not_measured():
+    """The first drafting step of a process runs cold (first calls, new shapes: 15 against ~6
+    ms a token served at one stream): counting it kept one stream plain for ~400 steps."""
+    gate = SpecGate("auto", measured=True)
+    gate.record(1, True, 10.0, 2)  # cold
+    for _ in range(TRIALS - 1):
+        gate.record(1, True, 1.2, 2)  # 0.6 a token
+    for _ in range(TRIALS):
+        gate.record(1, False, 1.0, 1)
+    assert gate.drafts(1) is True
+    assert gate.classes[1].drafting.seconds_per_token == pytest.approx(0.6)
