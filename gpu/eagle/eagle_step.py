@@ -132,7 +132,7 @@ class EagleStep:
                 lag.admit(new, headless=headless)
         drafts = bool(len(decode_host)) and self.gate.drafts(
             len(decode_host), can_draft=lag is None or not lag.any_headless(decode_host))
-        if prefills and decodes and not drafts and self.lag is not None:
+        if prefills and decodes and not drafts and lag is not None:
             # Chunks and plain decodes in one target forward, as the plain step runs them
             # (the head left behind for the decodes): EAGLE costs nothing where it is off.
             parts.append(self._prefill(plan.extends, decode_host))
@@ -140,7 +140,7 @@ class EagleStep:
         if prefills:  # idle where this rank has no chunk: its target forward takes part
             parts.append(self._prefill(plan.extends) if plan.extends else self._idle_prefill())
         if decodes or not (prefills or parts):  # an empty plan runs the decode path idle
-            start, lag = time.perf_counter(), self.lag
+            start = time.perf_counter()
             caught = (lag.seconds, lag.tokens) if lag is not None else (0.0, 0)
             parts.append(self._decode(decode_host, drafts))
             # On a CPU: the forwards themselves, less any catch-up of the head (the gate
