@@ -16,9 +16,10 @@ for a few steps, then keeps the winner and re-measures the loser now and then, s
 purpose: one request's acceptance swings (1.3 to 3.6 tokens a step over 16 dev prompts at one
 stream), and following each request's ran 0.98x plain where always drafting ran 1.08x.
 A class above one where drafting did not measure clearly faster (HEADED_IF_FASTER_BY) is not
-tried (on a CPU a verify only costs more the more requests share it), and requests admitted into
-such a batch run without the head at all (`admits_headless`, gpu/eagle/head_lag.py): at 8 streams "auto" then served
-0.98-1.0x the plain service once measured, where following along had cost ~8%.
+tried (on a CPU a verify only costs more the more requests share it), and requests admitted
+into such a batch run without the head at all (`admits_headless`, gpu/eagle/head_lag.py): at
+8 streams "auto" then served 0.98-1.0x the plain service once measured, where following along
+had cost ~8%.
 
 Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
 the launch returns before the device is done, so there "auto" is a fixed limit instead,
