@@ -32,7 +32,6 @@ import torch
 from gpu.int4_dequant import dequantized_chunks_t, dequantized_matmul, pack_codes, packed_block
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 from gpu.quantized_linear import Linear
-from ipc.worker_config import DEFAULT_Q4_MAX_TOKENS  # noqa: F401  (runtime.q4_max_tokens)
 
 # Forwards of at least this many rows dequantize into scratch; smaller ones run the int4 kernel
 # (measured above: the kernel 4.3x faster at 256 rows; the crossover is above that).
