@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 from gpu.rope_scaling import RopeScaling
 
-MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-
 
 @dataclass(frozen=True)
 class ModelConfig:

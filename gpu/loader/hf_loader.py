@@ -38,7 +38,7 @@ _QK_NORM = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_n
 _SANDWICH_NORMS = {"post_attention_layernorm.weight": "attn_out_norm",
                    "pre_feedforward_layernorm.weight": "post_attn_norm",
                    "post_feedforward_layernorm.weight": "mlp_out_norm"}
-# transformers' names of the MLP activations we run (gpu/model_config.py MLP_ACTIVATIONS).
+# transformers' names of the MLP activations we run (gpu/layers.py GATED_ACTIVATIONS).
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
