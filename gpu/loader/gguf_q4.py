@@ -62,7 +62,6 @@ class Q4Blocks:
 #   "repeat":   x' = [x, x, ...]: the weight is the sum of parts laid side by side along the input
 #   "digits16": every 16 inputs x16 become [x16, 16 * x16]: a weight w = s * (a - 8 + 16 (b - 8))
 #               with two 4-bit digits a, b per weight (Q6_K; 16 * x is exact in bf16)
-WIDENINGS = ("none", "repeat", "digits16")
 
 
 @dataclass(frozen=True)
