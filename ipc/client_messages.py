@@ -15,7 +15,6 @@ import msgspec
 from ipc.sampling import SamplingParams
 from ipc.worker_messages import DecodeCompile
 
-CLIENT_PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 8 << 20  # larger frames are refused with Error(code="message_too_large")
 # "restarting": a replacement worker is loading (requests wait in the queue meanwhile);
 # "down": restarts are spent and new requests get Error(code="worker_unavailable").
