@@ -87,7 +87,9 @@ def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: 
             and "fbgemm" in torch.backends.quantized.supported_engines)
 
 
-def _cpu_key(in_features: int, out_features: int) -> str:
+def machine_key() -> str:
+    """What a timing on this machine depends on: the CPU model and flags, torch's version and
+    threads, the C kernel's build. Other start-up timings key on it too (gpu/eagle/gate_memory.py)."""
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -101,8 +103,11 @@ def _cpu_key(in_features: int, out_features: int) -> str:
     # A new build of the C kernel (its sources changed) is timed afresh.
     kernel = (f"c+scratch-{cpu_q4_kernel.build_key()}" if cpu_q4_kernel.available()
               else "torch+fbgemm")
-    raw = (f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}|"
-           f"{in_features}x{out_features}")
+    return f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}"
+
+
+def _cpu_key(in_features: int, out_features: int) -> str:
+    raw = f"{machine_key()}|{in_features}x{out_features}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

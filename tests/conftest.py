@@ -33,6 +33,10 @@ os.environ.setdefault("FMSERVE_CPU_CODES_ROWS", "2")
 # choose differently. Fixed to bf16, the suite's choice there before; tests/gpu/test_cpu_dtype.py
 # measures it, and the fp32 path is what CPUs without native bf16 run.
 os.environ.setdefault("FMSERVE_CPU_DTYPE", "bf16")
+# The EAGLE "auto" gate starts empty in every test, and keeps nothing: short runs on a busy
+# machine must not teach a real service (gpu/eagle/gate_memory.py; tests/gpu/test_spec_gate.py
+# gives it a file of its own).
+os.environ.setdefault("FMSERVE_GATE_CACHE", "off")
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ from gpu.device import host_to_device
 from gpu.eagle.accept import accept_verified, compact_accepted_kv
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
+from gpu.eagle.gate_memory import GateMemory
 from gpu.eagle.head_lag import HeadLag
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
@@ -76,6 +77,10 @@ class EagleStep:
                   and state.dp_attention is None)  # DP ranks draft alike: their own sizes
         self.gate = SpecGate(settings.disable_above_batch_size, measured=timed,
                              unmeasured_auto=GPU_AUTO_LIMIT if on_gpu else 0)
+        # "auto" starts from an earlier run's measurements and keeps its own (gate_memory.py).
+        self.gate_memory = GateMemory.for_worker(state) if self.gate.auto else None
+        if self.gate_memory is not None:
+            self.gate_memory.restore(self.gate)
         # Where the gate times the two ways, a plain step leaves the head behind and it
         # catches up before drafting again (gpu/eagle/head_lag.py); elsewhere it follows along.
         self.lag = HeadLag(self) if timed else None
@@ -160,6 +165,8 @@ class EagleStep:
         if len(decode.slots) and pending.decode_s:
             self.gate.record(len(decode.slots), decode.verify, pending.decode_s,
                              rows[-1].num_tokens)
+            if self.gate_memory is not None:
+                self.gate_memory.after_step(self.gate)
         tokens = [t for r in rows for t in r.tokens]
         logprobs, n_top, top_ids, top_lps = merge_logprobs(rows)
         return StepResult(

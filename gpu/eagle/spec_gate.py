@@ -19,7 +19,8 @@ A class above one where drafting did not measure clearly faster (HEADED_IF_FASTE
 tried (on a CPU a verify only costs more the more requests share it), and requests admitted
 into such a batch run without the head at all (`admits_headless`, gpu/eagle/head_lag.py): at
 8 streams "auto" then served 0.98-1.0x the plain service once measured, where following along
-had cost ~8%.
+had cost ~8%. The classes measured both ways are kept between runs, per machine, model, head and
+settings (gpu/eagle/gate_memory.py): a restarted service starts from their verdicts.
 
 Measured on the host around the decode forward: on a CPU that is the forward itself. On a GPU
 the launch returns before the device is done, so there "auto" is a fixed limit instead,
@@ -55,26 +56,31 @@ HEADLESS_FROM = 4
 # head again so that a batch can draft and be measured (each such round costs the head's work
 # over a batch's worth of requests).
 HEADLESS_REPROBE = REPROBE_EVERY * FAR_BEHIND * 8
+RESTORED_STEPS = 2 * TRIALS  # the weight of a class's measurements kept from an earlier run
 GPU_AUTO_LIMIT = 2  # what "auto" means on a GPU (the module docstring)
 
 
 @dataclass
-class _Way:
+class Way:
     """Running means of a way's step seconds and tokens. Their ratio, not a running mean of
     each step's ratio: a drafting step emits 1 to 4 tokens a request, and the mean of
     seconds / tokens over such steps overstates its cost per token (by ~25% at one stream on
     the 2-core EPYC), which kept "auto" from drafting where it was the faster."""
     seconds: float = 0.0
     tokens: float = 0.0
-    steps: int = 0  # the first is counted but not measured: new shapes, first calls (2-3x)
+    steps: int = 0
+    # Whether this process ran the way at this class: its first step is counted but not
+    # measured (new shapes, first calls: 2-3x).
+    warm: bool = False
 
     @property
     def seconds_per_token(self) -> float:
-        return self.seconds / self.tokens if self.steps > 1 else math.nan
+        return self.seconds / self.tokens if self.tokens else math.nan
 
     def add(self, seconds: float, tokens: int) -> None:
         self.steps += 1
-        if self.steps == 1:
+        if not self.warm:
+            self.warm = True
             return
         # The plain mean of the first 1 / SMOOTHING steps, then a running mean that long.
         weight = max(SMOOTHING, 1.0 / (self.steps - 1))
@@ -83,9 +89,9 @@ class _Way:
 
 
 @dataclass
-class _SizeClass:
-    drafting: _Way
-    plain: _Way
+class SizeClass:
+    drafting: Way
+    plain: Way
     since_probe: int = 0
     # The head's catch-up per token it covers before this class drafts (gpu/eagle/head_lag.py):
     # a plain step's deferred cost, added to the plain way's; 0 until one is measured. Per
@@ -108,7 +114,7 @@ class SpecGate:
         limit "auto" means where it does not (GPU_AUTO_LIMIT on a GPU, 0 elsewhere)."""
         self.auto = limit == "auto" and measured
         self.limit = unmeasured_auto if limit == "auto" and not measured else limit
-        self.classes: dict[int, _SizeClass] = {}
+        self.classes: dict[int, SizeClass] = {}
 
     def drafts(self, batch_size: int, can_draft: bool = True) -> bool:
         """`can_draft` False: the batch holds a headless request (gpu/eagle/head_lag.py); the
@@ -149,7 +155,7 @@ class SpecGate:
         due = c is not None and c.since_probe >= HEADLESS_REPROBE
         return (c is not None and self._loses(key, c) and not due) or self._loses_below(batch_size)
 
-    def _loses(self, key: int, c: _SizeClass) -> bool:
+    def _loses(self, key: int, c: SizeClass) -> bool:
         if key < HEADLESS_FROM or c.drafting.steps < TRIALS or c.plain.steps < TRIALS:
             return False
         # No catch-up here: a headless request never catches up.
@@ -161,6 +167,21 @@ class SpecGate:
         drafting cost ~3x a plain step each at 8-32 streams)."""
         key = size_class(batch_size)
         return any(k < key and self._loses(k, c) for k, c in self.classes.items())
+
+    def decided(self) -> dict[int, SizeClass]:
+        """The classes that measured both ways (gpu/eagle/gate_memory.py keeps them)."""
+        return {k: c for k, c in self.classes.items()
+                if c.drafting.steps >= TRIALS and c.plain.steps >= TRIALS}
+
+    def restore(self, classes: dict[int, SizeClass]) -> None:
+        """Start from an earlier run's measurements (`decided`): each way counts as
+        RESTORED_STEPS steps, so this run's soon outweigh them, and its first step here is not
+        measured."""
+        for key, c in classes.items():
+            for way in (c.drafting, c.plain):
+                way.steps, way.warm = min(way.steps, RESTORED_STEPS), False
+            c.since_probe = 0
+            self.classes[key] = c
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
         """One decode step: its host seconds and the tokens it emitted (accepted drafts plus
@@ -178,8 +199,8 @@ class SpecGate:
             c.catch_up_per_token = value if c.catch_up_per_token == 0.0 else (
                 (1 - SMOOTHING) * c.catch_up_per_token + SMOOTHING * value)
 
-    def _class(self, batch_size: int) -> _SizeClass:
+    def _class(self, batch_size: int) -> SizeClass:
         key = size_class(batch_size)
         if key not in self.classes:
-            self.classes[key] = _SizeClass(_Way(), _Way())
+            self.classes[key] = SizeClass(Way(), Way())
         return self.classes[key]

@@ -216,6 +216,26 @@ def test_requests_admitted_far_past_break_even_run_without_the_head(model_path, 
     assert head_runs and alone[0].verify_steps > 0
 
 
+def test_auto_keeps_its_measurements_for_the_next_worker(model_path, tmp_path, monkeypatch):
+    """A worker's gate saves the classes it measured both ways (gpu/eagle/gate_memory.py), and
+    the next worker with the same model, head and settings starts from them; another head
+    shape measures afresh."""
+    monkeypatch.setenv("FMSERVE_GATE_CACHE", str(tmp_path / "spec_gate.json"))
+    first = make_engine(model_path, _with_limit(CHAIN, "auto"), max_tokens_per_step=512)
+    run_requests(first, [[{"role": "user", "content": LONG_QUESTION}]],
+                 [SamplingParams(temperature=0.0, max_new_tokens=24)], overlap=True)
+    decided = first.worker.step.gate.decided()
+    assert 1 in decided and (tmp_path / "spec_gate.json").exists()
+    second = make_engine(model_path, _with_limit(CHAIN, "auto"), max_tokens_per_step=512)
+    restored = second.worker.step.gate.classes
+    assert sorted(restored) == sorted(decided)
+    assert restored[1].drafting.seconds_per_token == pytest.approx(
+        decided[1].drafting.seconds_per_token)
+    shallower = SpecSettings("eagle3", "", num_steps=2, topk=1, num_draft_tokens=3,
+                             disable_above_batch_size="auto")
+    assert make_engine(model_path, shallower).worker.step.gate.classes == {}
+
+
 def test_a_negative_limit_is_refused():
     with pytest.raises(ValueError, match="disable_above_batch_size must be >= 0"):
         _with_limit(CHAIN, -1).validate()

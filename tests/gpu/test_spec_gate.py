@@ -1,9 +1,11 @@
 """gpu/eagle/spec_gate.py: which decode batches draft, by a fixed limit or by measured speed."""
 
+import msgspec
 import pytest
 
+from gpu.eagle.gate_memory import GateMemory
 from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, HEADLESS_REPROBE, REPROBE_EVERY,
-                                 TRIALS, SpecGate, size_class)
+                                 RESTORED_STEPS, TRIALS, SizeClass, SpecGate, size_class)
 
 
 def test_size_classes_are_powers_of_two():
@@ -128,3 +130,55 @@ def test_a_ways_first_step_in_a_class_is_not_measured():
         gate.record(1, False, 1.0, 1)
     assert gate.drafts(1) is True
     assert gate.classes[1].drafting.seconds_per_token == pytest.approx(0.6)
+
+
+def learned() -> SpecGate:
+    """Drafting pays at one stream (0.6 a token against 1.0) and loses at 8 (1.5 against 1.0)."""
+    gate = SpecGate("auto", measured=True)
+    run(gate, 1, 2 * TRIALS, draft_s=1.2, plain_s=1.0)
+    run(gate, 8, 2 * TRIALS + RESTORED_STEPS, draft_s=3.0, plain_s=1.0)
+    run(gate, 2, 1, draft_s=1.0, plain_s=1.0)  # class 2 tried once: not decided, not kept
+    return gate
+
+
+def test_a_restored_gate_starts_from_the_kept_verdicts():
+    kept = msgspec.json.decode(msgspec.json.encode(learned().decided()), type=dict[int, SizeClass])
+    assert sorted(kept) == [1, 8]
+    gate = SpecGate("auto", measured=True)
+    gate.restore(kept)
+    # The kept means weigh as RESTORED_STEPS steps at most; this process's first step is not
+    # measured.
+    way = gate.classes[8].plain
+    before = way.seconds_per_token
+    assert way.steps == RESTORED_STEPS
+    way.add(10.0, 8)  # not measured: cold here
+    assert way.seconds_per_token == pytest.approx(before)
+    way.add(0.8 * 8, 8)  # 0.8 a token, weighted 1 / (RESTORED_STEPS + 1)
+    assert way.seconds_per_token == pytest.approx(before + (0.8 - before) / (RESTORED_STEPS + 1),
+                                                  rel=0.05)
+    # No trials: one stream drafts, 8 streams are admitted headless and larger ones not tried.
+    assert run(gate, 1, 2, draft_s=1.2, plain_s=1.0) == [True, True]
+    assert gate.admits_headless(8) and gate.admits_headless(32) and not gate.drafts(32)
+
+
+def test_the_gate_memory_keeps_decided_classes_per_key_and_survives_a_bad_file(tmp_path):
+    path = tmp_path / "spec_gate.json"
+    gate = learned()
+    memory = GateMemory(path, "run-a")
+    memory.after_step(gate)  # new verdicts: saved at once
+    other = GateMemory(path, "run-b")  # another model, head or machine shares the file
+    other.after_step(learned())
+    restored = SpecGate("auto", measured=True)
+    GateMemory(path, "run-a").restore(restored)
+    assert sorted(restored.classes) == [1, 8] and restored.admits_headless(8)
+    fresh = SpecGate("auto", measured=True)
+    GateMemory(path, "run-c").restore(fresh)
+    assert fresh.classes == {}
+    path.write_text("{not json")
+    GateMemory(path, "run-a").restore(fresh)  # ignored with a warning, measured afresh
+    assert fresh.classes == {}
+    memory.after_step(gate)  # unchanged verdicts: not saved again before SAVE_EVERY steps
+    assert path.read_text() == "{not json"
+    memory.verdicts = {}
+    memory.after_step(gate)
+    assert sorted(msgspec.json.decode(path.read_bytes())) == ["run-a"]
