@@ -14,7 +14,7 @@ from gpu.attention.factory import make_attention_backend
 from gpu.eagle.draft_head import DraftHead
 from gpu.eagle.head_io import load_draft_head
 from gpu.eagle.head_native import NativeHead, why_not as why_not_native
-from gpu.eagle.tree import DraftTree, organize_draft_tree
+from gpu.eagle.tree import DraftTree, chain_tree, organize_draft_tree
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool
 from gpu.cpu_q4_kernel import available as codes_kernel_available
@@ -151,6 +151,7 @@ class Drafter:
         inputs = topk_ids.reshape(-1)
         hid = hidden.repeat_interleave(k, dim=0)
         ancestors = torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)
+        chain = k == 1 and s.num_draft_tokens == s.num_steps + 1  # every draft kept
         for i in range(1, s.num_steps):
             pos = (seq_lens + i - 1).clamp(max=self.max_position)
             if k == 1:
@@ -165,6 +166,10 @@ class Drafter:
                                      ancestors)
             h_out, h_logits = self.forward(batch, hid)
             p, ids = self.topk(h_logits)  # [bs * k, k]
+            if chain:  # no scores to rank: each level's one draft follows the last
+                token_list.append(ids)
+                inputs, hid = ids.reshape(-1), h_out
+                continue
             expand = scores[:, :, None] * p.view(bs, k, k)
             scores, best = expand.reshape(bs, k * k).topk(k, dim=-1)
             ids = ids.view(bs, k * k)
@@ -179,5 +184,7 @@ class Drafter:
             ancestors = torch.cat([
                 ancestors.gather(1, parent_row[:, :, None].expand(-1, -1, width)),
                 torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)], dim=2)
+        if chain:
+            return chain_tree(root, torch.cat(token_list, dim=1))
         return organize_draft_tree(score_list, token_list, parents_list, root,
                                    s.num_draft_tokens)

@@ -46,6 +46,7 @@ class DraftTree:
     # [bs, T - 1] int64 global candidate index of columns 1.. (ascending), when organised from
     # a draft loop; None for a chain.
     selected: Tensor | None = None
+    chain: bool = False  # node j's parent is j - 1 (`chain_tree`): acceptance takes a shortcut
 
     @property
     def num_nodes(self) -> int:
@@ -133,6 +134,18 @@ def organize_draft_tree(scores: list[Tensor], tokens: list[Tensor], parents: lis
     depth = mask.sum(-1) - 1
     tree_tokens = torch.cat([root_tokens.long()[:, None], draft], dim=1)
     return DraftTree(tree_tokens, parent, depth, mask, max_depth=max_depth, selected=sel)
+
+
+def chain_tree(root_tokens: Tensor, draft_tokens: Tensor) -> DraftTree:
+    """A chain (topk 1, every draft kept): the root, then `draft_tokens` [bs, n] in order. What
+    organize_draft_tree gives for it, without the top-k and the ancestor walk (~0.4 ms of a
+    ~11 ms one-stream step on 2 cores)."""
+    bs, n = draft_tokens.shape
+    cols = torch.arange(n + 1, device=root_tokens.device)
+    tokens = torch.cat([root_tokens.long()[:, None], draft_tokens.long()], dim=1)
+    mask = (cols[None, :] <= cols[:, None]).expand(bs, -1, -1)
+    return DraftTree(tokens, (cols - 1).expand(bs, -1), cols.expand(bs, -1), mask,
+                     max_depth=n, chain=True)
 
 
 def drafted_before(tree: DraftTree) -> DraftedBefore:

@@ -1,14 +1,12 @@
-"""Test-only references for the EAGLE head and tree: dense causal attention over a packed
-batch (the paged backend's stand-in) and a chain-shaped DraftTree (topk == 1)."""
+"""Test-only reference for the EAGLE head: dense causal attention over a packed batch (the
+paged backend's stand-in). A chain-shaped DraftTree is the product's own (gpu/eagle/tree.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 from gpu.eagle.draft_head import AttentionFn
-from gpu.eagle.tree import DraftTree
 
 
 def dense_causal_attention(num_heads: int, num_kv_heads: int, scale: float,
@@ -46,14 +44,3 @@ def dense_causal_attention(num_heads: int, num_kv_heads: int, scale: float,
     return attention
 
 
-def chain_tree(root_tokens: Tensor, draft_tokens: Tensor) -> DraftTree:
-    """A chain (topk == 1): root, then ``draft_tokens`` [bs, n] in order."""
-    bs, n = draft_tokens.shape
-    dev = root_tokens.device
-    t = n + 1
-    cols = torch.arange(t, device=dev)
-    tokens = torch.cat([root_tokens.long()[:, None], draft_tokens.long()], dim=1)
-    parent = (cols - 1).expand(bs, t).clone()
-    depth = cols.expand(bs, t).clone()
-    mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(bs, t, t).clone()
-    return DraftTree(tokens, parent, depth, mask, max_depth=n)

@@ -9,11 +9,10 @@ import torch
 
 import gpu.eagle.accept as accept_mod
 from gpu.eagle.accept import AcceptResult, accept_greedy, accept_sampling
-from gpu.eagle.tree import DraftTree, _ancestor_mask, organize_draft_tree
+from gpu.eagle.tree import DraftTree, _ancestor_mask, chain_tree, organize_draft_tree
 from gpu.sampler import Sampler
 from gpu.sampling_state import SamplingState
 from ipc.sampling import SamplingParams
-from tests.gpu.eagle_reference import chain_tree
 
 t = torch.tensor
 P_CRIT = 1e-3  # chi-square tests reject below this p-value
@@ -135,6 +134,32 @@ def test_sampling_with_one_hot_targets_is_greedy():
     assert 0 < want.accept_lens.float().mean() < tree.max_depth  # a mix of outcomes
     one_hot = torch.nn.functional.one_hot(argmax, vocab).float()
     got = accept_sampling(tree, one_hot, torch.arange(bs), torch.arange(n).expand(bs, n))
+    for field in ("accept_lens", "path", "bonus_tokens", "accepted_tokens"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+def test_a_chain_is_organised_and_accepted_as_the_general_tree_is():
+    """chain_tree and accept_greedy's chain shortcut give what organize_draft_tree and the
+    general walk give for the same chain (topk 1, every draft kept), match by match."""
+    gen = torch.Generator().manual_seed(5)
+    bs, steps, vocab = 256, 4, 6  # a small vocabulary: every accept length occurs
+    root = torch.randint(0, vocab, (bs,), generator=gen)
+    drafts = [torch.randint(0, vocab, (bs, 1), generator=gen) for _ in range(steps)]
+    scores = [torch.rand(bs, 1, 1, generator=gen).cumprod(0)] + [
+        torch.rand(bs, 1, 1, generator=gen) * 0.5 for _ in range(steps - 1)]
+    parents = [torch.arange(-1, 1).expand(bs, 2)] + [
+        torch.full((bs, 1), i + 1, dtype=torch.long) for i in range(steps - 1)]
+    general = organize_draft_tree(scores, drafts, parents, root, steps + 1)
+    chain = chain_tree(root, torch.cat(drafts, dim=1))
+    for field in ("tokens", "parent", "depth", "mask"):
+        assert torch.equal(getattr(chain, field), getattr(general, field)), field
+    assert chain.max_depth == general.max_depth == steps and chain.chain and not general.chain
+    # The target agrees with each next draft 60% of the time.
+    agree = torch.rand(bs, steps + 1, generator=gen) < 0.6
+    nxt = torch.cat([chain.tokens[:, 1:], root[:, None]], 1)
+    argmax = torch.where(agree, nxt, torch.randint(0, vocab, (bs, steps + 1), generator=gen))
+    want, got = accept_greedy(general, argmax), accept_greedy(chain, argmax)
+    assert set(got.accept_lens.tolist()) == set(range(steps + 1))
     for field in ("accept_lens", "path", "bonus_tokens", "accepted_tokens"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.eagle.tree import DraftTree, organize_draft_tree
-from tests.gpu.eagle_reference import chain_tree
+from gpu.eagle.tree import DraftTree, chain_tree, organize_draft_tree
 
 t = torch.tensor
 

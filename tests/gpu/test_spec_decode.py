@@ -20,12 +20,12 @@ from fmserve.engine import Engine
 from gpu.eagle.accept import accept_verified
 from gpu.eagle.drafter import Drafter
 from gpu.eagle.eagle_step import hidden_size_for
+from gpu.eagle.tree import chain_tree
 from gpu.eagle.head_io import random_draft_head, save_draft_head
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings, accept_length
 from ipc.worker_messages import StepPlan, pack_i32, unpack_i32
 from tests.engine_runs import RequestRun, assert_accounting_empty, run_requests
-from tests.gpu.eagle_reference import chain_tree
 from tests.gpu.spec_runs import CHAIN, QUESTIONS, TREE, make_engine, scenario
 
 
