@@ -129,12 +129,15 @@ class EagleStep:
         if self.state.dp_attention is not None:  # every rank runs the parts any rank runs,
             prefills, decodes = self.state.dp_attention.agree_parts(prefills, decodes)
         lag = self.lag
-        if lag is not None:  # headless admissions (gpu/eagle/head_lag.py), by the size of
-            lag.release(unpack_i32(plan.released_slots))  # the batch they join: every
-            if plan.new_requests:  # request the worker holds (many still to prefill)
-                new = [r.slot for r in plan.new_requests]
-                headless = self.gate.admits_headless(len(lag.running | set(new)))
-                lag.admit(new, headless=headless)
+        if lag is not None:  # headless requests (gpu/eagle/head_lag.py), by the size of the
+            lag.release(unpack_i32(plan.released_slots))  # batch: every request the worker
+            new = [r.slot for r in plan.new_requests]  # holds (many still to prefill)
+            headed = bool(new) or bool(lag.running - lag.headless)
+            if headed and self.gate.admits_headless(len(lag.running | set(new))):
+                lag.admit(new, headless=True)
+                lag.drop_heads()  # those admitted with the head before their batch grew
+            elif new:
+                lag.admit(new, headless=False)
         drafts = bool(len(decode_host)) and self.gate.drafts(
             len(decode_host), can_draft=lag is None or not lag.any_headless(decode_host))
         if prefills and decodes and not drafts and lag is not None:

@@ -15,7 +15,9 @@ A request admitted while the gate finds drafting slower than plain at the batch'
 (SpecGate.admits_headless: 8 streams on a 2-core CPU) is *headless*: the head never runs
 over its prompt or its tokens and it never drafts; a step with such a request decodes plain.
 The head's prefill over every prompt and the states plain steps keep cost ~5% there, for
-drafts that would never come.
+drafts that would never come. A request admitted with the head (alone, at the start of a
+burst) whose batch grows to such a size goes on headless too (`drop_heads`): else every step
+of its batch captures states for it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class HeadLag:
             self.behind.pop(int(slot), None)
             (self.headless.add if headless else self.headless.discard)(int(slot))
             self.running.add(int(slot))
+
+    def drop_heads(self) -> None:
+        """Every running request goes on headless: one admitted with the head, whose batch has
+        grown past break-even since, stops paying for it (captured states on every step)."""
+        for slot in self.running - self.headless:
+            self.behind.pop(slot, None)
+        self.headless |= self.running
 
     def release(self, slots_host) -> None:
         for slot in np.asarray(slots_host).tolist():

@@ -216,6 +216,42 @@ def test_requests_admitted_far_past_break_even_run_without_the_head(model_path, 
     assert head_runs and alone[0].verify_steps > 0
 
 
+def test_a_request_admitted_with_the_head_drops_it_when_its_batch_grows_past_break_even(
+        model_path, plain, monkeypatch):
+    """A request admitted alone keeps the head and drafts; once three more join and the batch
+    is where drafting measured far slower, it goes on headless like them: the head runs no
+    more, nothing is kept for it, and its tokens are the plain engine's."""
+    from gpu.eagle.drafter import Drafter
+    engine = make_engine(model_path, _with_limit(CHAIN, "auto"), max_tokens_per_step=512)
+    gate, lag = engine.worker.step.gate, engine.worker.step.lag
+    for _ in range(TRIALS):  # per token: 4 requests drafting 5 ms, plain 2.5; alone 3.3 / 10
+        gate.record(4, True, 0.040, 8), gate.record(4, False, 0.010, 4)
+        gate.record(1, True, 0.010, 3), gate.record(1, False, 0.010, 1)
+    head_runs = []
+    forward = Drafter.forward
+    monkeypatch.setattr(Drafter, "forward",
+                        lambda self, *a: head_runs.append(1) or forward(self, *a))
+    long_chat = [{"role": "user", "content": LONG_QUESTION}]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    engine.overlap = False
+    (rid, _), = engine.submit([long_chat], params)
+    tokens, shorts, runs_when_joined = [], None, None
+    for out in engine.run():
+        if out.rid == rid:
+            tokens += out.token_ids
+        if shorts is None and len(tokens) >= 8:
+            assert head_runs and lag.running - lag.headless  # alone: the head, drafting
+            shorts = engine.submit([[{"role": "user", "content": q}] for q in QUESTIONS[1:4]],
+                                   SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                  ignore_eos=True))
+        elif shorts is not None and runs_when_joined is None and out.rid != rid:
+            runs_when_joined = len(head_runs)  # the shorts' first tokens: batch 4 now
+            assert lag.headless == lag.running and lag.behind == {}
+    assert runs_when_joined is not None and len(head_runs) == runs_when_joined
+    assert tokens == plain.generate([long_chat], params)[0].token_ids
+    assert_accounting_empty(engine)
+
+
 def test_auto_keeps_its_measurements_for_the_next_worker(model_path, tmp_path, monkeypatch):
     """A worker's gate saves the classes it measured both ways (gpu/eagle/gate_memory.py), and
     the next worker with the same model, head and settings starts from them; another head
