@@ -9,6 +9,9 @@ import ctypes
 M_MMAP_THRESHOLD = -3
 # Buffers of this size and more get mappings of their own (map_large_buffers).
 LARGE_BUFFER_BYTES = 4 << 20
+# Whether this process's heap is a worker's own (map_large_buffers took): then the worker also
+# trims it after each step with prefill chunks (trim_after_prefill).
+_worker_heap = False
 
 
 def release_free_heap() -> None:
@@ -30,7 +33,19 @@ def map_large_buffers(threshold: int = LARGE_BUFFER_BYTES) -> bool:
     buffers (a decode step's) stay on the heap, where reuse costs no page faults. Process-wide:
     the worker process sets it, not the offline engine inside a user's. Returns whether the C
     library took it (False where it has no mallopt)."""
+    global _worker_heap
     try:
-        return ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, threshold) == 1
+        _worker_heap = ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, threshold) == 1
     except (OSError, AttributeError):
-        return False
+        _worker_heap = False
+    return _worker_heap
+
+
+def trim_after_prefill() -> None:
+    """After a step with prefill chunks, in a worker process: a prefill's buffers under
+    LARGE_BUFFER_BYTES are freed into the heap among blocks still in use, where glibc keeps
+    them resident. SmolLM2-135M served on the 2-core AVX512-BF16 EPYC at 1, 8 and 32 streams:
+    peak RSS 656-668 -> 601-603 MB, throughput within noise (malloc_trim 1.5 ms median, 10.6
+    at most, ~46 a run of 3 x 16 requests)."""
+    if _worker_heap:
+        release_free_heap()

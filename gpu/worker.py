@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from gpu.eagle.eagle_step import EagleStep
+from gpu.heap import trim_after_prefill
 from gpu.plain_step import PlainStep
 from gpu.step_streams import ForwardSpan
 from gpu.step_types import PendingStep, PreparedStep
@@ -97,6 +98,8 @@ class Worker:
         with self.state.launch_checks(), self.state.streams.forwarding() as span:
             pending.span = span
             self.step.launch(step, pending)
+        if step.plan.extends and self.state.device.type == "cpu":
+            trim_after_prefill()  # in a worker process (gpu/heap.py)
         pending.launch_end = time.perf_counter()
         pending.busy_s = step.prepare_s + pending.launch_end - start
         return pending

@@ -11,26 +11,59 @@ import sys
 import psutil
 import pytest
 
+from fmserve.engine import Engine
+from gpu import heap
 from gpu.heap import release_free_heap
+from ipc.sampling import SamplingParams
 
 
-def test_freed_heap_memory_leaves_the_resident_set():
+def needs_malloc_trim() -> None:
     try:
         ctypes.CDLL(None).malloc_trim
     except AttributeError:
         pytest.skip("this C library has no malloc_trim")
-    proc = psutil.Process()
-    # 96 MB in 64 KB blocks (below glibc's mmap threshold: on the heap), then one small block
-    # above them, so the heap's top is in use and glibc cannot shrink it on its own.
+
+
+def freed_heap_blocks() -> ctypes.Array:
+    """96 MB in 64 KB blocks (below glibc's mmap threshold: on the heap), made resident, and
+    all but the last freed: the last (returned: keep it) holds the heap's top in use, so
+    glibc cannot shrink the heap on its own."""
     blocks = [ctypes.create_string_buffer(64 << 10) for _ in range(1536)]
     for block in blocks:
         ctypes.memset(block, 1, len(block))  # resident
-    pin = ctypes.create_string_buffer(64)
-    del blocks
+    return blocks[-1]
+
+
+def test_freed_heap_memory_leaves_the_resident_set():
+    needs_malloc_trim()
+    proc = psutil.Process()
+    pin = freed_heap_blocks()
     freed = proc.memory_info().rss
     release_free_heap()
     released = freed - proc.memory_info().rss
     assert released > 64 << 20, f"only {released >> 20} MB of 96 freed MB left the resident set"
+    del pin
+
+
+@pytest.mark.parametrize("worker_process", [True, False])
+def test_a_worker_process_trims_its_heap_after_a_prefill_step(model_path, monkeypatch,
+                                                               worker_process):
+    """A step with prefill chunks in a worker process (map_large_buffers took) hands freed
+    heap memory back; the offline engine inside a user's process leaves the heap alone."""
+    needs_malloc_trim()
+    monkeypatch.setattr(heap, "_worker_heap", worker_process)
+    engine = Engine(model=str(model_path), dtype="fp32", max_kv_tokens=1024, progress=False)
+    params = SamplingParams(temperature=0.0, max_new_tokens=1)
+    engine.generate(["Hi"], params)  # the steps' own buffers, once
+    proc = psutil.Process()
+    pin = freed_heap_blocks()
+    freed = proc.memory_info().rss
+    engine.generate(["Hello there"], params)  # one prefill step
+    released = freed - proc.memory_info().rss
+    if worker_process:
+        assert released > 64 << 20, f"only {released >> 20} MB of 96 freed MB were handed back"
+    else:
+        assert released < 32 << 20, f"{released >> 20} MB handed back outside a worker process"
     del pin
 
 
