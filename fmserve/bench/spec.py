@@ -133,9 +133,9 @@ def run_bench_spec(args: argparse.Namespace) -> int:
                   if getattr(args, "q4", "on") != "off" else 0)
     with Progress(console=console) as progress:
         task = progress.add_task("spec benchmark", total=(1 + len(names)) * len(batches))
-        for name, spec in [("plain", None)] + list(settings.items()):
-            from fmserve.engine import Engine
+        from fmserve.engine import Engine  # noqa: F811 - torch loads under the progress bar
 
+        for name, spec in [("plain", None)] + list(settings.items()):
             engine = Engine(**common, spec=spec)
             for b in batches:
                 progress.update(task, description=f"{name} batch {b}")
