@@ -89,7 +89,8 @@ def fp32_split_applies(device: torch.device, dtype: torch.dtype, dtype_setting: 
 
 def machine_key() -> str:
     """What a timing on this machine depends on: the CPU model and flags, torch's version and
-    threads, the C kernel's build. Other start-up timings key on it too (gpu/eagle/gate_memory.py)."""
+    threads, the C kernel's build. The EAGLE gate's kept measurements key on it too
+    (gpu/eagle/gate_memory.py)."""
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
