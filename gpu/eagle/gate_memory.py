@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 import msgspec
+import torch
 
 from gpu.cpu_kernels import machine_key
 from gpu.eagle.spec_gate import SizeClass, SpecGate
@@ -39,8 +40,11 @@ def _run_key(state: WorkerState) -> str:
     cfg, spec = state.cfg, state.cfg.spec
     model = Path(cfg.model.path)
     size = model.stat().st_size if model.is_file() else 0
+    # On a GPU the step's speed is the card's, and graphs change it; on the CPU, the host's.
+    device = (torch.cuda.get_device_name(state.device) if state.device.type == "cuda"
+              else state.device.type)
     raw = "|".join(map(str, (
-        machine_key(), model.resolve(), size, state.dtype, spec.algorithm, spec.draft_model,
+        machine_key(), device, cfg.runtime.cuda_graph_max_batch, model.resolve(), size, state.dtype, spec.algorithm, spec.draft_model,
         spec.num_steps, spec.topk, spec.num_draft_tokens, cfg.runtime.attention_backend,
         cfg.runtime.q4_max_tokens, cfg.runtime.cpu_fp32_weights, cfg.runtime.kv_cache_dtype,
         cfg.runtime.compile, cfg.weight_quant)))
