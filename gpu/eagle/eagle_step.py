@@ -38,7 +38,7 @@ from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, o
 from gpu.eagle.tree import drafted_before
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.plain_step import PlainStep, graphs_apply
-from gpu.sampling_state import BatchFlags
+from gpu.sampling_state import BatchFlags, SampleOutput
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
 from ipc.worker_messages import ExtendEntry, StepResult, pack_i32, unpack_i32
@@ -282,18 +282,19 @@ class EagleStep:
 
     def _decode(self, slots_host: np.ndarray, drafts: bool) -> StepPart:
         """`drafts`: the gate's choice for this batch."""
-        st = self.state
-        bs, fm = len(slots_host), st.future_map
-        if bs and not drafts:
-            slots = host_to_device(slots_host, st.device)
-            return self._decode_plain(slots, slots_host, fm.resolve_seq_lens(slots),
-                                      fm.resolve_future(slots))
-        if self.lag is not None:
-            self.lag.catch_up(slots_host)
-        if self.graphs is not None and self.graphs.can_run(slots_host):
-            tokens, acc = self.graphs.run(slots_host)
+        st, bs, graphs, lag = self.state, len(slots_host), self.graphs, self.lag
+        if drafts and lag is not None:
+            lag.catch_up(slots_host)
+        # Replays serve plain steps too where the head follows along (no HeadLag: a GPU).
+        if graphs is not None and (drafts or lag is None) and graphs.can_run(slots_host, drafts):
+            if not drafts:
+                return StepPart(slots_host, {"tokens": graphs.run_plain(slots_host)})
+            tokens, acc = graphs.run(slots_host)
             return StepPart(slots_host, {"tokens": tokens, "accept": acc}, verify=True)
         slots = host_to_device(slots_host, st.device)
+        if bs and not drafts:
+            out = self.decode_plain(slots, slots_host)
+            return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
         flags = st.sampler.batch_flags(slots, slots_host)
         out_tokens, acc, tree, logits, path = self.draft_and_verify(slots, slots_host, flags)
 
@@ -366,34 +367,33 @@ class EagleStep:
         fm.stash_spec(slots, next_p, next_ids, h_out[last])
         return out_tokens, acc, tree, logits, path
 
-    def _decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray, seq_lens: torch.Tensor,
-                      root: torch.Tensor) -> StepPart:
+    def decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray | None = None
+                     ) -> SampleOutput:
         """A decode step without drafting, for a batch the gate keeps from drafting (above
         spec.disable_above_batch_size, or measured faster without: gpu/eagle/spec_gate.py):
         the target decodes the root and samples the next token exactly as the plain step
         does, then the draft extends over that one token, so its KV and the relayed top-k stay
         complete and a later, smaller batch speculates from where this one left off. Where the
-        gate is timed (a CPU) that draft extend is deferred instead (`HeadLag`): the head
-        catches up over every skipped token in one extend before the request drafts again. Rows
-        report accept length -1: not verify steps, left out of the acceptance statistics."""
-        st, batches = self.state, self.batches
-        positions = seq_lens.clamp(max=self.max_position)
-        batch = batches.make(ForwardMode.DECODE, root, positions, slots, seq_lens,
-                             torch.ones_like(seq_lens), seq_lens + 1,
+        gate is timed (a CPU) that extend is deferred instead (`HeadLag`). `slots_host` None:
+        captured as a CUDA graph (gpu/eagle/eagle_graphs.py), greedy rows only."""
+        st, batches, fm, lag = self.state, self.batches, self.state.future_map, self.lag
+        seq_lens, root = fm.resolve_seq_lens(slots), fm.resolve_future(slots)
+        batch = batches.make(ForwardMode.DECODE, root, seq_lens.clamp(max=self.max_position),
+                             slots, seq_lens, torch.ones_like(seq_lens), seq_lens + 1,
                              batches.locs(slots, seq_lens[:, None]))
-        lag = self.lag
         hidden, feats = self._target(batch, lag is None or not lag.all_headless(slots_host))
-        out = st.sampler.sample(st.model.logits(hidden), slots, batch.seq_lens,
-                                slots_host=slots_host)
+        logits = st.model.logits(hidden)
+        out = (SampleOutput(logits.argmax(-1)) if slots_host is None else
+               st.sampler.sample(logits, slots, batch.seq_lens, slots_host=slots_host))
         st.commit(slots, out.token_ids, seq_lens=batch.seq_lens)
         if lag is not None:  # the head runs over this token later, if ever needed
             if feats is not None:
                 lag.defer(slots_host, seq_lens, out.token_ids, feats)
-            return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
+            return out
         # Draft extend: the target's state at L paired with the token just sampled (L + 1);
         # the same positions, lengths and KV locations as the target's batch.
         h_out, h_logits = self.drafter.forward(
             dataclasses.replace(batch, input_ids=out.token_ids), feats)
         next_p, next_ids = self.drafter.topk(h_logits)
-        st.future_map.stash_spec(slots, next_p, next_ids, h_out)
-        return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
+        fm.stash_spec(slots, next_p, next_ids, h_out)
+        return out

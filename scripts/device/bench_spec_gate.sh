@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# There: issue 29 item 6 on a GPU. The service at 1 and 8 streams, plain decode, then EAGLE-3
+# There: issue 29 item 6 on a GPU. The service at 1, 8 and 32 streams, plain decode, then EAGLE-3
 # (the shipped head, chain of 4) with spec.disable_above_batch_size = "auto" (the default: a
 # fixed limit on a GPU, GPU_AUTO_LIMIT in gpu/eagle/spec_gate.py), both with CUDA graphs on.
-# "auto" must draft at one stream and keep 8 streams at the plain service's speed.
+# "auto" must draft at one stream and keep 8 and 32 streams at the plain service's speed.
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." && source scripts/device/stage.sh
-common=(--device cuda --dtype bf16 --concurrency 1,8 --requests-per-level 16
+common=(--device cuda --dtype bf16 --concurrency 1,8,32 --requests-per-level 32
         --max-new-tokens 64 --poisson-requests 0 --overlap on)
 step gate_plain 150 python3 -m fmserve.cli bench serve "${common[@]}" \
     --markdown "$OUT/gate_plain.md"

@@ -5,6 +5,7 @@ is tested here; on a GPU the same tests capture real graphs."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -67,5 +68,28 @@ def test_batches_that_sample_or_want_logprobs_run_eagerly(engine_and_eager):
             _, runs = run(engine, overlap=True, params=params)
             assert all(r.finish_reason == "length" for r in runs)
             assert graphs.replays == replays  # not one of them took a graph
+    finally:
+        step.graphs = None
+
+
+def test_steps_kept_from_drafting_replay_graphs_of_their_own(model_path):
+    """Above spec.disable_above_batch_size a step decodes without drafting; where the head
+    follows every such step (a GPU: no HeadLag) those steps replay graphs of their own, and
+    the batch drafts by replay again once it shrinks to one request, with the same tokens."""
+    spec = msgspec.structs.replace(CHAIN, disable_above_batch_size=1)
+    engine = make_engine(model_path, spec, device=DEVICE, cuda_graph_max_batch=0)
+    step = engine.worker.step
+    step.lag = None  # the GPU's way (a CPU worker defers the head: gpu/eagle/head_lag.py)
+    eager, _ = run(engine, overlap=False)
+    graphs = step.use_graphs(4)
+    try:
+        assert sorted(graphs.plain_graphs) == [1, 2, 4]
+        for overlap in (False, True):
+            plain, replays = graphs.plain_replays, graphs.replays
+            rows, runs = run(engine, overlap)
+            assert rows == eager
+            assert graphs.plain_replays > plain  # batches of 2-4: no drafting
+            assert graphs.replays - replays > graphs.plain_replays - plain  # ... and of 1
+            assert sum(r.accepted_drafts for r in runs) > 0
     finally:
         step.graphs = None

@@ -36,7 +36,7 @@ SPECS = {
                           disable_above_batch_size=0),
     "tree": SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6,
                          disable_above_batch_size=0),
-    # Above 2 requests the EAGLE step decodes without drafting (_decode_plain).
+    # Above 2 requests the EAGLE step decodes without drafting (decode_plain).
     "tree, off above 2": SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6,
                                       disable_above_batch_size=2),
 }
