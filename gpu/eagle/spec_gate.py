@@ -27,7 +27,8 @@ the launch returns before the device is done, so there "auto" is a fixed limit i
 GPU_AUTO_LIMIT, from an H100 with both steps as CUDA graphs (docs/benchmarks.md): EAGLE-3 served
 1.04-1.13x plain decode at one stream and 0.66-0.69x at eight (a graphed plain step of a small
 model costs about the same at 1, 2 or 8 rows; a verify of 5-12 rows a request does not), so it
-drafts up to two requests, about where the two cross. Tensor-parallel ranks and deterministic
+drafts up to two requests, about where the two cross (limits of 1, 2 and 4 measured since, with
+the plain steps as graphs too: 2 and 4 alike, 1 behind). Tensor-parallel ranks and deterministic
 mode do not measure either (each rank would time itself, and they must all take the same way;
 a timing is not deterministic): there "auto" always drafts.
 """
