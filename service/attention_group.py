@@ -118,8 +118,7 @@ class AttentionGroup:
             rank.idle_forwards += part.idle_forwards
             if plan is None:
                 continue  # an idle batch: nothing of this rank's scheduler was in it
-            for out in rank.scheduler.process_result(part.result):
-                await self.replies.output(out)
+            await self.replies.outputs(rank.scheduler.process_result(part.result))
             rank.steps += 1
         # One worker step for the service's counters: every rank's rows, rank 0's timings
         # (the ranks step in lockstep).

@@ -131,8 +131,7 @@ class Replica:
             # worker that died meanwhile is handled after them, so they come before any
             # terminal message its death sends.
             died = await self._send_next_plan(inflight, depth)
-            for out in outputs:
-                await self.replies.output(out)
+            await self.replies.outputs(outputs)
             if died is not None:
                 inflight.clear()
                 await self._on_worker_death(str(died))

@@ -1,5 +1,11 @@
 """What the service sends to clients for their requests: chunks as tokens come (gathered into
-one for a request that does not stream), then `Finished` with its usage, or an `Error`."""
+one for a request that does not stream), then `Finished` with its usage, or an `Error`.
+
+A step's replies to one client leave as one ZeroMQ message of one frame per reply
+(`outputs`): at 32 streams a reply each cost ~60 us of this process's time on the 2-core EPYC
+(mostly libzmq waking its I/O thread per message), 1.8 of its 2.5 ms a step, and on a GPU the
+service's time per step is what leaves the worker idle. Clients read frame by frame
+(docs/protocol.md), so nothing changes for them."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ class Replies:
         self.counters = counters
         self.metrics = metrics
         self.abort = abort  # Service._abort: ends a request of a client that is cut off
+        self._held: dict[bytes, list[bytes]] | None = None  # a step's frames, per client
 
     async def send(self, identity: bytes, msg) -> None:
         await self.send_envelope([identity], msg)
@@ -50,12 +57,30 @@ class Replies:
             return
         if envelope[0] in self.clients.cut_off:
             return
+        if self._held is not None and len(envelope) == 1:  # a DEALER's: sent with its step's
+            self._held.setdefault(envelope[0], []).append(encode(msg))
+            return
+        await self._send_frames(envelope, [encode(msg)])
+
+    async def _send_frames(self, envelope: list[bytes], frames: list[bytes]) -> None:
         try:
-            await self.router.send_multipart([*envelope, encode(msg)], flags=zmq.NOBLOCK)
+            await self.router.send_multipart([*envelope, *frames], flags=zmq.NOBLOCK)
         except zmq.Again:  # service.max_queued_replies unread (ROUTER_MANDATORY says so)
             await self.cut_off(envelope[0])
         except zmq.ZMQError as exc:  # the client is gone: drop
-            log.debug("dropping a reply to %s: %s", envelope[0].hex(), exc)
+            log.debug("dropping %d repl(ies) to %s: %s", len(frames), envelope[0].hex(), exc)
+
+    async def outputs(self, outs: list[RequestOutput]) -> None:
+        """A step's outputs (`output` each), each client's replies sent as one message."""
+        self._held = {}
+        try:
+            for out in outs:
+                await self.output(out)
+        finally:
+            held, self._held = self._held, None
+        for identity, frames in held.items():
+            if identity not in self.clients.cut_off:
+                await self._send_frames([identity], frames)
 
     async def cut_off(self, identity: bytes) -> None:
         """A client that leaves too many replies unread: its requests end (their terminal

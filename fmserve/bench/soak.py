@@ -116,7 +116,7 @@ class Stream:
             await (self.malformed() if action == "malformed" else self.request(action, after))
         if self.sock is not None:  # late replies: a second terminal would show here
             while await self.sock.poll(500):
-                self.check_late(decode_service_reply((await self.sock.recv_multipart())[-1]))
+                self.check_late(decode_service_reply(await self.sock.recv()))
             self.sock.close()
 
     async def send(self, frame: bytes) -> None:
@@ -132,7 +132,7 @@ class Stream:
                 await self.send(PING)
             if not await self.sock.poll(int(PING_EVERY_S * 1000)):
                 continue
-            msg = decode_service_reply((await self.sock.recv_multipart())[-1])
+            msg = decode_service_reply(await self.sock.recv())
             rid = getattr(msg, "id", None)
             if isinstance(msg, Error) and (rid is None or rid.startswith("bad-")):
                 self.tally.malformed_answered += 1

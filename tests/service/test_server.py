@@ -76,6 +76,40 @@ def test_concurrent_clients_stream_the_offline_greedy_output(service, reference)
     assert_concurrent_streams_match(service.endpoint, reference)
 
 
+def test_a_steps_replies_to_one_client_arrive_as_one_message_of_reply_frames(service,
+                                                                             reference):
+    """service/replies.py: the replies of one step to one client leave as one multipart
+    message; each frame is one reply, so a client reading frame by frame sees every stream
+    whole (the offline engine's tokens) and one terminal message per request."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 60_000)
+    dealer.connect(service.endpoint)
+    try:
+        for i, q in enumerate(QUESTIONS):
+            dealer.send(gen(id=f"q{i}", messages=messages(q), params=msgspec.to_builtins(GREEDY)))
+        ids: dict[str, list[int]] = {f"q{i}": [] for i in range(len(QUESTIONS))}
+        ends: dict[str, list[str]] = {rid: [] for rid in ids}
+        widest = 0  # the most requests one message spoke for
+        while sum(map(len, ends.values())) < len(QUESTIONS):
+            replies = [decode_service_reply(frame) for frame in dealer.recv_multipart()]
+            widest = max(widest, len({r.id for r in replies}))
+            for reply in replies:
+                if isinstance(reply, Chunk):
+                    ids[reply.id] += reply.token_ids
+                else:
+                    assert isinstance(reply, Finished), reply
+                    ends[reply.id].append(reply.reason)
+    finally:
+        dealer.close()
+        ctx.term()
+    assert widest > 1  # the streams of one step shared a message
+    for i, q in enumerate(QUESTIONS):
+        assert ids[f"q{i}"] == reference[q].token_ids
+        assert ends[f"q{i}"] == [reference[q].finish_reason.value]
+
+
 def test_many_requests_on_one_connection_and_non_streaming(service, reference):
     import asyncio
 
