@@ -2,10 +2,10 @@
 one for a request that does not stream), then `Finished` with its usage, or an `Error`.
 
 A step's replies to one client leave as one ZeroMQ message of one frame per reply
-(`outputs`): at 32 streams a reply each cost ~60 us of this process's time on the 2-core EPYC
-(mostly libzmq waking its I/O thread per message), 1.8 of its 2.5 ms a step, and on a GPU the
-service's time per step is what leaves the worker idle. Clients read frame by frame
-(docs/protocol.md), so nothing changes for them."""
+(`outputs`): one send and one wake-up of libzmq's I/O thread instead of one per stream. At 32
+streams the service's CPU time a step fell by a fifth on the 2-core EPYC, and on a GPU the
+service's time per step is what leaves the worker idle (docs/benchmarks.md). Clients read
+frame by frame (docs/protocol.md), so nothing changes for them."""
 
 from __future__ import annotations
 
