@@ -283,7 +283,7 @@ class EagleStep:
         st, bs, graphs, lag = self.state, len(slots_host), self.graphs, self.lag
         if drafts and lag is not None:
             lag.catch_up(slots_host)
-        # Replays serve plain steps too where the head follows along (no HeadLag: a GPU).
+        # Replays serve plain steps too where the head is not left behind (a GPU).
         if (graphs is not None and (drafts or not self.defers_head)
                 and graphs.can_run(slots_host, drafts)):
             if not drafts:
