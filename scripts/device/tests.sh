@@ -9,4 +9,5 @@ step kernels 240 $T tests/gpu/test_triton_attention.py tests/gpu/test_tree_atten
     tests/gpu/test_torch_attention.py tests/gpu/test_future_map.py tests/gpu/test_sampler.py
 step cuda 240 $T tests/gpu/test_cuda.py tests/gpu/test_decode_graphs.py tests/gpu/test_overlap.py \
     tests/gpu/test_worker_process.py
-step service 300 $T tests/service/test_server.py tests/gpu/test_spec_decode.py tests/gpu/test_host_sync.py
+step service 360 $T tests/service/test_server.py tests/gpu/test_spec_decode.py tests/gpu/test_host_sync.py \
+    tests/gpu/test_eagle_graphs.py

@@ -4,6 +4,9 @@ Such a step must produce exactly what the plain engine produces (greedy and seed
 alike), and the draft head must keep up (on a CPU it skips those steps and catches up over
 them before drafting again: gpu/eagle/head_lag.py), so that once the batch shrinks the
 remaining requests speculate as well as they would have from the start.
+
+Every engine here is a CPU worker's, also on a machine with a GPU: the timed gate and the
+deferred head are the CPU's (a GPU drops the heads instead: tests/gpu/test_eagle_graphs.py).
 """
 
 from __future__ import annotations
@@ -17,13 +20,18 @@ from gpu.eagle.spec_gate import TRIALS
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
 from tests.engine_runs import assert_accounting_empty, run_requests
-from tests.gpu.spec_runs import QUESTIONS, make_engine, scenario
+from tests.gpu.spec_runs import QUESTIONS, scenario
+from tests.gpu.spec_runs import make_engine as make_any_engine
 
 CHAIN = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
                      disable_above_batch_size=0)
 TREE = SpecSettings("eagle3", "", num_steps=3, topk=2, num_draft_tokens=6,
                     disable_above_batch_size=0)
 LONG_QUESTION = "List the planets of the solar system in order, with one fact about each."
+
+
+def make_engine(model_path, spec: SpecSettings | None = None, **kw):
+    return make_any_engine(model_path, spec, device="cpu", **kw)
 
 
 def _with_limit(spec: SpecSettings, limit: int | str) -> SpecSettings:
