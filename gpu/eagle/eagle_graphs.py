@@ -19,11 +19,10 @@ the emitted tokens and accept lengths, in static buffers.
 - Only batches whose logits processing is the identity take a graph: every row greedy, with no
   penalties, no min-token ban and no logprobs (the flags of a free slot). Others, and batches
   above the largest bucket, run eagerly.
-- A step the gate keeps from drafting (gpu/eagle/spec_gate.py) has graphs of its own where
-  the head is not left behind (`head_mode` "drop" on a GPU, or "follow"): the target's
-  decode, the greedy token and commit (`EagleStep.decode_plain`), plus the draft's one-token
-  extend where the head follows along. Eager, that step ran at ~17 ms on an H100, and "auto"
-  served 8 streams at 0.17x the plain service.
+- A step the gate keeps from drafting (gpu/eagle/spec_gate.py) has graphs of its own where the
+  head follows every plain step (no HeadLag: on a GPU): the target's decode, the greedy token,
+  commit and the draft's one-token extend (`EagleStep.decode_plain`). Eager, that step ran at
+  ~17 ms on an H100, and "auto" served 8 streams at 0.17x the plain service.
 - The FutureMap's host copy of the published lengths (an event and a second stream) cannot be
   captured: publishing is held inside the graph and made after each replay.
 
@@ -75,9 +74,8 @@ class EagleGraphs:
         fm.new_seq_lens_buf[PADDING_SLOT:PADDING_SLOT + 1].fill_(1)
         fm.hold_notify = True
         try:
-            if not drafting:  # where heads are dropped, every row of a plain step is headless
-                out = self.step.decode_plain(self.slots[:size], head=self.step.lag is None)
-                self.plain_tokens[:size].copy_(out.token_ids)
+            if not drafting:
+                self.plain_tokens[:size].copy_(self.step.decode_plain(self.slots[:size]).token_ids)
                 return
             tokens, accept = self.step.draft_and_verify(self.slots[:size], None, self.flags)[:2]
         finally:
@@ -92,7 +90,7 @@ class EagleGraphs:
         self.slots.fill_(PADDING_SLOT)
         self.graphs = capture_buckets(self.sizes, self.device,
                                       lambda size: partial(self._forward, size))
-        if self.step.defers_head:  # plain steps leave the head behind (gpu/eagle/head_lag.py)
+        if self.step.lag is not None:  # plain steps defer the head (gpu/eagle/head_lag.py)
             return
         try:
             self.plain_graphs = capture_buckets(

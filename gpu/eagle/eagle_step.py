@@ -31,7 +31,7 @@ from gpu.eagle.accept import accept_verified, compact_accepted_kv
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.gate_memory import GateMemory
-from gpu.eagle.head_lag import HeadLag, head_mode
+from gpu.eagle.head_lag import HeadLag
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
@@ -68,18 +68,22 @@ class EagleStep:
         self.batches = SpecBatches(state, self.needs_cpu_seq_lens)
         state.future_map.enable_spec(settings.topk, self.head.config.hidden_size, state.dtype)
         self.max_position = drafter.max_position
-        mode = head_mode(state)
-        self.gate = SpecGate(settings.disable_above_batch_size, measured=mode == "defer",
-                             unmeasured_auto=GPU_AUTO_LIMIT if mode == "drop" else 0,
-                             drops_heads=mode == "drop")
+        # Deterministic mode must not choose by timing: there "auto" always drafts. Nor must
+        # tensor-parallel or DP-attention ranks, each timing itself: every rank must make the
+        # same forwards (their collectives pair up).
+        timed = (state.device.type == "cpu" and not state.cfg.runtime.deterministic
+                 and state.shard is None and state.dp_attention is None)
+        on_gpu = (state.device.type == "cuda" and not state.cfg.runtime.deterministic
+                  and state.dp_attention is None)  # DP ranks draft alike: their own sizes
+        self.gate = SpecGate(settings.disable_above_batch_size, measured=timed,
+                             unmeasured_auto=GPU_AUTO_LIMIT if on_gpu else 0)
         # "auto" starts from an earlier run's measurements and keeps its own (gate_memory.py).
         self.gate_memory = GateMemory.for_worker(state) if self.gate.auto else None
         if self.gate_memory is not None:
             self.gate_memory.restore(self.gate)
-        # Which requests run headless (gpu/eagle/head_lag.py); where the gate times the two
-        # ways, a plain step leaves the head behind and it catches up before drafting again.
-        self.lag = HeadLag(self) if mode != "follow" else None
-        self.defers_head = mode == "defer"
+        # Where the gate times the two ways, a plain step leaves the head behind and it
+        # catches up before drafting again (gpu/eagle/head_lag.py); elsewhere it follows along.
+        self.lag = HeadLag(self) if timed else None
         # Decode steps the gate keeps from drafting run the target in C where the plain step
         # would (gpu/cpu_decode_step.py), with the head's features captured between segments
         # of layers: "auto" compares drafting with the plain step's own speed then.
@@ -136,8 +140,6 @@ class EagleStep:
                 lag.admit(new, headless=False)
         drafts = bool(len(decode_host)) and self.gate.drafts(
             len(decode_host), can_draft=lag is None or not lag.any_headless(decode_host))
-        if decodes and not drafts and self.gate.drops_heads:  # no follow-along: it costs a
-            lag.drop_heads(decode_host)  # plain step ~5-10% on a GPU (docs/benchmarks.md)
         if prefills and decodes and not drafts and lag is not None:
             # Chunks and plain decodes in one target forward, as the plain step runs them
             # (the head left behind for the decodes): EAGLE costs nothing where it is off.
@@ -283,9 +285,8 @@ class EagleStep:
         st, bs, graphs, lag = self.state, len(slots_host), self.graphs, self.lag
         if drafts and lag is not None:
             lag.catch_up(slots_host)
-        # Replays serve plain steps too where the head is not left behind (a GPU).
-        if (graphs is not None and (drafts or not self.defers_head)
-                and graphs.can_run(slots_host, drafts)):
+        # Replays serve plain steps too where the head follows along (no HeadLag: a GPU).
+        if graphs is not None and (drafts or lag is None) and graphs.can_run(slots_host, drafts):
             if not drafts:
                 return StepPart(slots_host, {"tokens": graphs.run_plain(slots_host)})
             tokens, acc = graphs.run(slots_host)
@@ -366,30 +367,28 @@ class EagleStep:
         fm.stash_spec(slots, next_p, next_ids, h_out[last])
         return out_tokens, acc, tree, logits, path
 
-    def decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray | None = None,
-                     head: bool = True) -> SampleOutput:
+    def decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray | None = None
+                     ) -> SampleOutput:
         """A decode step without drafting, for a batch the gate keeps from drafting (above
         spec.disable_above_batch_size, or measured faster without: gpu/eagle/spec_gate.py):
         the target decodes the root and samples the next token exactly as the plain step
         does, then the draft extends over that one token, so its KV and the relayed top-k stay
         complete and a later, smaller batch speculates from where this one left off. Where the
-        gate is timed (a CPU) that extend is deferred instead (`HeadLag`); `head` False, or every
-        request headless: no head at all. `slots_host` None: captured as a CUDA graph
-        (gpu/eagle/eagle_graphs.py), greedy rows only."""
+        gate is timed (a CPU) that extend is deferred instead (`HeadLag`). `slots_host` None:
+        captured as a CUDA graph (gpu/eagle/eagle_graphs.py), greedy rows only."""
         st, batches, fm, lag = self.state, self.batches, self.state.future_map, self.lag
         seq_lens, root = fm.resolve_seq_lens(slots), fm.resolve_future(slots)
         batch = batches.make(ForwardMode.DECODE, root, seq_lens.clamp(max=self.max_position),
                              slots, seq_lens, torch.ones_like(seq_lens), seq_lens + 1,
                              batches.locs(slots, seq_lens[:, None]))
-        head = head and (slots_host is None or lag is None or not lag.all_headless(slots_host))
-        hidden, feats = self._target(batch, head)
+        hidden, feats = self._target(batch, lag is None or not lag.all_headless(slots_host))
         logits = st.model.logits(hidden)
         out = (SampleOutput(logits.argmax(-1)) if slots_host is None else
                st.sampler.sample(logits, slots, batch.seq_lens, slots_host=slots_host))
         st.commit(slots, out.token_ids, seq_lens=batch.seq_lens)
-        if self.defers_head and feats is not None:  # the head runs over it later, if needed
-            lag.defer(slots_host, seq_lens, out.token_ids, feats)
-        if self.defers_head or feats is None:
+        if lag is not None:  # the head runs over this token later, if ever needed
+            if feats is not None:
+                lag.defer(slots_host, seq_lens, out.token_ids, feats)
             return out
         # Draft extend: the target's state at L paired with the token just sampled (L + 1);
         # the same positions, lengths and KV locations as the target's batch.

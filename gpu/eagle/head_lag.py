@@ -11,9 +11,6 @@ extend (the same positions, KV locations and pairing as the steps it skipped) an
 the top-k of the last, as the last of those steps would have. A new prefill of a slot forgets
 what its previous request left behind.
 
-On a GPU nothing is deferred (`head_mode`): a plain step there drops the head of its
-requests, and requests admitted above spec.disable_above_batch_size start headless.
-
 A request admitted while the gate finds drafting slower than plain at the batch's size
 (SpecGate.admits_headless: 8 streams on a 2-core CPU) is *headless*: the head never runs
 over its prompt or its tokens and it never drafts; a step with such a request decodes plain.
@@ -51,23 +48,6 @@ class _Behind:
         return self.first_position + len(self.tokens)
 
 
-def head_mode(state) -> str:
-    """What a decode step the gate keeps from drafting does with the draft head:
-    - "defer" where the gate times the two ways (a CPU worker, one rank, not deterministic):
-      the head is left behind and catches up before the request drafts again;
-    - "drop" on a GPU (not deterministic, no DP attention, whose ranks batch apart): such a
-      step's requests go on headless, and requests admitted above the limit start so. A
-      follow-along head cost the plain steps 5-10% there, and a catch-up is ~60 small ops;
-    - "follow" elsewhere: the head runs over every token, as the ranks or determinism need."""
-    rt = state.cfg.runtime
-    if state.device.type == "cpu" and not rt.deterministic and state.shard is None \
-            and state.dp_attention is None:
-        return "defer"
-    if state.device.type == "cuda" and not rt.deterministic and state.dp_attention is None:
-        return "drop"
-    return "follow"
-
-
 class HeadLag:
     def __init__(self, step) -> None:
         self.step = step  # the EagleStep: its drafter, batches and FutureMap
@@ -86,14 +66,12 @@ class HeadLag:
             (self.headless.add if headless else self.headless.discard)(int(slot))
             self.running.add(int(slot))
 
-    def drop_heads(self, slots_host=None) -> None:
-        """These requests (default: every running one) go on headless: one admitted with the
-        head, whose batch has grown past break-even since, stops paying for it (captured states
-        on every step)."""
-        slots = self.running if slots_host is None else {int(s) for s in slots_host}
-        for slot in slots - self.headless:
+    def drop_heads(self) -> None:
+        """Every running request goes on headless: one admitted with the head, whose batch has
+        grown past break-even since, stops paying for it (captured states on every step)."""
+        for slot in self.running - self.headless:
             self.behind.pop(slot, None)
-        self.headless |= slots
+        self.headless |= self.running
 
     def release(self, slots_host) -> None:
         for slot in np.asarray(slots_host).tolist():

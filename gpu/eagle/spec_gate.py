@@ -109,15 +109,12 @@ def size_class(batch_size: int) -> int:
 
 
 class SpecGate:
-    def __init__(self, limit: int | str, measured: bool, unmeasured_auto: int = 0,
-                 drops_heads: bool = False) -> None:
+    def __init__(self, limit: int | str, measured: bool, unmeasured_auto: int = 0) -> None:
         """`limit`: spec.disable_above_batch_size (an int, 0 = always draft, or "auto");
         `measured`: whether host time measures a step (a CPU device); `unmeasured_auto`: the
-        limit "auto" means where it does not (GPU_AUTO_LIMIT on a GPU, 0 elsewhere);
-        `drops_heads`: requests admitted above a fixed limit run headless (a GPU)."""
+        limit "auto" means where it does not (GPU_AUTO_LIMIT on a GPU, 0 elsewhere)."""
         self.auto = limit == "auto" and measured
         self.limit = unmeasured_auto if limit == "auto" and not measured else limit
-        self.drops_heads = drops_heads and not self.auto
         self.classes: dict[int, SizeClass] = {}
 
     def drafts(self, batch_size: int, can_draft: bool = True) -> bool:
@@ -151,8 +148,6 @@ class SpecGate:
         (gpu/eagle/head_lag.py): "auto" did not measure drafting HEADED_IF_FASTER_BY faster
         than plain at its class or a smaller one (from HEADLESS_FROM up), so speculation costs
         nothing where it is off."""
-        if self.drops_heads:
-            return self.limit not in (0, "auto") and batch_size > int(self.limit)
         key = size_class(batch_size)
         c = self.classes.get(key) if self.auto else None
         # Once its probe of drafting is due, the class admits requests with the head again,

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from ipc.sampling import SamplingParams
-from gpu.eagle import eagle_step
-from gpu.eagle.spec_gate import GPU_AUTO_LIMIT
 from tests.engine_runs import RequestRun, assert_accounting_empty, run_requests
 from tests.gpu.spec_runs import CHAIN, QUESTIONS, TREE, make_engine, scenario
 
@@ -74,16 +72,14 @@ def test_batches_that_sample_or_want_logprobs_run_eagerly(engine_and_eager):
         step.graphs = None
 
 
-def test_steps_kept_from_drafting_replay_graphs_of_their_own(model_path, monkeypatch):
+def test_steps_kept_from_drafting_replay_graphs_of_their_own(model_path):
     """Above spec.disable_above_batch_size a step decodes without drafting; where the head
-    follows every such step (deterministic mode on a GPU: no HeadLag) those steps replay
-    graphs of their own, and the batch drafts by replay again once it shrinks to one request,
-    with the same tokens."""
-    monkeypatch.setattr(eagle_step, "head_mode", lambda state: "follow")
+    follows every such step (a GPU: no HeadLag) those steps replay graphs of their own, and
+    the batch drafts by replay again once it shrinks to one request, with the same tokens."""
     spec = msgspec.structs.replace(CHAIN, disable_above_batch_size=1)
     engine = make_engine(model_path, spec, device=DEVICE, cuda_graph_max_batch=0)
     step = engine.worker.step
-    assert step.lag is None
+    step.lag = None  # the GPU's way (a CPU worker defers the head: gpu/eagle/head_lag.py)
     eager, _ = run(engine, overlap=False)
     graphs = step.use_graphs(4)
     try:
@@ -95,34 +91,5 @@ def test_steps_kept_from_drafting_replay_graphs_of_their_own(model_path, monkeyp
             assert graphs.plain_replays > plain  # batches of 2-4: no drafting
             assert graphs.replays - replays > graphs.plain_replays - plain  # ... and of 1
             assert sum(r.accepted_drafts for r in runs) > 0
-    finally:
-        step.graphs = None
-
-
-def test_on_a_gpu_requests_above_the_limit_go_headless_and_replay_plain_graphs(
-        model_path, monkeypatch):
-    """A GPU's "auto" (head_mode "drop", a limit of GPU_AUTO_LIMIT requests): a request alone
-    drafts by replay; a burst of four is admitted headless, never drafts, and its plain steps
-    replay graphs without the head; the tokens are the eager step's."""
-    monkeypatch.setattr(eagle_step, "head_mode", lambda state: "drop")
-    spec = msgspec.structs.replace(CHAIN, disable_above_batch_size="auto")
-    engine = make_engine(model_path, spec, device=DEVICE, cuda_graph_max_batch=0)
-    step = engine.worker.step
-    assert step.gate.limit == GPU_AUTO_LIMIT and not step.defers_head
-    eager, _ = run(engine, overlap=False)
-    graphs = step.use_graphs(4)
-    try:
-        alone = run_requests(engine, [[{"role": "user", "content": QUESTIONS[5]}]],
-                             [SamplingParams(temperature=0.0, max_new_tokens=24)], True)
-        assert graphs.replays > graphs.plain_replays == 0
-        assert alone[0].accepted_drafts > 0
-        for overlap in (False, True):
-            plain, drafting = graphs.plain_replays, graphs.replays - graphs.plain_replays
-            rows, runs = run(engine, overlap)
-            assert rows == eager
-            assert graphs.plain_replays > plain
-            assert graphs.replays - graphs.plain_replays == drafting  # nothing drafted
-            assert sum(r.accepted_drafts for r in runs) == 0
-            assert step.lag.running <= step.lag.headless  # (releases reach the next step)
     finally:
         step.graphs = None

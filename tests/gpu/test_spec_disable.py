@@ -6,7 +6,8 @@ them before drafting again: gpu/eagle/head_lag.py), so that once the batch shrin
 remaining requests speculate as well as they would have from the start.
 
 Every engine here is a CPU worker's, also on a machine with a GPU: the timed gate and the
-deferred head are the CPU's (a GPU drops the heads instead: tests/gpu/test_eagle_graphs.py).
+deferred head are the CPU's (on a GPU the head follows every plain step, in a CUDA graph:
+tests/gpu/test_eagle_graphs.py).
 """
 
 from __future__ import annotations
