@@ -44,8 +44,9 @@ def _run_key(state: WorkerState) -> str:
     device = (torch.cuda.get_device_name(state.device) if state.device.type == "cuda"
               else state.device.type)
     raw = "|".join(map(str, (
-        machine_key(), device, cfg.runtime.cuda_graph_max_batch, model.resolve(), size, state.dtype, spec.algorithm, spec.draft_model,
-        spec.num_steps, spec.topk, spec.num_draft_tokens, cfg.runtime.attention_backend,
+        machine_key(), device, cfg.runtime.cuda_graph_max_batch, model.resolve(), size,
+        state.dtype, spec.algorithm, spec.draft_model, spec.num_steps, spec.topk,
+        spec.num_draft_tokens, cfg.runtime.attention_backend,
         cfg.runtime.q4_max_tokens, cfg.runtime.cpu_fp32_weights, cfg.runtime.kv_cache_dtype,
         cfg.runtime.compile, cfg.weight_quant)))
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
