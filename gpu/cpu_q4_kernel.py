@@ -111,6 +111,10 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.decode_step.restype = ctypes.c_int
     lib.head_step.restype = ctypes.c_int
     lib.q4_kernel_isa.restype = ctypes.c_int
+    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 3 \
+        + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 \
+        + [ctypes.c_int]
     return lib
 
 

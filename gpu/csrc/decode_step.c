@@ -108,3 +108,19 @@ int decode_step(const decoder *m, int rows, float *h, const float *cos, const fl
     free(buf);
     return status;
 }
+
+/* The step's attention alone (attend, step_ops.h) over caches in the decoder's layout, for
+ * tests against torch's: out [rows, heads * head_dim]. Returns 0, or -1 if out of memory. */
+int decode_attention(int heads, int kv_heads, int head_dim, int kv_half, float scale,
+                     const void *k_cache, const void *v_cache, const float *qkv, int width,
+                     int rows, const int32_t *key_locs, int max_len, const int64_t *seq_lens,
+                     float *out, int threads) {
+    attention_shape shape = {heads, kv_heads, head_dim, kv_half, scale};
+    float *scores = malloc(sizeof(float) * (size_t)rows * heads * (max_len > 0 ? max_len : 1));
+    if (!scores)
+        return -1;
+    attend(&shape, k_cache, v_cache, qkv, width, rows, key_locs, max_len, seq_lens, out, scores,
+           threads);
+    free(scores);
+    return 0;
+}
