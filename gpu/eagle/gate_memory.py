@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from gpu.cpu_kernels import machine_key
+from gpu.cpu_q4_kernel import build_key
 from gpu.eagle.spec_gate import SizeClass, SpecGate
 from gpu.worker_state import WorkerState
 from ipc.cache_dirs import model_cache_dir
@@ -36,7 +37,8 @@ _Saved = dict[str, dict[int, SizeClass]]
 
 
 def _run_key(state: WorkerState) -> str:
-    """The machine, the model file, the head and the settings a step's speed depends on."""
+    """The machine, the model file, the head, the settings and the C kernels' sources (a
+    faster plain step moves the break-even) a step's speed depends on."""
     cfg, spec = state.cfg, state.cfg.spec
     model = Path(cfg.model.path)
     size = model.stat().st_size if model.is_file() else 0
@@ -44,7 +46,7 @@ def _run_key(state: WorkerState) -> str:
     device = (torch.cuda.get_device_name(state.device) if state.device.type == "cuda"
               else state.device.type)
     raw = "|".join(map(str, (
-        machine_key(), device, cfg.runtime.cuda_graph_max_batch, model.resolve(), size,
+        machine_key(), build_key(), device, cfg.runtime.cuda_graph_max_batch, model.resolve(), size,
         state.dtype, spec.algorithm, spec.draft_model, spec.num_steps, spec.topk,
         spec.num_draft_tokens, cfg.runtime.attention_backend,
         cfg.runtime.q4_max_tokens, cfg.runtime.cpu_fp32_weights, cfg.runtime.kv_cache_dtype,
