@@ -1,11 +1,16 @@
 """gpu/eagle/spec_gate.py: which decode batches draft, by a fixed limit or by measured speed."""
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
+import torch
 
+from gpu.eagle import gate_memory
 from gpu.eagle.gate_memory import GateMemory
 from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, HEADLESS_REPROBE, REPROBE_EVERY,
                                  RESTORED_STEPS, TRIALS, SizeClass, SpecGate, size_class)
+from ipc.worker_config import ModelSettings, WorkerConfig
 
 
 def test_size_classes_are_powers_of_two():
@@ -182,3 +187,14 @@ def test_the_gate_memory_keeps_decided_classes_per_key_and_survives_a_bad_file(t
     memory.verdicts = {}
     memory.after_step(gate)
     assert sorted(msgspec.json.decode(path.read_bytes())) == ["run-a"]
+
+
+def test_the_run_key_changes_with_the_c_kernels_sources(monkeypatch, model_path):
+    """Verdicts measured with another build of the C kernels are not read: a faster plain
+    step moves the break-even."""
+    state = SimpleNamespace(cfg=WorkerConfig(model=ModelSettings(path=str(model_path))),
+                            device=torch.device("cpu"), dtype=torch.float32)
+    first = gate_memory._run_key(state)
+    assert gate_memory._run_key(state) == first  # the same build, the same key
+    monkeypatch.setattr(gate_memory, "build_key", lambda: "another-build")
+    assert gate_memory._run_key(state) != first
