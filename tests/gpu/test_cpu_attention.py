@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(not cpu_q4_kernel.available(),
 
 LENGTHS = (1, 3, 4, 6, 17, 41)  # rows' key counts: below, at and between blocks of four
 SHAPES = [  # heads, kv_heads, head_dim
-    (4, 4, 64), (4, 2, 64), (9, 3, 64), (8, 2, 64), (14, 2, 64), (6, 1, 32), (3, 1, 40)]
+    (4, 4, 64), (4, 2, 64), (9, 3, 64), (8, 2, 64), (14, 2, 64), (6, 1, 32), (3, 1, 40),
+    (8, 2, 128), (4, 1, 256)]
 
 
 def c_attention(lib, q, k_cache, v_cache, key_locs, seq_lens, kv_heads):
