@@ -5,8 +5,12 @@
  * W: int8 codes q with one scale s per block of 32 inputs (w = q s), interleaved 16 output
  * rows together as the 4-bit codes are (gpu/cpu_q4_kernel.py Q8Rows): per group of 16 rows
  * and block, 8 steps of 64 bytes, step j holding inputs 4j..4j+3 of each row (4 bytes a row).
- * The integer multiply-adds want one operand unsigned: |q| times x8 carrying q's sign (as
- * llama.cpp does); |q| <= 128 and |x8| <= 127 keep maddubs' pair sums within int16. */
+ * The integer multiply-adds want one operand unsigned. AVX-512 VNNI takes q + 128 and
+ * subtracts 128 sum(x8) from each block's sum (below: on an AVX512-BF16 EPYC the 49152 x 576
+ * lm_head ran 1.4x as fast at 4-8 rows, 1.2x at 32, as applying q's sign to every row's
+ * input at every step, with the same sums); AVX2, |q| times x8 carrying q's sign (as llama.cpp
+ * does), where |q| <= 128 and |x8| <= 127 keep maddubs' pair sums within int16. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +27,7 @@ typedef struct {
     const int8_t *x8;
     const float *d;
     int nb, k;
+    const int32_t *bias; /* VNNI: 128 x each block's sum of x8 ([rows][nb]), see below */
 } tile_args;
 
 static inline int32_t four_bytes(const int8_t *p) {
@@ -32,9 +37,14 @@ static inline int32_t four_bytes(const int8_t *p) {
 }
 
 #if defined(FMSERVE_VNNI)
-#define TILE 4
+#define TILE 8
+/* vpdpbusd multiplies unsigned bytes by signed ones: the codes go in as q + 128 (a flip of
+ * the top bit, once per step for every row), and each block's sum then exceeds q . x8 by
+ * exactly 128 sum(x8), taken off in the integers: the same sums as q . x8, with one
+ * subtraction per row and block instead of a sign applied to every row's input at every step. */
 static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
                                                              float out[][16]) {
+    const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 acc[TILE];
     for (int i = 0; i < R; i++)
         acc[i] = _mm512_setzero_ps();
@@ -42,17 +52,13 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
         const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
         __m512i sums[TILE];
         for (int i = 0; i < R; i++)
-            sums[i] = _mm512_setzero_si512();
+            sums[i] = _mm512_set1_epi32(-a->bias[(size_t)i * a->nb + b]);
         for (int j = 0; j < 8; j++) {
-            __m512i q = _mm512_loadu_si512((const void *)(qb + j * STEP_BYTES));
-            __m512i q_abs = _mm512_abs_epi8(q);
-            __mmask64 negative = _mm512_movepi8_mask(q);
-            for (int i = 0; i < R; i++) {
-                __m512i x = _mm512_set1_epi32(four_bytes(a->x8 + (size_t)i * a->k + b * GROUP
-                                                         + 4 * j));
-                x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-                sums[i] = _mm512_dpbusd_epi32(sums[i], q_abs, x);
-            }
+            __m512i q = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)),
+                                         top);
+            for (int i = 0; i < R; i++)
+                sums[i] = _mm512_dpbusd_epi32(sums[i], q, _mm512_set1_epi32(four_bytes(
+                    a->x8 + (size_t)i * a->k + b * GROUP + 4 * j)));
         }
         __m512 s = _mm512_loadu_ps(a->s + b * 16);
         for (int i = 0; i < R; i++)
@@ -129,14 +135,28 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
     float *d = quantize_input(x, rows, k, &x8, threads);
     if (!d)
         return -1;
+    int32_t *bias = NULL;
+#if defined(FMSERVE_VNNI)
+    /* 128 x each block's sum of x8, from quantize_input's d sum(x8): exactly, as the sum is an
+     * integer of at most 32 x 127 and d sum(x8) / d is within 1e-3 of it */
+    const float *dsum = d + (size_t)rows * nb;
+    if (!(bias = malloc(sizeof(int32_t) * (size_t)rows * nb))) {
+        free(d);
+        return -1;
+    }
+    for (size_t at = 0; at < (size_t)rows * nb; at++)
+        bias[at] = d[at] > 0.f ? 128 * (int32_t)lrintf(dsum[at] / d[at]) : 0;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
-        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16, x8, d, nb, k};
+        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16, x8, d, nb, k,
+                       bias};
         for (int r = 0; r < rows;) {
             int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
             a.d = d + (size_t)r * nb;
+            a.bias = bias ? bias + (size_t)r * nb : NULL;
             switch (take) { /* each a constant: the accumulators stay in registers */
             case 1: group_tile(1, &a, out); break;
 #if TILE >= 2
@@ -146,12 +166,19 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
             case 3: group_tile(3, &a, out); break;
             case 4: group_tile(4, &a, out); break;
 #endif
+#if TILE >= 8
+            case 5: group_tile(5, &a, out); break;
+            case 6: group_tile(6, &a, out); break;
+            case 7: group_tile(7, &a, out); break;
+            case 8: group_tile(8, &a, out); break;
+#endif
             }
             for (int i = 0; i < take; i++)
                 memcpy(y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
             r += take;
         }
     }
+    free(bias);
     free(d);
     return 0;
 }

@@ -109,16 +109,19 @@ def test_quantizing_to_q8_0_agrees_with_gguf_and_rounds_each_weight_to_its_block
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "c"])
 def test_the_8_bit_kernel_gives_each_row_alone_what_it_gives_it_in_a_batch(isa):
-    """Rows go through the kernel in tiles (one |q| per step for all of them), in each build
-    (AVX-512 VNNI, AVX2, plain C): a row's result must not depend on the rows beside it, and
-    must still be the written-out sum. 40 rows: the kernel runs 48, its last 8 zero padding."""
+    """Rows go through the kernel in tiles (the codes made unsigned once per step for all of
+    them), in each build (AVX-512 VNNI, AVX2, plain C): a row's result must not depend on the
+    rows beside it, and must still be the written-out sum, -128 codes included (a file may
+    hold them; the VNNI build's offset of 128 takes them to 0). 40 rows: the kernel runs 48,
+    its last 8 zero padding."""
     if cpu_q4_kernel.library(isa) is None:
         pytest.skip(f"the {isa} build of the kernel does not compile here")
     raw, exact = quantized("Q8_0", rows=40, cols=128)
     codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
     assert codes.codes.shape == (48, 128) and codes.out == 40
     assert torch.equal(codes.dequantize(), exact)
-    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(8))  # VNNI tiles 4, 4, 3
+    codes.codes[:16, :64] = -128  # the first group's first two blocks
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(8))  # VNNI tiles 8, 3
     batch = q8_matmul(x, codes, isa)
     assert batch.shape == (11, 40)
     for i in range(11):
