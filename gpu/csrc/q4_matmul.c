@@ -86,13 +86,17 @@ static inline int quantize_block(const float *xb, int8_t *qb, float *scale_out) 
 #endif
 }
 
-float *quantize_input(const float *x, int rows, int k, int8_t **x8_out, int threads) {
+float *quantize_input(const float *x, int rows, int k, int8_t **x8_out, int32_t **sums_out,
+                      int threads) {
     int nb = k / GROUP;
-    float *d = malloc(sizeof(float) * (size_t)rows * nb * 2 + (size_t)rows * k);
+    float *d = malloc((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)rows * nb + (size_t)rows * k);
     if (!d)
         return NULL;
     float *dsum = d + (size_t)rows * nb;
-    int8_t *x8 = *x8_out = (int8_t *)(dsum + (size_t)rows * nb);
+    int32_t *sums = (int32_t *)(dsum + (size_t)rows * nb);
+    int8_t *x8 = *x8_out = (int8_t *)(sums + (size_t)rows * nb);
+    if (sums_out)
+        *sums_out = sums;
     /* shared among the threads only where there is enough of it to pay for waking them */
 #pragma omp parallel for schedule(static) num_threads(threads) if ((size_t)rows * k >= 16384)
     for (int r = 0; r < rows; r++) {
@@ -103,6 +107,7 @@ float *quantize_input(const float *x, int rows, int k, int8_t **x8_out, int thre
                                      &scale);
             d[at] = scale;
             dsum[at] = scale * (float)sum;
+            sums[at] = sum;
         }
     }
     return d;
@@ -230,7 +235,7 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
               const float *m, int n, float *y, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
-    float *d = quantize_input(x, rows, k, &x8, threads);
+    float *d = quantize_input(x, rows, k, &x8, NULL, threads);
     if (!d)
         return -1;
     float *dsum = d + (size_t)rows * nb;

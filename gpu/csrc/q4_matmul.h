@@ -23,9 +23,11 @@ static inline float hsum(__m256 acc) {
 /* Which loop this build's 4-bit kernel runs: 2 AVX-512 VNNI, 1 AVX2, 0 plain C. */
 int q4_kernel_isa(void);
 /* x [rows, k] quantized per block of 32 into one allocation the caller frees (the returned
- * pointer): d [rows, k/32] the scales, then dsum [rows, k/32] (d sum x8), then x8 [rows, k]
- * (*x8 set), on up to `threads` threads. NULL if out of memory. */
-float *quantize_input(const float *x, int rows, int k, int8_t **x8, int threads);
+ * pointer): d [rows, k/32] the scales, then dsum [rows, k/32] (d sum x8), then the sums of x8
+ * [rows, k/32] int32 (*sums set, where not NULL), then x8 [rows, k] (*x8 set), on up to
+ * `threads` threads. NULL if out of memory. */
+float *quantize_input(const float *x, int rows, int k, int8_t **x8, int32_t **sums,
+                      int threads);
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads);
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,

@@ -10,7 +10,6 @@
  * lm_head ran 1.4x as fast at 4-8 rows, 1.2x at 32, as applying q's sign to every row's
  * input at every step, with the same sums); AVX2, |q| times x8 carrying q's sign (as llama.cpp
  * does), where |q| <= 128 and |x8| <= 127 keep maddubs' pair sums within int16. */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,7 +26,7 @@ typedef struct {
     const int8_t *x8;
     const float *d;
     int nb, k;
-    const int32_t *bias; /* VNNI: 128 x each block's sum of x8 ([rows][nb]), see below */
+    const int32_t *sums; /* each block's sum of x8 ([rows][nb]; VNNI, see below) */
 } tile_args;
 
 static inline int32_t four_bytes(const int8_t *p) {
@@ -52,7 +51,7 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
         const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
         __m512i sums[TILE];
         for (int i = 0; i < R; i++)
-            sums[i] = _mm512_set1_epi32(-a->bias[(size_t)i * a->nb + b]);
+            sums[i] = _mm512_set1_epi32(-128 * a->sums[(size_t)i * a->nb + b]);
         for (int j = 0; j < 8; j++) {
             __m512i q = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)),
                                          top);
@@ -132,31 +131,20 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
               float *y, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
-    float *d = quantize_input(x, rows, k, &x8, threads);
+    int32_t *x8_sums;
+    float *d = quantize_input(x, rows, k, &x8, &x8_sums, threads);
     if (!d)
         return -1;
-    int32_t *bias = NULL;
-#if defined(FMSERVE_VNNI)
-    /* 128 x each block's sum of x8, from quantize_input's d sum(x8): exactly, as the sum is an
-     * integer of at most 32 x 127 and d sum(x8) / d is within 1e-3 of it */
-    const float *dsum = d + (size_t)rows * nb;
-    if (!(bias = malloc(sizeof(int32_t) * (size_t)rows * nb))) {
-        free(d);
-        return -1;
-    }
-    for (size_t at = 0; at < (size_t)rows * nb; at++)
-        bias[at] = d[at] > 0.f ? 128 * (int32_t)lrintf(dsum[at] / d[at]) : 0;
-#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16, x8, d, nb, k,
-                       bias};
+                       x8_sums};
         for (int r = 0; r < rows;) {
             int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
             a.d = d + (size_t)r * nb;
-            a.bias = bias ? bias + (size_t)r * nb : NULL;
+            a.sums = x8_sums + (size_t)r * nb;
             switch (take) { /* each a constant: the accumulators stay in registers */
             case 1: group_tile(1, &a, out); break;
 #if TILE >= 2
@@ -178,7 +166,6 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
             r += take;
         }
     }
-    free(bias);
     free(d);
     return 0;
 }

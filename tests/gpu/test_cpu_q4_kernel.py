@@ -262,9 +262,11 @@ def test_every_build_quantizes_the_input_to_the_same_bytes(isa):
     codes, scale = int8_input(x)
     lib.quantize_input.restype = ctypes.c_void_p
     lib.quantize_input.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.POINTER(ctypes.c_void_p),
                                    ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-    x8_at = ctypes.c_void_p()
-    d_at = lib.quantize_input(x.data_ptr(), rows, width, ctypes.byref(x8_at), 2)
+    x8_at, sums_at = ctypes.c_void_p(), ctypes.c_void_p()
+    d_at = lib.quantize_input(x.data_ptr(), rows, width, ctypes.byref(x8_at),
+                              ctypes.byref(sums_at), 2)
     try:
         blocks = rows * width // Q4_GROUP
         d = torch.frombuffer((ctypes.c_float * blocks).from_address(d_at), dtype=torch.float32)
@@ -275,6 +277,9 @@ def test_every_build_quantizes_the_input_to_the_same_bytes(isa):
         assert torch.equal(x8.view(rows, -1, Q4_GROUP), codes.to(torch.int8))
         assert torch.equal(d.view(rows, -1), scale)
         assert torch.equal(dsum.view(rows, -1), scale * codes.sum(-1))
+        sums = torch.frombuffer((ctypes.c_int32 * blocks).from_address(sums_at.value),
+                                dtype=torch.int32)
+        assert torch.equal(sums.view(rows, -1), codes.sum(-1).to(torch.int32))
         assert x8[:6].tolist() == [127, 2, -4, 0, 0, 2]
     finally:
         ctypes.CDLL(None).free(ctypes.c_void_p(d_at))
