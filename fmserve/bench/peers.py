@@ -44,6 +44,7 @@ from fmserve.bench.peers_served import ServedPeer
 from fmserve.bench.peers_workers import ChildGroup
 from fmserve.bench.spec import spec_settings_for
 from fmserve.jsonl import read_prompts
+from gpu.cpu_load import OtherWork
 
 
 QUICK = dict(num_prompts=3, max_prompt_tokens=96, max_new_tokens=16, concurrency="1,8",
@@ -147,18 +148,9 @@ def busy_cores(seconds: float) -> float | None:
     """How many cores other processes kept busy over the next `seconds` (this one sleeps), from
     /proc/stat; None where it cannot be read. Unlike the 1-minute load average, it is not
     raised by work that ended a few seconds ago."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields[:8]) - idle, sum(fields[:8])
-    try:
-        busy0, total0 = sample()
+    with OtherWork() as other:
         time.sleep(seconds)
-        busy1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (os.cpu_count() or 1) * (busy1 - busy0) / max(total1 - total0, 1)
+    return other.cores
 
 
 def _importable(module: str) -> bool:

@@ -6,6 +6,7 @@ the exact fp32 model; the hand-over is measured once and cached."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from gpu.llama import LlamaModel, unwrap
 from gpu.loader.load import load_model
 from gpu.q4_linear import Q4Linear, q4_kernel_available
 from gpu.quantized_linear import Fp16Linear
+from tests.gpu.test_cpu_load import spinners
 from tests.gpu.test_quantized_memory import projections, tensor_bytes
 from tests.gpu.teacher_forcing import TEXT, prompt_logits
 
@@ -157,9 +159,29 @@ def test_the_hand_over_is_measured_once_then_read_from_the_cache(tmp_path, monke
 
 def test_a_hand_over_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("FMSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
-    assert int4_max_rows(64, 128) in HAND_OVERS
+    procs = spinners(2, 3.0)  # two processes spinning through the measurement
+    time.sleep(0.3)
+    try:
+        assert int4_max_rows(64, 128) in HAND_OVERS
+    finally:
+        for p in procs:
+            p.kill()
     assert not (tmp_path / "cpu_kernels.json").exists()  # measured again at the next start
+
+
+def test_a_hand_over_is_confirmed_before_it_is_taken(monkeypatch):
+    """A kernel that loses one pair of timings (a moment of other work) is timed again; two
+    losses in a row hand over. The timings are scripted: rows -> verdicts in turn."""
+    script = {1: [True], 2: [False, True], 4: [False, False]}
+    seen = []
+
+    def scripted(int4, wide, x):
+        seen.append(x.shape[0])
+        return script[x.shape[0]].pop(0)
+
+    monkeypatch.setattr(cpu_kernels, "_int4_wins", scripted)
+    assert cpu_kernels.measure_int4_max_rows(64, 128, up_to=8) == 2
+    assert seen == [1, 2, 2, 4, 4]
 
 
 def test_the_environment_can_fix_the_hand_over(monkeypatch):
