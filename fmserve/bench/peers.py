@@ -199,50 +199,82 @@ def units(peers: list[Peer]) -> list[tuple[str, list[Peer]]]:
     return [(ps[0].group, ps) for ps in out.values()]
 
 
+class _Started:
+    """One unit's runner in a round, and the time it took to load and to measure."""
+
+    def __init__(self, runner, peers: list[Peer], load_s: float) -> None:
+        self.runner, self.peers, self.load_s, self.measure_s = runner, peers, load_s, 0.0
+
+
+def _start(cfg: PeerConfig, group: str, peers: list[Peer], results: dict[str, PeerResult],
+           progress, task, where: str, points) -> _Started | None:
+    """A unit's runner, or None (its peers skipped with the reason) where it cannot start."""
+    progress.advance(task, sum(points(p) for p in peers if results[p.key].skipped))
+    peers = [p for p in peers if not results[p.key].skipped]
+    if not peers:
+        return None
+    progress.update(task, description=f"{where}: loading {peers[0].key}")
+    t0 = time.perf_counter()
+    try:
+        runner = (ServedPeer(cfg, peers[0]) if group == "served" else
+                  LlamaServerPeer(cfg) if group == "llama-server" else
+                  ChildGroup(cfg, group))
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot start is skipped
+        for p in peers:
+            results[p.key].skipped = f"failed to start: {str(exc)[:300]}"
+            progress.advance(task, points(p))
+        return None
+    return _Started(runner, peers, time.perf_counter() - t0)
+
+
+def _measure(cfg: PeerConfig, prompts, unit: _Started, p: Peer, c: int,
+             results: dict[str, PeerResult], progress, task, where: str) -> None:
+    if not applies(p, c):
+        return
+    progress.update(task, description=f"{where}: {p.key} @ {c}")
+    if not results[p.key].skipped:
+        t0 = time.perf_counter()
+        try:
+            point = unit.runner.measure(p.key, c, requests_for(prompts, c))
+            results[p.key].points.setdefault(c, []).append(point)
+        except Exception as exc:  # noqa: BLE001
+            results[p.key].skipped = f"failed: {str(exc)[:300]}"
+        unit.measure_s += time.perf_counter() - t0
+    progress.advance(task)
+
+
 def run_device(cfg: PeerConfig, prompts, active: list[Peer], results: dict[str, PeerResult],
                rounds: int, progress, task, timings: list) -> None:
     """Every active peer at every concurrency it applies to, `rounds` times round robin.
-    A peer that fails is skipped from then on, with the error as its reason."""
+    On the CPU a round starts all its peers first, then takes the points concurrency by
+    concurrency, peer after peer: a point's peers run seconds apart, not minutes, so the drift
+    of a shared machine (10-20% over minutes on a 2-core host) moves them alike. On a GPU one
+    peer runs at a time (a service sizes its KV cache by the memory left free). A peer that
+    fails is skipped from then on, with the error as its reason."""
     def points(p: Peer) -> int:
         return sum(applies(p, c) for c in cfg.concurrency)
 
+    together = cfg.device == "cpu"
     for rnd in range(rounds):
-        for group, peers in units(active):
-            progress.advance(task, sum(points(p) for p in peers if results[p.key].skipped))
-            peers = [p for p in peers if not results[p.key].skipped]
-            if not peers:
-                continue
-            where = f"{cfg.device} round {rnd + 1}/{rounds}"
-            progress.update(task, description=f"{where}: loading {peers[0].key}")
-            t0 = time.perf_counter()
+        where = f"{cfg.device} round {rnd + 1}/{rounds}"
+        batches = [units(active)] if together else [[u] for u in units(active)]
+        for batch in batches:
+            started: list[_Started] = []
             try:
-                runner = (ServedPeer(cfg, peers[0]) if group == "served" else
-                          LlamaServerPeer(cfg) if group == "llama-server" else
-                          ChildGroup(cfg, group))
-            except Exception as exc:  # noqa: BLE001 - a peer that cannot start is skipped
-                for p in peers:
-                    results[p.key].skipped = f"failed to start: {str(exc)[:300]}"
-                    progress.advance(task, points(p))
-                continue
-            t1 = time.perf_counter()
-            try:
-                for p in peers:
-                    for c in cfg.concurrency:
-                        if not applies(p, c):
-                            continue
-                        progress.update(task, description=f"{where}: {p.key} @ {c}")
-                        if not results[p.key].skipped:
-                            try:
-                                point = runner.measure(p.key, c, requests_for(prompts, c))
-                                results[p.key].points.setdefault(c, []).append(point)
-                            except Exception as exc:  # noqa: BLE001
-                                results[p.key].skipped = f"failed: {str(exc)[:300]}"
-                        progress.advance(task)
+                for group, peers in batch:
+                    if unit := _start(cfg, group, peers, results, progress, task, where, points):
+                        started.append(unit)
+                order = ([(c, u, p) for c in cfg.concurrency for u in started for p in u.peers]
+                         if together else
+                         [(c, u, p) for u in started for p in u.peers for c in cfg.concurrency])
+                for c, unit, p in order:
+                    _measure(cfg, prompts, unit, p, c, results, progress, task, where)
             finally:
-                runner.close()
-            timings.append(dict(device=cfg.device, round=rnd + 1,
-                                peers=", ".join(p.key for p in peers),
-                                load_s=t1 - t0, measure_s=time.perf_counter() - t1))
+                for unit in started:
+                    unit.runner.close()
+            timings += [dict(device=cfg.device, round=rnd + 1,
+                             peers=", ".join(p.key for p in u.peers),
+                             load_s=u.load_s, measure_s=u.measure_s) for u in started]
 
 
 def run_bench_peers(args: argparse.Namespace) -> int:

@@ -124,3 +124,52 @@ def test_bench_peers_refuses_impossible_counts_before_running(flag, value):
     run = subprocess.run([sys.executable, "-m", "fmserve.cli", "bench", "peers", flag, value,
                           "--quick"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and flag in run.stderr, run.stderr[-2000:]
+
+
+class _Recorder:
+    """Stands in for a peer's runner (a service, llama-server, a child process): records when
+    it starts, measures and closes. run_device's order is what is tested, not the runners."""
+
+    log: list[tuple] = []
+
+    def __init__(self, cfg, peer=None) -> None:
+        self.key = peer.key if peer is not None else "llama-server"
+        self.log.append(("start", self.key))
+
+    def measure(self, key, concurrency, requests):
+        from fmserve.bench.peer_types import PointResult
+        self.log.append(("measure", key, concurrency))
+        return PointResult(concurrency, 1.0, [])
+
+    def close(self) -> None:
+        self.log.append(("close", self.key))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_rounds_points_are_taken_concurrency_by_concurrency_on_the_cpu(monkeypatch, device):
+    """On the CPU a point's peers run seconds apart (all started first); on a GPU one peer at a
+    time, as its service sizes its KV cache by the free memory."""
+    from types import SimpleNamespace
+
+    from fmserve.bench import peers
+    from fmserve.bench.peer_types import PeerResult
+    monkeypatch.setattr(peers, "ServedPeer", _Recorder)
+    monkeypatch.setattr(peers, "LlamaServerPeer", _Recorder)
+    _Recorder.log = []
+    active = [p for p in peers.PEERS if p.key in ("llama-server", "served", "served-overlap")]
+    results = {p.key: PeerResult(p) for p in active}
+    cfg = SimpleNamespace(device=device, concurrency=[1, 8])
+    progress = SimpleNamespace(advance=lambda *a, **k: None, update=lambda *a, **k: None)
+    timings: list[dict] = []
+    peers.run_device(cfg, [[1, 2, 3]], active, results, 1, progress, None, timings)
+    log = _Recorder.log
+    keys = [p.key for p in active]
+    if device == "cpu":
+        assert log[:3] == [("start", k) for k in keys]
+        assert log[3:9] == [("measure", k, c) for c in (1, 8) for k in keys]
+        assert sorted(log[9:]) == sorted(("close", k) for k in keys)
+    else:
+        assert log == [e for k in keys for e in
+                       (("start", k), ("measure", k, 1), ("measure", k, 8), ("close", k))]
+    assert all(len(results[k].points[c]) == 1 for k in keys for c in (1, 8))
+    assert [t["peers"] for t in timings] == keys
