@@ -32,6 +32,7 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fmserve.arg_types import add_runtime_args, non_negative_int, positive_int, positive_int_list
@@ -199,11 +200,14 @@ def units(peers: list[Peer]) -> list[tuple[str, list[Peer]]]:
     return [(ps[0].group, ps) for ps in out.values()]
 
 
+@dataclass
 class _Started:
     """One unit's runner in a round, and the time it took to load and to measure."""
 
-    def __init__(self, runner, peers: list[Peer], load_s: float) -> None:
-        self.runner, self.peers, self.load_s, self.measure_s = runner, peers, load_s, 0.0
+    runner: object
+    peers: list[Peer]
+    load_s: float
+    measure_s: float = 0.0
 
 
 def _start(cfg: PeerConfig, group: str, peers: list[Peer], results: dict[str, PeerResult],
@@ -227,8 +231,8 @@ def _start(cfg: PeerConfig, group: str, peers: list[Peer], results: dict[str, Pe
     return _Started(runner, peers, time.perf_counter() - t0)
 
 
-def _measure(cfg: PeerConfig, prompts, unit: _Started, p: Peer, c: int,
-             results: dict[str, PeerResult], progress, task, where: str) -> None:
+def _measure(prompts, unit: _Started, p: Peer, c: int, results: dict[str, PeerResult],
+             progress, task, where: str) -> None:
     if not applies(p, c):
         return
     progress.update(task, description=f"{where}: {p.key} @ {c}")
@@ -268,7 +272,7 @@ def run_device(cfg: PeerConfig, prompts, active: list[Peer], results: dict[str, 
                          if together else
                          [(c, u, p) for u in started for p in u.peers for c in cfg.concurrency])
                 for c, unit, p in order:
-                    _measure(cfg, prompts, unit, p, c, results, progress, task, where)
+                    _measure(prompts, unit, p, c, results, progress, task, where)
             finally:
                 for unit in started:
                     unit.runner.close()
