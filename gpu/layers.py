@@ -8,6 +8,8 @@ gather per forward, no dtype round trips when the model already runs in fp32.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +84,18 @@ def gelu_tanh_glu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 GATED_ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_tanh_glu}  # ModelConfig.mlp_activation
+
+
+def fused_ops_for(device: torch.device) -> ModuleType | None:
+    """gpu/fused_ops (Triton kernels for the elementwise groups) on a CUDA device; None on a
+    CPU, whose decoders never import Triton (or where it is missing)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from gpu import fused_ops
+    except ImportError:
+        return None
+    return fused_ops
 
 
 class DenseLinear:

@@ -30,7 +30,8 @@ from gpu.attention.base import AttentionBackend
 from gpu.cpu_kernels import Fp32Split
 from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, codes_linear_ok
 from gpu.forward_batch import ForwardBatch
-from gpu.layers import GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, head_rms_norm, rms_norm
+from gpu.layers import (GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, fused_ops_for,
+                        head_rms_norm, rms_norm, swiglu)
 from gpu.loader.gguf_q4 import Int4Weight
 from gpu.model_config import ModelConfig
 from gpu.q4_linear import LM_HEAD_Q4_MAX_TOKENS, Q4Linear, q4_applies, q4_shape_ok
@@ -174,6 +175,9 @@ class LlamaModel:
             for i in range(config.num_layers)
         ]
         self.activation = GATED_ACTIVATIONS[config.mlp_activation]
+        # On CUDA the residual add + norm, RoPE and SwiGLU run as one Triton kernel each
+        # (gpu/fused_ops.py): a decode step's kernels are tiny, and each costs a launch.
+        self.fused = fused_ops_for(device)
         # In the embedding dtype, as transformers multiplies (sqrt(640) rounds in bf16).
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
                             if config.scale_embeddings else None)
@@ -220,13 +224,19 @@ class LlamaModel:
         h = self.embed(batch.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        rope_tables = [rope.cos_sin(batch.positions) for rope in self.ropes]
+        fused = self.fused
+        rope_tables = (None if fused is not None and self._fused_rope_applies() else
+                       [rope.cos_sin(batch.positions) for rope in self.ropes])
         captured: list[torch.Tensor] = []
+        pending = None  # the last layer's MLP output, added to h with the next norm
         for layer_id, layer in enumerate(self.layers):
             if layer_id in capture_layers:
+                if pending is not None:
+                    h.add_(pending)
+                    pending = None
                 captured.append(h)
                 h = h.clone()  # the residual adds below are in place
-            x = rms_norm(h, layer.input_norm, eps)
+            x = self._add_norm(h, pending, layer.input_norm, eps)
             qkv = layer.qkv_proj(x)
             if layer.qkv_bias is not None:
                 qkv.add_(layer.qkv_bias)
@@ -234,20 +244,38 @@ class LlamaModel:
             qk = qkv[:, :qk_heads * cfg.head_dim].view(n, qk_heads, cfg.head_dim)
             if layer.qk_norm is not None:
                 qk = head_rms_norm(qk, layer.qk_norm, eps)
-            qk = apply_rope(qk, *rope_tables[self.rope_of_layer[layer_id]])
+            rope_id = self.rope_of_layer[layer_id]
+            if rope_tables is None:
+                rope = self.ropes[rope_id]
+                qk = fused.rope(qk, batch.positions, rope.cos, rope.signed_sin)
+            else:
+                qk = apply_rope(qk, *rope_tables[rope_id])
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, qk_heads * cfg.head_dim:].view(n, cfg.num_kv_heads, cfg.head_dim)
             o = attn.forward(q, k, v, layer_id, batch)
             o = layer.o_proj(o.reshape(n, cfg.q_size))
             if layer.attn_out_norm is not None:
                 o = rms_norm(o, layer.attn_out_norm, eps)
-            h.add_(o)
-            x = rms_norm(h, layer.post_attn_norm, eps)
-            m = layer.down_proj(self.activation(layer.gate_up_proj(x)))
+            x = self._add_norm(h, o, layer.post_attn_norm, eps)
+            gate_up = layer.gate_up_proj(x)
+            m = layer.down_proj(fused.silu_mul(gate_up) if fused is not None
+                                and self.activation is swiglu else self.activation(gate_up))
             if layer.mlp_out_norm is not None:
                 m = rms_norm(m, layer.mlp_out_norm, eps)
-            h.add_(m)
-        return rms_norm(h, self.final_norm, eps), captured
+            pending = m
+        return self._add_norm(h, pending, self.final_norm, eps), captured
+
+    def _add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+        """h += residual in place (none: h as it is), then h's RMSNorm."""
+        if self.fused is not None and weight.dtype == h.dtype:
+            return self.fused.add_rms_norm(h, residual, weight, eps)
+        if residual is not None:
+            h.add_(residual)
+        return rms_norm(h, weight, eps)
+
+    def _fused_rope_applies(self) -> bool:
+        return self.fused.rope_applies(self.config.head_dim, self.ropes[0].cos)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Contiguous rows: the sampler's row-wise argmax/softmax are slow on a transposed product.

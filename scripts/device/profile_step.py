@@ -7,7 +7,8 @@ below its wall is bound by the host's launches and bookkeeping, not by the model
 PROFILE_PY=1, one more generation under cProfile: the Python functions by their own time,
 where the host's bookkeeping between the ops shows (the EAGLE service at 8-32 streams on an
 H100 idled its worker 13-20% of the time: docs/benchmarks.md).
-Usage: [PROFILE_BATCH=8] [PROFILE_PY=1] python3 scripts/device/profile_step.py [plain|eagle3 ...]
+Usage: [PROFILE_BATCH=8] [PROFILE_PY=1] python3 scripts/device/profile_step.py
+       [plain|plain-unfused|eagle3 ...]  (plain-unfused: without gpu/fused_ops.py's kernels)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fmserve.engine import Engine
+from gpu import llama
+from gpu.layers import fused_ops_for
 from ipc.sampling import SamplingParams
 from ipc.spec_settings import SpecSettings
 
@@ -45,6 +48,8 @@ def main(modes: list[str]) -> None:
     for mode in modes:
         spec = (SpecSettings("eagle3", "", num_steps=4, topk=1, num_draft_tokens=5,
                              disable_above_batch_size=0) if mode == "eagle3" else None)
+        # "plain-unfused": the decoder's elementwise groups as torch ops, not gpu/fused_ops.py
+        llama.fused_ops_for = (lambda device: None) if mode == "plain-unfused" else fused_ops_for
         engine = Engine(progress=False, device="cuda" if CUDA else "cpu",
                         dtype="bf16" if CUDA else "auto",
                         **({"spec": spec} if spec else {}))
