@@ -143,11 +143,15 @@ class PlainStep:
     def _sample(self, batch: ForwardBatch, hidden: torch.Tensor, sample_rows: torch.Tensor,
                 sample_slots_host: np.ndarray) -> tuple[HostCopy, int]:
         st = self.state
-        last_token = torch.cumsum(batch.extend_lens, 0) - 1
-        logits = st.model.logits(hidden[last_token[sample_rows]])
-        sample_slots = batch.slots[sample_rows]
-        out = st.sampler.sample(logits, sample_slots, batch.seq_lens[sample_rows],
-                                slots_host=sample_slots_host)
+        if batch.mode == ForwardMode.DECODE:  # every row samples its one token: no gathers
+            n = batch.batch_size  # (a replayed graph's hidden may hold padding rows after)
+            rows_hidden, sample_slots, seq_lens = hidden[:n], batch.slots, batch.seq_lens
+        else:
+            last_token = torch.cumsum(batch.extend_lens, 0) - 1
+            rows_hidden = hidden[last_token[sample_rows]]
+            sample_slots, seq_lens = batch.slots[sample_rows], batch.seq_lens[sample_rows]
+        logits = st.model.logits(rows_hidden)
+        out = st.sampler.sample(logits, sample_slots, seq_lens, slots_host=sample_slots_host)
         st.commit(sample_slots, out.token_ids)  # lengths were published before the forward
         outputs = {"slots": sample_slots, "token_ids": out.token_ids}
         if out.logprobs is not None:
