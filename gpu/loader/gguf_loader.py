@@ -24,8 +24,8 @@ from tqdm import tqdm
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.families import DEFAULT_LOCAL_ROPE_THETA, gguf_family, pattern_window_layers
 from gpu.loader.gguf_kquants import is_kquant, kquant_weight
-from gpu.loader.gguf_q4 import (Int4Weight, dequantize_blocks_fp32, is_q4, q4_blocks,
-                                q8_0_as_q4_pair)
+from gpu.loader.gguf_q4 import (Int4Weight, dequantize_blocks_fp32, is_q4, is_q5, q4_blocks,
+                                q5_as_q4_pair, q8_0_as_q4_pair)
 from gpu.model_config import ModelConfig
 from gpu.rope_scaling import ROPE_SCALING_KINDS, RopeScaling, rope_inv_freq
 from ipc.gguf_file import GGUFFile
@@ -236,12 +236,14 @@ def _dequantize(tensor, path: Path) -> torch.Tensor:
 
 
 def int4_weight(tensor, rows: int, cols: int) -> Int4Weight | None:
-    """A Q4_0/Q4_1/Q8_0/K-quant tensor as an Int4Weight (no dense copy); None for other types."""
+    """A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/K-quant tensor as an Int4Weight (no dense copy); None for other types."""
     type_name = tensor.tensor_type.name
     if is_q4(type_name):
         return Int4Weight.from_parts([q4_blocks(tensor.data, type_name, rows, cols)])
     if type_name == "Q8_0":
         return Int4Weight.from_parts(q8_0_as_q4_pair(tensor.data, rows, cols))
+    if is_q5(type_name):
+        return Int4Weight.from_parts(q5_as_q4_pair(tensor.data, type_name, rows, cols))
     if is_kquant(type_name):
         return kquant_weight(tensor.data, type_name, rows, cols)
     return None
@@ -251,7 +253,7 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_q4: bo
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Int4Weight],
                          Int4Weight | None]:
     """ModelConfig, unfused tensors (our short names, HF [out, in] layout, `dtype`, CPU) and,
-    with `keep_q4`, the layer projections stored as Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K as
+    with `keep_q4`, the layer projections stored as Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K as
     Int4Weights (same names and row order) *instead of* dense tensors, and the lm_head's (the
     embedding's when the model ties them; the dense embedding stays, the lookup reads it)."""
     reader = open_gguf(path)

@@ -16,6 +16,11 @@ q d = 16 d (hi - 8) + d (lo - 8) + 8 d, i.e. hi with scale 16 d and zero 0, lo w
 zero 8 d. The pair is 1.25 bytes a weight (codes, bf16 scales and zeros) against 2 for the bf16
 copy, so the lm_head of a small decode forward can run on it too (gpu/q4_linear.py).
 
+Q5_0 (22 bytes: d, 4 bytes of fifth bits, 16 nibbles; w = (q - 16) d) and Q5_1 (24 bytes: d,
+m, fifth bits, nibbles; w = q d + m), with q = lo + 16 hi, are a pair the same way: lo with
+scale d and zero -8 d (Q5_1: 8 d + m), hi + 8 with scale 16 d and zero 0. llama.cpp writes
+them where a K-quant's 256-input super-block does not divide a row (Gemma 3 270M's 640).
+
 `Int4Weight` is the one form every kept type takes (K-quants: gpu/loader/gguf_kquants.py): an
 int4 matrix in this layout over a widened input x', so that one kernel call multiplies it.
 """
@@ -173,6 +178,35 @@ def q8_0_as_q4_pair(raw: np.ndarray, rows: int, cols: int) -> list[Q4Blocks]:
     lo = torch.from_numpy((biased & 0x0F).reshape(rows, cols))
     d = torch.from_numpy(d)
     return [Q4Blocks(hi, 16 * d, torch.zeros_like(d)), Q4Blocks(lo, d.clone(), 8 * d)]
+
+
+_Q5_BLOCK_BYTES = {"Q5_0": 22, "Q5_1": 24}
+
+
+def is_q5(type_name: str) -> bool:
+    return type_name in _Q5_BLOCK_BYTES
+
+
+def q5_as_q4_pair(raw: np.ndarray, type_name: str, rows: int, cols: int) -> list[Q4Blocks]:
+    """The raw bytes of a Q5_0/Q5_1 tensor as [lo, hi]: two 4-bit weights whose sum is exactly
+    it. Byte j of the nibbles holds element j low and j + 16 high; bit i of the fifth bits
+    belongs to element i (ggml's dequantize_row_q5_0)."""
+    size = _Q5_BLOCK_BYTES[type_name]
+    if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * size:
+        raise ValueError(f"a {type_name} tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} "
+                         f"blocks of {size} bytes; got {raw.size} bytes")
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // Q4_GROUP, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    zero = -8 * d
+    if type_name == "Q5_1":
+        zero = 8 * d + blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    fifth = blocks[..., size - 20:size - 16].copy().view(np.uint32)  # [rows, blocks, 1]
+    nibbles = blocks[..., size - 16:]
+    lo = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    hi = ((fifth >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8).reshape(rows, cols)
+    d_t = torch.from_numpy(d)
+    return [Q4Blocks(torch.from_numpy(lo), d_t, torch.from_numpy(zero)),
+            Q4Blocks(torch.from_numpy(hi + 8), 16 * d_t, torch.zeros_like(d_t))]
 
 
 def dequantize_blocks_fp32(raw: np.ndarray, type_name: str, rows: int, cols: int

@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from gpu.llama import LlamaModel
 from gpu.loader.gguf_kquants import kquant_weight
-from gpu.loader.gguf_q4 import Int4Weight
+from gpu.loader.gguf_q4 import Int4Weight, q5_as_q4_pair
 from gpu.q4_linear import Q4Linear, q4_kernel_available
 from tests.gpu.kquant_models import T, random_blocks, write_kquant_llama
 
@@ -60,6 +60,22 @@ def test_each_kquant_is_ggufs_dequantize(kind):
     assert (represented - exact).abs().max() <= 3 * dense_copy
     with pytest.raises(ValueError, match="super-blocks"):
         kquant_weight(raw.reshape(-1)[:-1], kind.name, rows, cols)
+
+
+@pytest.mark.parametrize("kind", [T.Q5_0, T.Q5_1])
+def test_q5_0_and_q5_1_are_ggufs_dequantize(kind):
+    """The 5-bit types llama.cpp's Q4_K_M uses where a row is no multiple of 256 (Gemma 3
+    270M's 640 inputs): a pair of int4 weights over [x, x], bit for bit gguf's dequantize."""
+    rows, cols = 80, 640
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(2))
+    exact = torch.from_numpy(dequantize(raw, kind).reshape(rows, cols))
+    weight = Int4Weight.from_parts(q5_as_q4_pair(raw, kind.name, rows, cols))
+    assert weight.widening == "repeat" and int(weight.blocks.codes.max()) <= 15
+    assert torch.equal(weight.dequantize(), exact)
+    represented = Q4Linear(weight, max_tokens=4).dequantized_t(0).t().float()
+    assert torch.all((represented - exact).abs() <= kernel_error_bound([weight], exact))
+    with pytest.raises(ValueError, match="blocks of"):
+        q5_as_q4_pair(raw.reshape(-1)[:-1], kind.name, rows, cols)
 
 
 @pytest.fixture(scope="module")
