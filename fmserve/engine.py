@@ -84,8 +84,8 @@ class Engine:
         self.overlap = overlap
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, str):  # with the model's BOS where it has one, as the service
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
         items = list(prompt)
         if items and isinstance(items[0], dict):
             return self.tokenizer.encode_chat(items, add_generation_prompt=True)

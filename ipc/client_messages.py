@@ -30,7 +30,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_field
     """Start a request. Exactly one of text, token_ids, messages must be given."""
 
     id: str  # chosen by the client, unique among its requests in flight
-    text: str | None = None  # plain text, encoded as is
+    text: str | None = None  # plain text, encoded with the model's BOS where it adds one
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None  # rendered with the model's chat template
     params: SamplingParams = SamplingParams()

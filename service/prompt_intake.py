@@ -14,6 +14,8 @@ to the text the model would read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import anyio
 
 from ipc.client_messages import Generate
@@ -21,6 +23,14 @@ from service.scheduler_core import RequestRejected
 from service.tokenizer import TextTokenizer
 
 INLINE_MAX_BYTES = 64 << 10  # ~50 ms of tokenizing on the loop; larger texts go to a thread
+
+
+@dataclass(frozen=True)
+class LargeText:
+    """A prompt to tokenize off the loop (`PromptIntake.encode`)."""
+
+    text: str
+    add_special_tokens: bool  # a raw text: yes; a rendered chat holds its own BOS
 
 
 class PromptIntake:
@@ -31,12 +41,15 @@ class PromptIntake:
         # the event loop and the worker.
         self._limiter = anyio.CapacityLimiter(1)
 
-    def prepare(self, msg: Generate, max_tokens: int) -> list[int] | str:
+    def prepare(self, msg: Generate, max_tokens: int) -> list[int] | LargeText:
         """On the event loop: the prompt's token ids, or its text when that is to be tokenized
         with `encode` (off the loop). Raises RequestRejected for a text that certainly has
-        `max_tokens` tokens or more, and whatever the chat template raises."""
+        `max_tokens` tokens or more, and whatever the chat template raises. A raw text gets
+        the model's own prefix (its BOS where the tokenizer adds one, as transformers'
+        `tokenizer(text)` and llama.cpp give it: Gemma continues badly without)."""
         if msg.messages is None and msg.text is None:
             return list(msg.token_ids or [])
+        special = msg.messages is None
         text = msg.text if msg.messages is None else self.tokenizer.apply_chat_template(
             [{"role": m.role, "content": m.content} for m in msg.messages])
         at_least = self.tokenizer.min_tokens(text)
@@ -49,11 +62,12 @@ class PromptIntake:
                 f"{at_least:,} tokens; this service takes prompts shorter than {max_tokens:,} "
                 f"tokens (refused without tokenizing): shorten it")
         if len(text) <= INLINE_MAX_BYTES // 4 or len(text.encode()) <= INLINE_MAX_BYTES:
-            return self.tokenizer.encode(text)
-        return text
+            return self.tokenizer.encode(text, add_special_tokens=special)
+        return LargeText(text, special)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, prompt: LargeText) -> list[int]:
         """Tokenize on a worker thread. Cancelling the caller (a shutdown) abandons the thread,
         which runs its course: the refusal above bounds that to about a second."""
-        return await anyio.to_thread.run_sync(self.tokenizer.encode_in_thread, text,
-                                              abandon_on_cancel=True, limiter=self._limiter)
+        return await anyio.to_thread.run_sync(
+            self.tokenizer.encode_in_thread, prompt.text, prompt.add_special_tokens,
+            abandon_on_cancel=True, limiter=self._limiter)

@@ -35,7 +35,7 @@ from service.endpoint_security import EndpointSecurity, bind_endpoint
 from service.http.app import OpenAIApp
 from service.http.http_server import HttpServer
 from service.metrics import ServiceMetrics
-from service.prompt_intake import PromptIntake
+from service.prompt_intake import LargeText, PromptIntake
 from service.counters import ServiceCounters
 from service.replica_set import ReplicaSet
 from service.replies import Replies
@@ -256,13 +256,14 @@ class Service:
                                                     f"could not encode the prompt: {exc}"))
             return
         self.clients.add(identity, msg.id, msg.stream)
-        if isinstance(prompt, str):  # in flight from now on; admitted once tokenized
+        if isinstance(prompt, LargeText):  # in flight from now on; admitted once tokenized
             self._tokenizing[rid] = ticket = object()
             self._intake_tasks.start_soon(self._admit_tokenized, rid, prompt, msg.params, ticket)
 
-    async def _admit_tokenized(self, rid: str, text: str, params, ticket: object) -> None:
+    async def _admit_tokenized(self, rid: str, prompt: LargeText, params, ticket: object
+                               ) -> None:
         try:
-            ids, failure = await self.intake.encode(text), None
+            ids, failure = await self.intake.encode(prompt), None
         except Exception as exc:  # a tokenizer failure: the client's input
             ids, failure = None, exc
         if self._tokenizing.get(rid) is not ticket:

@@ -78,6 +78,8 @@ def test_greedy_completions_match_transformers(engine, reference):
                                  do_sample=False, min_new_tokens=NEW_TOKENS)
         assert ours == out[0, len(prompt):].tolist(), tok.decode(prompt)
     assert tok.decode(got[0]).startswith(" Paris")  # a base model, as llama.cpp continues it
+    # The text itself gets the same BOS (without it: " the city. Her. Her. ...").
+    assert engine.generate([PROMPTS[0]], params)[0].token_ids == got[0]
 
 
 def test_tokenizer_matches_transformers(path, reference):
