@@ -145,17 +145,28 @@ def is_q4(type_name: str) -> bool:
     return type_name in _BLOCK_BYTES
 
 
-def q4_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Q4Blocks:
-    """Decode the raw bytes of a Q4_0/Q4_1 tensor (`tensor.data` of gguf's reader) with `rows`
-    outputs of `cols` inputs."""
-    size = _BLOCK_BYTES[type_name]
+def _block_array(raw: np.ndarray, type_name: str, size: int, rows: int, cols: int
+                 ) -> np.ndarray:
+    """The raw bytes of a tensor in blocks of 32 inputs as [rows, cols / 32, size] uint8,
+    checked against its shape."""
     if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * size:
         raise ValueError(f"a {type_name} tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} "
                          f"blocks of {size} bytes; got {raw.size} bytes")
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // Q4_GROUP, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // Q4_GROUP, size)
+
+
+def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The fp16 at byte `offset` of every block, as fp32."""
+    return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def q4_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Q4Blocks:
+    """Decode the raw bytes of a Q4_0/Q4_1 tensor (`tensor.data` of gguf's reader) with `rows`
+    outputs of `cols` inputs."""
+    blocks = _block_array(raw, type_name, _BLOCK_BYTES[type_name], rows, cols)
+    d = _fp16(blocks, 0)
     if type_name == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = _fp16(blocks, 2)
         nibbles = blocks[..., 4:]
         zero = m + 8 * d
     else:
@@ -167,12 +178,8 @@ def q4_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Q4Blocks
 
 def q8_0_as_q4_pair(raw: np.ndarray, rows: int, cols: int) -> list[Q4Blocks]:
     """The raw bytes of a Q8_0 tensor as [hi, lo]: two 4-bit weights whose sum is exactly it."""
-    if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * _Q8_0_BLOCK_BYTES:
-        raise ValueError(f"a Q8_0 tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} blocks "
-                         f"of {_Q8_0_BLOCK_BYTES} bytes; got {raw.size} bytes")
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // Q4_GROUP,
-                                                              _Q8_0_BLOCK_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    blocks = _block_array(raw, "Q8_0", _Q8_0_BLOCK_BYTES, rows, cols)
+    d = _fp16(blocks, 0)
     biased = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # 0..255
     hi = torch.from_numpy((biased >> 4).reshape(rows, cols))
     lo = torch.from_numpy((biased & 0x0F).reshape(rows, cols))
@@ -192,14 +199,9 @@ def q5_as_q4_pair(raw: np.ndarray, type_name: str, rows: int, cols: int) -> list
     it. Byte j of the nibbles holds element j low and j + 16 high; bit i of the fifth bits
     belongs to element i (ggml's dequantize_row_q5_0)."""
     size = _Q5_BLOCK_BYTES[type_name]
-    if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * size:
-        raise ValueError(f"a {type_name} tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} "
-                         f"blocks of {size} bytes; got {raw.size} bytes")
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // Q4_GROUP, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    zero = -8 * d
-    if type_name == "Q5_1":
-        zero = 8 * d + blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    blocks = _block_array(raw, type_name, size, rows, cols)
+    d = _fp16(blocks, 0)
+    zero = 8 * d + _fp16(blocks, 2) if type_name == "Q5_1" else -8 * d
     fifth = blocks[..., size - 20:size - 16].copy().view(np.uint32)  # [rows, blocks, 1]
     nibbles = blocks[..., size - 16:]
     lo = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
@@ -218,10 +220,8 @@ def dequantize_blocks_fp32(raw: np.ndarray, type_name: str, rows: int, cols: int
     size = {**_BLOCK_BYTES, "Q8_0": _Q8_0_BLOCK_BYTES}.get(type_name)
     if size is None:
         return None
-    if cols % Q4_GROUP or raw.size != rows * cols // Q4_GROUP * size:
-        raise ValueError(f"a {type_name} tensor of {rows}x{cols} needs {rows * cols // Q4_GROUP} "
-                         f"blocks of {size} bytes; got {raw.size} bytes")
-    blocks = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1, size).copy())
+    blocks = torch.from_numpy(_block_array(raw, type_name, size, rows, cols).reshape(-1, size)
+                              .copy())
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()
     if type_name == "Q8_0":
         q = blocks[:, 2:].contiguous().view(torch.int8).float()
