@@ -75,19 +75,22 @@ def _deinterleave(grouped: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Q8Rows:
-    """An [out, width] Q8_0 matrix: w = codes * scale per block of 32, the rows interleaved
-    GROUP_ROWS together as Q4Rows's are (for each group of 16 rows and block, 8 steps of 64
-    bytes; step j holds inputs 4j..4j+3 of each row, 4 bytes a row), zero rows padding `out`
-    to a multiple of 16. The kernel's outputs past `out` are dropped."""
+    """An [out, width] 8-bit matrix: w = codes * scale per block of 32 inputs (Q8_0), or per
+    16 with `halves` = 2 (Q6_K's codes q - 32), the rows interleaved GROUP_ROWS together as
+    Q4Rows's are (for each group of 16 rows and block, 8 steps of 64 bytes; step j holds
+    inputs 4j..4j+3 of each row, 4 bytes a row), zero rows padding `out` to a multiple of 16.
+    The kernel's outputs past `out` are dropped."""
 
     codes: torch.Tensor  # [padded out, width] int8, interleaved as above
-    scale: torch.Tensor  # [padded out, width / 32] fp32, as [groups, width / 32, 16]
+    scale: torch.Tensor  # [padded out, width / 32 * halves] fp32, as [groups, blocks, halves, 16]
     out: int
+    halves: int = 1
 
     @staticmethod
     def from_row_codes(codes: torch.Tensor, scale: torch.Tensor) -> "Q8Rows":
-        """From codes [out, width] int8 and scales [out, width / 32] in row order."""
+        """From codes [out, width] int8 and scales [out, width / 32 * halves] in row order."""
         out, width = codes.shape
+        halves = scale.shape[1] * Q4_GROUP // width
         pad = -out % GROUP_ROWS
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad, width)])
@@ -96,7 +99,7 @@ class Q8Rows:
         # [group, row, block, step, byte] -> [group, block, step, row, byte]
         steps = codes.view(groups, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)
         return Q8Rows(steps.reshape(out + pad, width).contiguous(),
-                      _interleave(scale.float()).contiguous(), out)
+                      _interleave(scale.float()).contiguous(), out, halves)
 
     @staticmethod
     def from_pair(weight: Int4Weight) -> "Q8Rows | None":
@@ -113,6 +116,18 @@ class Q8Rows:
             return None
         codes = (b.codes[:, :n].short() * 16 + b.codes[:, n:].short() - 128).to(torch.int8)
         return Q8Rows.from_row_codes(codes, d)
+
+    @staticmethod
+    def from_digits16(weight: Int4Weight) -> "Q8Rows | None":
+        """A Q6_K weight (gguf_kquants.q6_k_weight: two 4-bit digits a, b per weight against
+        [x16, 16 x16], scale d sc_j per 16 inputs, zero 0) as its int8 codes
+        (a - 8) + 16 (b - 8) = q - 32 with those scales; None for another widening."""
+        if weight.widening != "digits16":
+            return None
+        b = weight.blocks
+        digits = b.codes.view(b.codes.shape[0], -1, 2, 16).short() - 8
+        codes = (digits[:, :, 0] + 16 * digits[:, :, 1]).to(torch.int8).flatten(1)
+        return Q8Rows.from_row_codes(codes, b.scale)
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> "Q8Rows":
@@ -140,12 +155,12 @@ class Q8Rows:
         """Rows `ids` as fp32 [*ids.shape, width]: an embedding table kept as its codes."""
         group, lane = ids // GROUP_ROWS, ids % GROUP_ROWS
         q = self._steps()[group, :, :, lane].float()  # [*ids.shape, block, step, byte]
-        nb = self.scale.shape[1]
-        scale = self.scale.view(-1, nb, GROUP_ROWS)[group, :, lane]  # [*ids.shape, block]
-        return (q.flatten(-2) * scale[..., None]).flatten(-2)
+        scales = self.scale.shape[1]  # blocks x halves
+        scale = self.scale.view(-1, scales, GROUP_ROWS)[group, :, lane]  # [*ids.shape, scales]
+        return (q.flatten(-3).unflatten(-1, (scales, -1)) * scale[..., None]).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out, width] matrix (tests)."""
         out, width = self.out, self.codes.shape[1]
-        return (self.row_codes().float().view(out, -1, Q4_GROUP)
+        return (self.row_codes().float().view(out, -1, Q4_GROUP // self.halves)
                 * self.row_scale()[..., None]).view(out, width)

@@ -100,14 +100,15 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
                               ctypes.c_int]
     lib.q8_matmul.restype = ctypes.c_int
     lib.q8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                              ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_int]
     lib.q4_dequantize.restype = None
     lib.q4_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                   ctypes.c_int]
     lib.q8_dequantize.restype = None
     lib.q8_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.decode_step.restype = ctypes.c_int
     lib.head_step.restype = ctypes.c_int
     lib.q4_kernel_isa.restype = ctypes.c_int
@@ -157,7 +158,7 @@ def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.Tensor:
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
     y = torch.empty(rows, padded, dtype=torch.float32)
     if _library(isa).q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
-                               padded, y.data_ptr(), torch.get_num_threads()) != 0:
+                               w.halves, padded, y.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
     return y if padded == w.out else y[:, :w.out].contiguous()
 
@@ -167,8 +168,8 @@ def dequantize_rows(w: "Q4Rows | Q8Rows", start: int, out: torch.Tensor) -> None
     count, width = out.shape
     lib, threads = _library(), torch.get_num_threads()
     if isinstance(w, Q8Rows):
-        lib.q8_dequantize(w.codes.data_ptr(), w.scale.data_ptr(), width, start, count,
-                          out.data_ptr(), threads)
+        lib.q8_dequantize(w.codes.data_ptr(), w.scale.data_ptr(), w.halves, width, start,
+                          count, out.data_ptr(), threads)
     else:
         lib.q4_dequantize(w.nibbles.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), width,
                           start, count, out.data_ptr(), threads)
@@ -230,8 +231,8 @@ _OPS.impl("q4_matmul", lambda x, nibbles, scale, minimum: q4_matmul(
 
 
 _OPS.define("q8_matmul(Tensor x, Tensor codes, Tensor scale) -> Tensor")
-_OPS.impl("q8_matmul", lambda x, codes, scale: q8_matmul(x, Q8Rows(codes, scale,
-                                                                     codes.shape[0])), "CPU")
+_OPS.impl("q8_matmul", lambda x, codes, scale: q8_matmul(x, Q8Rows(
+    codes, scale, codes.shape[0], scale.shape[1] * Q4_GROUP // codes.shape[1])), "CPU")
 
 
 @torch.library.register_fake("fmserve::q4_matmul")
@@ -268,7 +269,8 @@ class CodesLinear(Q4Linear):
         self.bf16_gemm = bf16_gemm  # the wide forwards' GEMM in bf16 (scratch_matmul)
 
     def keep_codes(self, weights: list[Int4Weight]) -> None:
-        self.rows = [Q8Rows.from_pair(w) or Q4Rows.from_weight(w) for w in weights]
+        self.rows = [Q8Rows.from_pair(w) or Q8Rows.from_digits16(w) or Q4Rows.from_weight(w)
+                     for w in weights]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -289,9 +291,9 @@ class CodesLinear(Q4Linear):
 
 
 def codes_linear_ok(weights: Int4Weight | list[Int4Weight]) -> bool:
-    """Whether the kernel takes these parts: not Q6_K's "digits16" widening, whose block of
-    32 widened inputs mixes x and 16 x (one int8 scale for both would blur x)."""
+    """Whether the kernels take these parts: 4-bit ones of whole groups of rows, and the
+    8-bit ones (a Q8_0 pair; Q6_K's digits, as int8 codes with two scales a block)."""
     parts = weights if isinstance(weights, list) else [weights]
-    return available() and all(w.widening != "digits16" and w.shape.width % Q4_GROUP == 0
-                               and (Q8Rows.from_pair(w) is not None
-                                    or w.shape.out_features % GROUP_ROWS == 0) for w in parts)
+    return available() and all(w.shape.width % Q4_GROUP == 0 and (
+        w.widening == "digits16" or Q8Rows.from_pair(w) is not None
+        or w.shape.out_features % GROUP_ROWS == 0) for w in parts)

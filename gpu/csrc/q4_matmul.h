@@ -30,11 +30,11 @@ float *quantize_input(const float *x, int rows, int k, int8_t **x8, int32_t **su
                       int threads);
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads);
-int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,
-              float *y, int threads);
+int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,
+              int n, float *y, int threads);
 void q4_dequantize(const uint8_t *qs, const float *s, const float *m, int k, int o0, int count,
                    float *dst, int threads);
-void q8_dequantize(const int8_t *qs, const float *s, int k, int o0, int count, float *dst,
-                   int threads);
+void q8_dequantize(const int8_t *qs, const float *s, int halves, int k, int o0, int count,
+                   float *dst, int threads);
 
 #endif

@@ -9,7 +9,12 @@
  * subtracts 128 sum(x8) from each block's sum (below: on an AVX512-BF16 EPYC the 49152 x 576
  * lm_head ran 1.4x as fast at 4-8 rows, 1.2x at 32, as applying q's sign to every row's
  * input at every step, with the same sums); AVX2, |q| times x8 carrying q's sign (as llama.cpp
- * does), where |q| <= 128 and |x8| <= 127 keep maddubs' pair sums within int16. */
+ * does), where |q| <= 128 and |x8| <= 127 keep maddubs' pair sums within int16.
+ *
+ * With `halves` = 2 a block has two scales, one per 16 inputs (steps 0-3 and 4-7): GGUF's
+ * Q6_K, whose codes q - 32 (-32..31) are int8 codes exactly and whose scales d sc_j change
+ * every 16 inputs. Each half's integer sum gets its own scale; the input stays quantized per
+ * block of 32. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,7 +31,7 @@ typedef struct {
     const int8_t *x8;
     const float *d;
     int nb, k;
-    const int32_t *sums; /* each block's sum of x8 ([rows][nb]; VNNI, see below) */
+    const int32_t *sums; /* each block's (half's) sum of x8 ([rows][nb][H]; VNNI, see below) */
 } tile_args;
 
 static inline int32_t four_bytes(const int8_t *p) {
@@ -41,7 +46,7 @@ static inline int32_t four_bytes(const int8_t *p) {
  * the top bit, once per step for every row), and each block's sum then exceeds q . x8 by
  * exactly 128 sum(x8), taken off in the integers: the same sums as q . x8, with one
  * subtraction per row and block instead of a sign applied to every row's input at every step. */
-static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
+static inline __attribute__((always_inline)) void group_tile(int R, int H, const tile_args *a,
                                                              float out[][16]) {
     const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 acc[TILE];
@@ -49,39 +54,42 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
         acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < a->nb; b++) {
         const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
-        __m512i sums[TILE];
-        for (int i = 0; i < R; i++)
-            sums[i] = _mm512_set1_epi32(-128 * a->sums[(size_t)i * a->nb + b]);
-        for (int j = 0; j < 8; j++) {
-            __m512i q = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)),
-                                         top);
+        for (int h = 0; h < H; h++) {
+            __m512i sums[TILE];
             for (int i = 0; i < R; i++)
-                sums[i] = _mm512_dpbusd_epi32(sums[i], q, _mm512_set1_epi32(four_bytes(
-                    a->x8 + (size_t)i * a->k + b * GROUP + 4 * j)));
+                sums[i] = _mm512_set1_epi32(-128 * a->sums[((size_t)i * a->nb + b) * H + h]);
+            for (int j = h * 8 / H; j < (h + 1) * 8 / H; j++) {
+                __m512i q = _mm512_xor_si512(
+                    _mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)), top);
+                for (int i = 0; i < R; i++)
+                    sums[i] = _mm512_dpbusd_epi32(sums[i], q, _mm512_set1_epi32(four_bytes(
+                        a->x8 + (size_t)i * a->k + b * GROUP + 4 * j)));
+            }
+            __m512 s = _mm512_loadu_ps(a->s + (b * H + h) * 16);
+            for (int i = 0; i < R; i++)
+                acc[i] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(sums[i]),
+                    _mm512_mul_ps(s, _mm512_set1_ps(a->d[(size_t)i * a->nb + b])), acc[i]);
         }
-        __m512 s = _mm512_loadu_ps(a->s + b * 16);
-        for (int i = 0; i < R; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]),
-                                     _mm512_mul_ps(s, _mm512_set1_ps(a->d[(size_t)i * a->nb + b])),
-                                     acc[i]);
     }
     for (int i = 0; i < R; i++)
         _mm512_storeu_ps(out[i], acc[i]);
 }
 #elif defined(__AVX2__)
 #define TILE 2
-static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
+static inline __attribute__((always_inline)) void group_tile(int R, int H, const tile_args *a,
                                                              float out[][16]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE][2];
     for (int i = 0; i < R; i++)
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int b = 0; b < a->nb; b++) {
+    for (int b = 0; b < a->nb; b++)
+      for (int half = 0; half < H; half++) {
         const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
         __m256i sums[TILE][2];
         for (int i = 0; i < R; i++)
             sums[i][0] = sums[i][1] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
+        for (int j = half * 8 / H; j < (half + 1) * 8 / H; j++) {
             for (int h = 0; h < 2; h++) { /* rows 0-7, then 8-15 */
                 __m256i q = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES + 32 * h));
                 __m256i q_abs = _mm256_sign_epi8(q, q);
@@ -94,96 +102,127 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
             }
         }
         for (int h = 0; h < 2; h++) {
-            __m256 s = _mm256_loadu_ps(a->s + b * 16 + 8 * h);
+            __m256 s = _mm256_loadu_ps(a->s + (b * H + half) * 16 + 8 * h);
             for (int i = 0; i < R; i++)
                 acc[i][h] = _mm256_fmadd_ps(
                     _mm256_cvtepi32_ps(sums[i][h]),
                     _mm256_mul_ps(s, _mm256_set1_ps(a->d[(size_t)i * a->nb + b])), acc[i][h]);
         }
-    }
+      }
     for (int i = 0; i < R; i++)
         for (int h = 0; h < 2; h++)
             _mm256_storeu_ps(out[i] + 8 * h, acc[i][h]);
 }
 #else
 #define TILE 1
-static void group_tile(int R, const tile_args *a, float out[][16]) {
+static void group_tile(int R, int H, const tile_args *a, float out[][16]) {
     for (int i = 0; i < R; i++)
         for (int l = 0; l < 16; l++) {
             float total = 0.f;
-            for (int b = 0; b < a->nb; b++) {
-                const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES + 4 * l;
-                const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP;
-                int sum = 0;
-                for (int j = 0; j < 8; j++)
-                    for (int u = 0; u < 4; u++)
-                        sum += qb[j * STEP_BYTES + u] * x[4 * j + u];
-                total += (float)sum * (a->s[b * 16 + l] * a->d[(size_t)i * a->nb + b]);
-            }
+            for (int b = 0; b < a->nb; b++)
+                for (int h = 0; h < H; h++) {
+                    const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES + 4 * l;
+                    const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP;
+                    int sum = 0;
+                    for (int j = h * 8 / H; j < (h + 1) * 8 / H; j++)
+                        for (int u = 0; u < 4; u++)
+                            sum += qb[j * STEP_BYTES + u] * x[4 * j + u];
+                    total += (float)sum * (a->s[(b * H + h) * 16 + l]
+                                           * a->d[(size_t)i * a->nb + b]);
+                }
             out[i][l] = total;
         }
 }
 #endif
 
-/* y [rows, n] = x [rows, k] W^T for a Q8_0 weight (codes qs, scales s, interleaved as above;
- * k a multiple of 32, n of 16). Returns 0, or -1 if out of memory. */
-int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int n,
-              float *y, int threads) {
+#define TILE_CASES(H)                                                                  \
+    switch (take) { /* each a constant: the accumulators stay in registers */             \
+    case 1: group_tile(1, H, &a, out); break;                                             \
+    TILE_2(case 2: group_tile(2, H, &a, out); break;)                                     \
+    TILE_4(case 3: group_tile(3, H, &a, out); break; case 4: group_tile(4, H, &a, out); break;) \
+    TILE_8(case 5: group_tile(5, H, &a, out); break; case 6: group_tile(6, H, &a, out); break; \
+           case 7: group_tile(7, H, &a, out); break; case 8: group_tile(8, H, &a, out); break;) \
+    }
+#if TILE >= 2
+#define TILE_2(x) x
+#else
+#define TILE_2(x)
+#endif
+#if TILE >= 4 /* an lm_head at 3 streams: the codes read once */
+#define TILE_4(x) x
+#else
+#define TILE_4(x)
+#endif
+#if TILE >= 8
+#define TILE_8(x) x
+#else
+#define TILE_8(x)
+#endif
+
+/* y [rows, n] = x [rows, k] W^T for an 8-bit weight (codes qs, scales s, interleaved as
+ * above, `halves` 1 (Q8_0) or 2 (Q6_K) scales a block; k a multiple of 32, n of 16).
+ * Returns 0, or -1 if out of memory. */
+int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,
+              int n, float *y, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
-    int32_t *x8_sums;
+    int32_t *x8_sums, *half_sums = NULL;
     float *d = quantize_input(x, rows, k, &x8, &x8_sums, threads);
     if (!d)
         return -1;
+    if (halves == 2) { /* each 16 inputs' sum of x8, for VNNI's offset (above) */
+        half_sums = malloc(sizeof(int32_t) * (size_t)rows * nb * 2);
+        if (!half_sums) {
+            free(d);
+            return -1;
+        }
+        for (size_t h = 0; h < (size_t)rows * nb * 2; h++) {
+            int32_t total = 0;
+            for (int j = 0; j < 16; j++)
+                total += x8[h * 16 + j];
+            half_sums[h] = total;
+        }
+        x8_sums = half_sums;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
-        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16, x8, d, nb, k,
-                       x8_sums};
+        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * halves * 16, x8,
+                       d, nb, k, x8_sums};
         for (int r = 0; r < rows;) {
             int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
             a.d = d + (size_t)r * nb;
-            a.sums = x8_sums + (size_t)r * nb;
-            switch (take) { /* each a constant: the accumulators stay in registers */
-            case 1: group_tile(1, &a, out); break;
-#if TILE >= 2
-            case 2: group_tile(2, &a, out); break;
-#endif
-#if TILE >= 4 /* an lm_head at 3 streams: the codes read once */
-            case 3: group_tile(3, &a, out); break;
-            case 4: group_tile(4, &a, out); break;
-#endif
-#if TILE >= 8
-            case 5: group_tile(5, &a, out); break;
-            case 6: group_tile(6, &a, out); break;
-            case 7: group_tile(7, &a, out); break;
-            case 8: group_tile(8, &a, out); break;
-#endif
-            }
+            a.sums = x8_sums + (size_t)r * nb * halves;
+            if (halves == 2)
+                TILE_CASES(2)
+            else
+                TILE_CASES(1)
             for (int i = 0; i < take; i++)
                 memcpy(y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
             r += take;
         }
     }
+    free(half_sums);
     free(d);
     return 0;
 }
 
-/* Output rows [o0, o0 + count) of a Q8_0 weight as fp32 (w = q s), dst [count, k]. */
-void q8_dequantize(const int8_t *qs, const float *s, int k, int o0, int count, float *dst,
-                   int threads) {
+/* Output rows [o0, o0 + count) of an 8-bit weight as fp32 (w = q s), dst [count, k]. */
+void q8_dequantize(const int8_t *qs, const float *s, int halves, int k, int o0, int count,
+                   float *dst, int threads) {
     int nb = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int o = 0; o < count; o++) {
         int row = o0 + o, g = row / 16, l = row % 16;
         const int8_t *qg = qs + (size_t)g * nb * BLOCK_BYTES + 4 * l;
-        const float *sg = s + (size_t)g * nb * 16 + l;
+        const float *sg = s + (size_t)g * nb * halves * 16 + l;
         float *w = dst + (size_t)o * k;
         for (int b = 0; b < nb; b++) {
             const int8_t *qb = qg + (size_t)b * BLOCK_BYTES;
             for (int j = 0; j < GROUP; j++)
-                w[b * GROUP + j] = (float)qb[(j / 4) * STEP_BYTES + j % 4] * sg[b * 16];
+                w[b * GROUP + j] = (float)qb[(j / 4) * STEP_BYTES + j % 4]
+                                   * sg[(b * halves + j * halves / GROUP) * 16];
         }
     }
 }

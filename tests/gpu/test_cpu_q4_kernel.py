@@ -305,18 +305,67 @@ def test_a_weight_of_rows_not_a_multiple_of_16_stays_off_the_kernel():
         Q4Rows.from_weight(Int4Weight(blocks, 64))
 
 
-def test_q6_k_digits_stay_off_the_kernel():
-    blocks = Q4Blocks(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
-                      torch.zeros(16, 2))
-    assert codes_linear_ok(Int4Weight(blocks, 64))
-    assert not codes_linear_ok(Int4Weight(blocks, 32, "digits16"))  # x and 16 x in one block
+def q6_k_weight(rows: int, cols: int, seed: int) -> tuple[Int4Weight, torch.Tensor]:
+    """A Q6_K weight of random real blocks as the loader keeps it, and gguf's dequantize."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from gpu.loader.gguf_kquants import kquant_weight
+    from tests.gpu.kquant_models import T, random_blocks
+    raw = random_blocks(T.Q6_K, rows, cols, np.random.default_rng(seed))
+    exact = torch.from_numpy(dequantize(raw, T.Q6_K).reshape(rows, cols))
+    return kquant_weight(raw, "Q6_K", rows, cols), exact
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_a_q6_k_weight_runs_on_the_8_bit_kernel_with_a_scale_every_16_inputs(isa):
+    """Q6_K's codes q - 32 are int8 codes exactly and its scales change every 16 inputs: the
+    8-bit kernel with two scales a block gives gguf's weights bit for bit, each row alone what
+    it gives it in a batch, and the written-out sums of each half block (the input quantized
+    per 32 as always). 40 rows: the last 8 of 48 padding."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    weight, exact = q6_k_weight(40, 512, seed=3)
+    assert codes_linear_ok(weight)
+    codes = Q8Rows.from_digits16(weight)
+    assert codes.halves == 2 and codes.codes.dtype == torch.int8 and codes.out == 40
+    assert codes.row_codes().min() >= -32 and codes.row_codes().max() <= 31
+    assert torch.equal(codes.dequantize(), exact)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(9))  # VNNI tiles 8, 3
+    batch = q8_matmul(x, codes, isa)
+    for i in range(11):
+        assert torch.equal(q8_matmul(x[i:i + 1], codes, isa)[0], batch[i]), i
+    x8, d = int8_input(x)
+    halves = x8.double().view(11, -1, 16)  # [rows, 16-input halves, 16]
+    dots = torch.einsum("ohj,rhj->roh", codes.row_codes().double().view(40, -1, 16), halves)
+    scaled = dots * codes.row_scale().double()[None] * d.double().repeat_interleave(2, 1)[:, None]
+    torch.testing.assert_close(batch, scaled.sum(-1).float(), rtol=1e-5, atol=1e-5)
+    exact_y = x @ exact.t()
+    assert ((batch - exact_y).norm() / exact_y.norm()).item() < 0.01
+    out = torch.empty(40, 512)
+    dequantize_rows(codes, 0, out)
+    assert torch.equal(out, exact)
+
+
+def test_codes_linear_keeps_a_q6_k_weight_as_int8_codes_for_small_and_wide_forwards():
+    weight, exact = q6_k_weight(48, 256, seed=4)
+    layer = CodesLinear(weight, 4)
+    assert isinstance(layer.rows[0], Q8Rows) and layer.rows[0].halves == 2
+    assert torch.equal(layer.weight, exact)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(layer(x), q8_matmul(x, layer.rows[0]))
+    wide = torch.randn(9, 256, generator=torch.Generator().manual_seed(7))  # above 4 rows
+    torch.testing.assert_close(layer(wide), wide @ exact.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
 def test_torch_compile_traces_the_kernel_as_one_op(type_name):
-    raw, exact = quantized(type_name, rows=64, cols=128)
-    layer = CodesLinear(int4(raw, type_name, exact.shape), 4)
-    x = torch.randn(1, 128)
+    if type_name == "Q6_K":
+        layer = CodesLinear(q6_k_weight(64, 256, seed=5)[0], 4)
+    else:
+        raw, exact = quantized(type_name, rows=64, cols=128)
+        layer = CodesLinear(int4(raw, type_name, exact.shape), 4)
+    x = torch.randn(1, layer.in_features)
 
     def step(h: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(layer(h)) * 2
