@@ -7,10 +7,11 @@ torch's dispatcher. This step makes one: the decoder (norms, projections, RoPE, 
 attention, SwiGLU, residuals) runs in C over the model's own tensors, as llama.cpp runs it.
 The embedding lookup, the cos/sin gather and the lm_head stay in torch.
 
-It applies to decode batches of up to NATIVE_MAX_BATCH rows, on a model with the plain Llama
-decoder: fp32 weights and KV cache, every projection a one-part
-CodesLinear, one RoPE table, no biases, q/k norms, sandwich norms or sliding windows, SiLU.
-Elsewhere `why_not` says what is missing and decode steps stay on torch.
+It applies to decode batches of up to NATIVE_MAX_BATCH rows, on a Llama-like decoder (Llama,
+Mistral, Qwen3, Gemma 3: q/k norms, sandwich norms, sliding windows, a second RoPE table, GELU)
+in fp32 with an fp32 or fp16 KV cache, every projection one CodesLinear part (4-bit, 4-bit over
+[x, x], Q8_0 or Q6_K codes). Elsewhere (biases, DP attention) `why_not` says what is missing and
+decode steps stay on torch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.cpu_kernels import ENV_CODES_ROWS
-from gpu.cpu_q4_kernel import CodesLinear, library
+from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, library
 from gpu.forward_batch import ForwardBatch, ForwardMode
 
 # Decode batches of up to this many rows run in C, even where the projections hand wider
@@ -43,21 +44,27 @@ _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Q4Weight(ctypes.Structure):
-    _fields_ = [("nibbles", _PTR), ("scale", _PTR), ("minimum", _PTR), ("out", _INT),
-                ("in_features", _INT)]
+    _fields_ = [("codes", _PTR), ("scale", _PTR), ("minimum", _PTR), ("out", _INT),
+                ("in_features", _INT), ("kind", _INT)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Q4Weight),
                 ("o", _Q4Weight), ("gate_up", _Q4Weight), ("down", _Q4Weight),
-                ("k_cache", _PTR), ("v_cache", _PTR)]
+                ("k_cache", _PTR), ("v_cache", _PTR), ("qk_norm", _PTR), ("attn_out_norm", _PTR),
+                ("mlp_out_norm", _PTR), ("window", _INT), ("rope", _INT)]
 
 
 class _Decoder(ctypes.Structure):
     _fields_ = [("layers", _INT), ("hidden", _INT), ("heads", _INT), ("kv_heads", _INT),
                 ("head_dim", _INT), ("intermediate", _INT), ("kv_half", _INT),
                 ("eps", _FLOAT),
-                ("attn_scale", _FLOAT), ("final_norm", _PTR), ("layer", ctypes.POINTER(_Layer))]
+                ("attn_scale", _FLOAT), ("final_norm", _PTR), ("layer", ctypes.POINTER(_Layer)),
+                ("gelu", _INT)]
+
+
+# decode_step.c's codes kinds: 4-bit over x, 4-bit over [x, x], Q8_0, Q6_K
+_CODES_KIND = {("q4", "none"): 0, ("q4", "repeat"): 1, ("q8", 1): 2, ("q8", 2): 3}
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -81,19 +88,27 @@ def why_not(model, attn) -> str | None:
         return "it reads an fp32 or fp16 KV cache of the torch attention backend"
     if attn.kv_pool.dtype == torch.float16 and not half_kv_supported():
         return "this CPU has no F16C to read an fp16 KV cache"
-    if attn.windows != (None,) or len(model.ropes) != 1 or model.dp_attention is not None:
-        return "sliding windows, a second RoPE table and DP attention are not written in C"
-    if (cfg.qkv_bias or cfg.qk_norm or cfg.sandwich_norms or cfg.mlp_activation != "silu"
+    if model.dp_attention is not None or len(model.ropes) > 2:
+        return "DP attention and more than two RoPE tables are not written in C"
+    if (cfg.qkv_bias or cfg.mlp_activation not in ("silu", "gelu_tanh")
             or cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 8):
-        return ("its decoder is not the plain Llama one (biases, q/k or sandwich norms, GELU, "
-                "a head_dim not a multiple of 8)")
+        return ("its decoder is not one the C step has (q/k/v biases, an activation but SiLU "
+                "or GELU, a head_dim not a multiple of 8)")
     for layer in model.layers:
         for name in _PROJECTIONS:
-            proj = getattr(layer, name)
-            if not isinstance(proj, CodesLinear) or len(proj.rows) != 1 or \
-                    proj.segments[0].widening != "none":
-                return f"{name} is not one 4-bit matrix on the C kernel"
+            if _codes_kind(getattr(layer, name)) is None:
+                return f"{name} is not one matrix of codes on the C kernels"
     return None
+
+
+def _codes_kind(proj) -> int | None:
+    """decode_step.c's kind of a projection's codes, None where it has none of them."""
+    if not isinstance(proj, CodesLinear) or len(proj.rows) != 1:
+        return None
+    rows = proj.rows[0]
+    if isinstance(rows, Q8Rows):
+        return _CODES_KIND[("q8", rows.halves)] if rows.codes.shape[0] == rows.out else None
+    return _CODES_KIND.get(("q4", proj.segments[0].widening))
 
 
 def native_decode_applies(state) -> bool:
@@ -106,8 +121,15 @@ def native_decode_applies(state) -> bool:
 
 def _q4(proj: CodesLinear) -> _Q4Weight:
     rows = proj.rows[0]
+    if isinstance(rows, Q8Rows):
+        return _Q4Weight(rows.codes.data_ptr(), rows.scale.data_ptr(), None, rows.out,
+                         proj.in_features, _codes_kind(proj))
     return _Q4Weight(rows.nibbles.data_ptr(), rows.scale.data_ptr(), rows.minimum.data_ptr(),
-                     proj.out_features, proj.in_features)
+                     proj.out_features, proj.in_features, _codes_kind(proj))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class NativeDecode:
@@ -127,7 +149,9 @@ class NativeDecode:
         self._layers = (_Layer * cfg.num_layers)(*[
             _Layer(layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(),
                    _q4(layer.qkv_proj), _q4(layer.o_proj), _q4(layer.gate_up_proj),
-                   _q4(layer.down_proj), kv.k_buffer[i].data_ptr(), kv.v_buffer[i].data_ptr())
+                   _q4(layer.down_proj), kv.k_buffer[i].data_ptr(), kv.v_buffer[i].data_ptr(),
+                   _ptr(layer.qk_norm), _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm),
+                   cfg.layer_window(i) or 0, model.rope_of_layer[i])
             for i, layer in enumerate(model.layers)])
         self._decoder = self._segment(0, cfg.num_layers)
         self._segments: dict[tuple[int, ...], list[_Decoder]] = {}
@@ -142,7 +166,7 @@ class NativeDecode:
         return _Decoder(stop - start, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim, cfg.intermediate_size, int(kv.dtype == torch.float16),
                         cfg.rms_norm_eps, self.attn.scale, self.model.final_norm.data_ptr(),
-                        first)
+                        first, int(cfg.mlp_activation == "gelu_tanh"))
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.mode == ForwardMode.DECODE and 0 < batch.batch_size <= self.max_batch
@@ -190,10 +214,11 @@ class NativeDecode:
         h = model.embed(batch.input_ids).contiguous()  # a fresh tensor: the C step adds into it
         if model.embed_scale is not None:
             h.mul_(model.embed_scale)
-        rope = model.ropes[0]
         positions = batch.positions
-        cos = rope.cos[positions].contiguous()
-        sin = rope.signed_sin[positions, 1].contiguous()
+        tables = [(rope.cos[positions].contiguous(), rope.signed_sin[positions, 1].contiguous())
+                  for rope in model.ropes]
+        cos = (_PTR * len(tables))(*[c.data_ptr() for c, _ in tables])
+        sin = (_PTR * len(tables))(*[s.data_ptr() for _, s in tables])
         max_len = batch.max_seq_len
         key_locs, seq_lens, out_loc = row_operands(batch, self.attn.req_to_token.req_to_token,
                                                    key_locs)
@@ -202,8 +227,8 @@ class NativeDecode:
             if i:  # the C step adds into h in place
                 captured.append(h.clone())
             status = self.lib.decode_step(
-                ctypes.byref(decoder), batch.batch_size, _PTR(h.data_ptr()),
-                _PTR(cos.data_ptr()), _PTR(sin.data_ptr()), _PTR(key_locs.data_ptr()),
+                ctypes.byref(decoder), batch.batch_size, _PTR(h.data_ptr()), cos, sin,
+                _PTR(key_locs.data_ptr()),
                 max_len, _PTR(seq_lens.data_ptr()), _PTR(out_loc.data_ptr()),
                 _PTR(out.data_ptr()), torch.get_num_threads())
             if status != 0:

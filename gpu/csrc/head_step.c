@@ -48,7 +48,7 @@ int head_step(const head_layer *m, int rows, const float *emb, float *h, const f
     float *proj = attn + (size_t)rows * m->heads * m->head_dim, *gate_up = proj + (size_t)rows * n;
     float *act = gate_up + (size_t)rows * 2 * inter, *scores = act + (size_t)rows * inter;
     float *post = scores + (size_t)rows * m->heads * max_len;
-    attention_shape shape = {m->heads, m->kv_heads, m->head_dim, m->kv_half, m->attn_scale};
+    attention_shape shape = {m->heads, m->kv_heads, m->head_dim, m->kv_half, m->attn_scale, 0};
     int status = -1;
     for (int r = 0; r < rows; r++) {
         float *xr = x + (size_t)r * 2 * n, *hr = h + (size_t)r * n;
@@ -70,7 +70,7 @@ int head_step(const head_layer *m, int rows, const float *emb, float *h, const f
     rms_norm(h, m->post_norm, m->eps, rows, n, post);
     if (matmul8(&m->gate_up, post, rows, gate_up, threads))
         goto done;
-    swiglu(gate_up, act, rows, inter, threads);
+    gated(gate_up, act, rows, inter, 0, threads);
     if (matmul8(&m->down, act, rows, proj, threads))
         goto done;
     for (size_t i = 0; i < (size_t)rows * n; i++)

@@ -1,6 +1,6 @@
 /* The ops of a decoder layer's few rows in C, shared by the target's decode step
  * (decode_step.c) and the EAGLE head's (head_step.c): RMSNorm, rotate-half RoPE, the KV write,
- * attention over each row's keys (fp32 or fp16 cache), SwiGLU. Static: each file that
+ * attention over each row's keys (fp32 or fp16 cache), SwiGLU or GELU-gated. Static: each file that
  * includes this gets its own copy, inlined where the compiler sees fit. */
 #ifndef FMSERVE_STEP_OPS_H
 #define FMSERVE_STEP_OPS_H
@@ -18,6 +18,7 @@
 typedef struct {
     int heads, kv_heads, head_dim, kv_half;
     float attn_scale;
+    int window; /* each row sees the keys of its last `window` positions (0: every key) */
 } attention_shape;
 
 static void rms_norm(const float *x, const float *w, float eps, int rows, int n, float *y) {
@@ -318,8 +319,11 @@ static void attend(const attention_shape *m, const void *k_cache, const void *v_
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int g = 0; g < m->kv_heads; g++) {
-            const int32_t *locs = key_locs + (size_t)r * max_len;
-            int len = (int)seq_lens[r];
+            int len = (int)seq_lens[r], first = 0;
+            if (m->window > 0 && len > m->window) /* a sliding window: its last keys */
+                first = len - m->window;
+            const int32_t *locs = key_locs + (size_t)r * max_len + first;
+            len -= first;
             for (int h = g * group; h < (g + 1) * group; h += HEADS_AT_ONCE) {
                 int H = (g + 1) * group - h < HEADS_AT_ONCE ? (g + 1) * group - h : HEADS_AT_ONCE;
                 const float *q = qkv + (size_t)r * width + (size_t)h * d;
@@ -354,16 +358,43 @@ static void write_kv(const attention_shape *m, void *k_cache, void *v_cache, con
     }
 }
 
-/* act [rows, inter] = SiLU(gate) up, from gate_up [rows, 2 inter] (gate first), shared among
- * the threads in chunks: it is bound by exp. */
-static void swiglu(const float *gate_up, float *act, int rows, int inter, int threads) {
+/* act[i] = GELU(gate[i]) up[i] for n values, GELU's tanh form as torch's
+ * gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with
+ * tanh(u) = 1 - 2 / (1 + e^(2u)). */
+static void gelu_mul(const float *gate, const float *up, float *act, int n) {
+    const float k = 0.7978845608028654f;
+    int i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i), one = _mm256_set1_ps(1.f);
+        __m256 u = _mm256_mul_ps(_mm256_set1_ps(k), _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(g, g)), g, g));
+        __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(
+            one, exp8(_mm256_add_ps(u, u)))));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_mul_ps(
+            _mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        float g = gate[i];
+        act[i] = 0.5f * g * (1.f + tanhf(k * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
+/* act [rows, inter] = SiLU(gate) up, or GELU(gate) up (`gelu`), from gate_up [rows, 2 inter]
+ * (gate first), shared among the threads in chunks: it is bound by exp. */
+static void gated(const float *gate_up, float *act, int rows, int inter, int gelu, int threads) {
     int chunk = 256, chunks = (inter + chunk - 1) / chunk;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int c = 0; c < chunks; c++) {
             const float *gate = gate_up + (size_t)r * 2 * inter + (size_t)c * chunk;
             int n = inter - c * chunk < chunk ? inter - c * chunk : chunk;
-            silu_mul(gate, gate + inter, act + (size_t)r * inter + (size_t)c * chunk, n);
+            float *out = act + (size_t)r * inter + (size_t)c * chunk;
+            if (gelu)
+                gelu_mul(gate, gate + inter, out, n);
+            else
+                silu_mul(gate, gate + inter, out, n);
         }
     }
 }

@@ -88,3 +88,32 @@ def test_tokenizer_matches_transformers(path, reference):
     for text in strings():
         assert ours.encode(text, add_special_tokens=True) == tok.encode(text), repr(text)
     assert ours.bos_token_id == 2 and ours.eos_token_ids[0] == 1
+
+
+def test_the_codes_decode_in_c_with_the_models_own_top_choices(path, reference, monkeypatch):
+    """dtype "auto" where it means fp32 (an AVX2 or AVX512-BF16 CPU): the file's codes on the C
+    kernels (Q5_0 as two 4-bit digits, Q4_K, Q6_K as int8 with a scale every 16 inputs) and
+    every decode step one C call (gpu/cpu_decode_step.py). Each greedy token is transformers'
+    first choice on the text so far, or within a near-tie of it (the kernels round each
+    projection's input to int8, as llama.cpp does)."""
+    from gpu import cpu_decode_step, worker_state
+    monkeypatch.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+    engine = Engine(model=str(path), dtype="auto", page_size=16, max_kv_tokens=2048,
+                    max_running_requests=4, progress=False)
+    native = engine.worker.step.native_decode
+    assert native is not None, cpu_decode_step.why_not(engine.worker.state.model,
+                                                       engine.worker.state.attn)
+    tok, model = reference
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = native.runs
+    got = [c.token_ids for pair in (prompts[:2], prompts[2:])  # the suite's C step: 2 rows
+           for c in engine.generate(pair, params)]
+    assert native.runs - runs >= 2 * (NEW_TOKENS - 1)
+    assert tok.decode(got[0]).startswith(" Paris")
+    for prompt, ours in zip(prompts, got):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
+        gaps = logits.max(-1).values - chosen
+        assert gaps.max().item() < 1.0, (tok.decode(prompt), gaps)
