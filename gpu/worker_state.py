@@ -98,18 +98,23 @@ class WorkerState:
         self.model_name = Path(cfg.model.path).name
         # The rank's heads and MLP slice (the whole model on one rank); vocab_size is the model's.
         local = ranked.shard_weights(loaded) if ranked is not None else mc
+        self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
+        self.page_size = rt.page_size
+        num_pages = -(-rt.max_kv_tokens // rt.page_size) + 1  # page 0 is padding
+        # A request's positions stay below its KV slots and its context limit, plus the few a
+        # speculative step drafts past the limit (below).
+        max_positions = (min(self.max_context_len, (num_pages - 1) * rt.page_size)
+                         + cfg.spec.reserve_tokens)
         self.model = LlamaModel(local, loaded.weights, self.device, self.dtype,
                                 weight_quant=cfg.weight_quant, q4=loaded.q4,
                                 q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4,
-                                deterministic=rt.deterministic, fp32_split=fp32_split)
+                                deterministic=rt.deterministic, fp32_split=fp32_split,
+                                max_positions=max_positions)
         if ranked is not None:
             ranked.parallelize(self.model)
         del loaded
         release_free_heap()
-        self.max_context_len = min(rt.max_context_len or mc.max_context_len, mc.max_context_len)
-        self.page_size = rt.page_size
         self.num_slots = rt.max_running_requests + 1  # slot 0 is padding
-        num_pages = -(-rt.max_kv_tokens // rt.page_size) + 1  # page 0 is padding
         # fp16 keys and values beside an fp32 model on its codes (runtime.kv_cache_dtype),
         # where the C decode step can read them (or torch's kernels take every step).
         half_kv = (rt.kv_cache_dtype == "auto" and fp32_split is not None

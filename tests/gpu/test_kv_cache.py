@@ -71,3 +71,23 @@ def test_a_pool_allocated_where_the_heap_has_a_free_block_is_not_resident_either
         assert not any(b.any() for b in pool.k_buffer + pool.v_buffer)
     finally:
         libc.mallopt(m_mmap_threshold, 128 << 10)  # glibc's default threshold
+
+
+def test_rope_tables_cover_the_positions_the_kv_cache_can_hold_and_no_more(tiny_llama):
+    """The model's RoPE tables stop at the KV cache's tokens (plus a speculative step's
+    reserve) where that is below the context limit: a request as long as the scheduler admits
+    into the cache decodes as it does beside a cache of the whole context."""
+    from fmserve.engine import Engine
+    from ipc.sampling import SamplingParams
+    small = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", page_size=16,
+                   max_kv_tokens=64, max_running_requests=1, progress=False)
+    state = small.worker.state
+    assert state.max_context_len > 64
+    assert [rope.cos.shape[0] for rope in state.model.ropes] == [64 + state.cfg.spec.reserve_tokens]
+    whole = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", page_size=16,
+                   max_kv_tokens=state.max_context_len, max_running_requests=1, progress=False)
+    assert whole.worker.state.model.ropes[0].cos.shape[0] >= state.max_context_len
+    prompt = [(5 * i + 1) % 90 for i in range(40)]  # the most the scheduler lets in
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    [a], [b] = small.generate([prompt], params), whole.generate([prompt], params)
+    assert len(a.token_ids) == 8 and a.token_ids == b.token_ids
