@@ -85,7 +85,14 @@ class TorchAttentionBackend(AttentionBackend):
             return
         assert batch.seq_lens_cpu is not None and batch.max_seq_len is not None, (
             "the torch attention backend needs host sequence lengths (needs_cpu_seq_lens)")
-        self._groups_by_window = {w: self._build_groups(batch, w) for w in self.windows}
+        # A window no shorter than the longest sequence hides no key: those layers take the
+        # full-attention groups (on a CPU request by request, not padded under a mask).
+        built: dict[int | None, list[_Group]] = {}
+        for w in self.windows:
+            seen = None if w is None or w >= batch.max_seq_len else w
+            if seen not in built:
+                built[seen] = self._build_groups(batch, seen)
+            self._groups_by_window[w] = built[seen]
         self._groups = self._groups_by_window[self.windows[0]]
 
     def _build_groups(self, batch: ForwardBatch, window: int | None) -> list[_Group]:

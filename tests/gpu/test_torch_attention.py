@@ -3,6 +3,7 @@ on the batches continuous batching makes: decodes alone, prefill chunks alone, a
 in one EXTEND batch (run as two groups, so a decode is not padded to the longest chunk)."""
 
 import pytest
+import torch
 
 from gpu.attention.torch_backend import TorchAttentionBackend
 from tests.gpu.attention_cases import BF16, DEVICE, FP32, MIXED_LENS, SMOL, build_case, run_and_compare
@@ -57,7 +58,7 @@ def test_a_mixed_extend_runs_decodes_apart_from_chunks():
     assert len(backend2._groups) == 1 and backend2._groups[0].tokens is None
 
 
-@pytest.mark.parametrize("window", [1, 8, 100])
+@pytest.mark.parametrize("window", [1, 8, 100, 301])
 def test_sliding_window(window):
     # Decodes past the window, chunks on a prefix longer than it, a prompt shorter than it.
     run_and_compare(TorchAttentionBackend, 1e-4, page_size=16, decode=False,
@@ -65,3 +66,18 @@ def test_sliding_window(window):
     run_and_compare(TorchAttentionBackend, 1e-4, seq_lens=MIXED_LENS,
                     prefix_lens=[n - 1 for n in MIXED_LENS], page_size=16, decode=True,
                     sliding_window=window, **SMOL, **FP32)
+
+
+@pytest.mark.parametrize("window,hides_keys", [(100, True), (301, False), (4096, False)])
+def test_a_window_no_shorter_than_every_sequence_attends_as_full_attention(window, hides_keys):
+    """Gemma 3's 512-token window over prompts shorter than it hides nothing: those layers take
+    the full-attention groups (on a CPU the chunks one request at a time, not padded under a
+    window mask: a third of a 32-prompt prefill's attention time)."""
+    backend, batch, *_ = build_case(TorchAttentionBackend, page_size=16, decode=False,
+                                    sliding_window=window, **MIXED_STEP, **SMOL, **FP32)
+    backend.init_forward_metadata(batch)
+    full = TorchAttentionBackend._build_groups(backend, batch, None)
+    decode, chunks = backend._groups_by_window[window]
+    assert torch.equal(decode.mask, full[0].mask) != hides_keys
+    if DEVICE.type == "cpu":
+        assert (chunks.ragged is None) == hides_keys and (full[1].ragged is not None)
