@@ -131,6 +131,8 @@ class PlainStep:
         if native is not None and native.can_run_as_rows(batch):  # a short chunk, a mixed
             rows, key_locs = native.extend_rows(batch)  # step: as the EAGLE step's target
             return native.run(rows, key_locs=key_locs)  # runs it, so both give one answer
+        if native is not None and native.can_run_in_pieces(batch):  # a prefill of short prompts
+            return native.run_in_pieces(batch)[0]
         if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
             return self.compiled_decode.run(batch)
         if batch.batch_size:

@@ -185,13 +185,14 @@ class EagleStep:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target forward; returns (final hidden, the draft's input features; None without
         `capture`: a batch of headless requests only)."""
-        st = self.state
-        native, key_locs = self.native_decode, None
+        st, native, key_locs = self.state, self.native_decode, None
         layers = self.capture_layers if capture else ()
         if native is not None and native.can_run_as_rows(batch):  # a verify, a short chunk
             batch, key_locs = native.extend_rows(batch)
         if native is not None and native.can_run(batch):
             hidden, captured = native.run_capturing(batch, layers, key_locs)
+        elif native is not None and native.can_run_in_pieces(batch):  # as the plain step
+            hidden, captured = native.run_in_pieces(batch, layers)
         else:
             if batch.batch_size:
                 st.attn.init_forward_metadata(batch)
