@@ -39,7 +39,7 @@ def test_this_process_own_work_is_not_other_work():
         return w.cores
 
     asleep, spinning = [], []
-    for _ in range(3):
+    for _ in range(5):  # medians of five: a test beside it on the other core moves single ones
         asleep.append(window(False))
         spinning.append(window(True))
-    assert sorted(spinning)[1] < sorted(asleep)[1] + 0.5, (asleep, spinning)
+    assert sorted(spinning)[2] < sorted(asleep)[2] + 0.75, (asleep, spinning)
