@@ -42,9 +42,10 @@ NATIVE_MAX_BATCH = 32
 NATIVE_MAX_ROWS = 128
 
 # Prefill chunks whose requests have at most this many keys also run in C, in pieces of
-# `max_batch` rows: over the dev prompts (34-175 tokens, 32 at once) 25-30% faster than the torch
-# step (its per-op cost and elementwise passes), even at 512 keys, but the C step attends one row
-# at a time, so at 1024 keys it was 1.1x slower (SmolLM2-135M, 2-core AVX512-BF16 EPYC).
+# NATIVE_MAX_ROWS rows (each piece reads every weight once): over the dev prompts (34-175
+# tokens, 32 at once) 25-30% faster than the torch step (its per-op cost and elementwise
+# passes), even at 512 keys, but the C step attends one row at a time, so at 1024 keys it
+# was 1.1x slower (SmolLM2-135M, 2-core AVX512-BF16 EPYC).
 PIECES_MAX_KEYS = 512
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -185,7 +186,7 @@ class NativeDecode:
                 and batch.max_seq_len is not None)
 
     def can_run_in_pieces(self, batch: ForwardBatch) -> bool:
-        """Whether a causal extend of more rows runs here, `max_batch` rows at a time: its
+        """Whether a causal extend of more rows runs here, in pieces of rows: its
         chunks' requests have at most PIECES_MAX_KEYS keys (decodes beside them any)."""
         if (batch.mode != ForwardMode.EXTEND or batch.tree_mask is not None
                 or batch.seq_lens_cpu is None or batch.extend_lens_cpu is None):
@@ -196,12 +197,13 @@ class NativeDecode:
 
     def run_in_pieces(self, batch: ForwardBatch, capture_layers: tuple[int, ...] = ()
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A causal extend as decode rows, `max_batch` of them a call (each piece's keys and
+        """A causal extend as decode rows, NATIVE_MAX_ROWS of them a call (each piece's keys and
         values are written before the next attends to them): final hidden states [tokens, H]
         and the captures of `run_capturing`, in token order."""
         rows, n = causal_rows(batch), batch.num_tokens
-        outs = [self.run_capturing(_row_slice(rows, a, min(a + self.max_batch, n)), capture_layers)
-                for a in range(0, n, self.max_batch)]
+        piece = max(self.max_batch, NATIVE_MAX_ROWS)
+        outs = [self.run_capturing(_row_slice(rows, a, min(a + piece, n)), capture_layers)
+                for a in range(0, n, piece)]
         captured = [torch.cat(parts) for parts in zip(*(c for _, c in outs))]
         return torch.cat([h for h, _ in outs]), captured
 
