@@ -46,8 +46,36 @@ static inline int32_t four_bytes(const int8_t *p) {
  * the top bit, once per step for every row), and each block's sum then exceeds q . x8 by
  * exactly 128 sum(x8), taken off in the integers: the same sums as q . x8, with one
  * subtraction per row and block instead of a sign applied to every row's input at every step. */
-static inline __attribute__((always_inline)) void group_tile(int R, int H, const tile_args *a,
+static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
                                                              float out[][16]) {
+    const __m512i top = _mm512_set1_epi8((char)0x80);
+    __m512 acc[TILE];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
+        __m512i sums[TILE];
+        for (int i = 0; i < R; i++)
+            sums[i] = _mm512_set1_epi32(-128 * a->sums[(size_t)i * a->nb + b]);
+        for (int j = 0; j < 8; j++) {
+            __m512i q = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)),
+                                         top);
+            for (int i = 0; i < R; i++)
+                sums[i] = _mm512_dpbusd_epi32(sums[i], q, _mm512_set1_epi32(four_bytes(
+                    a->x8 + (size_t)i * a->k + b * GROUP + 4 * j)));
+        }
+        __m512 s = _mm512_loadu_ps(a->s + b * 16);
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(a->d[(size_t)i * a->nb + b])),
+                                     acc[i]);
+    }
+    for (int i = 0; i < R; i++)
+        _mm512_storeu_ps(out[i], acc[i]);
+}
+/* The same with H scales a block (Q6_K: 2), one per 8 / H steps. */
+static inline __attribute__((always_inline)) void group_tile_halves(
+        int R, int H, const tile_args *a, float out[][16]) {
     const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 acc[TILE];
     for (int i = 0; i < R; i++)
@@ -77,8 +105,44 @@ static inline __attribute__((always_inline)) void group_tile(int R, int H, const
 }
 #elif defined(__AVX2__)
 #define TILE 2
-static inline __attribute__((always_inline)) void group_tile(int R, int H, const tile_args *a,
+static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
                                                              float out[][16]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE][2];
+    for (int i = 0; i < R; i++)
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
+        __m256i sums[TILE][2];
+        for (int i = 0; i < R; i++)
+            sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            for (int h = 0; h < 2; h++) { /* rows 0-7, then 8-15 */
+                __m256i q = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES + 32 * h));
+                __m256i q_abs = _mm256_sign_epi8(q, q);
+                for (int i = 0; i < R; i++) {
+                    __m256i x = _mm256_set1_epi32(four_bytes(a->x8 + (size_t)i * a->k
+                                                             + b * GROUP + 4 * j));
+                    sums[i][h] = _mm256_add_epi32(sums[i][h], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q)), ones));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 s = _mm256_loadu_ps(a->s + b * 16 + 8 * h);
+            for (int i = 0; i < R; i++)
+                acc[i][h] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(sums[i][h]),
+                    _mm256_mul_ps(s, _mm256_set1_ps(a->d[(size_t)i * a->nb + b])), acc[i][h]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(out[i] + 8 * h, acc[i][h]);
+}
+/* The same with H scales a block (Q6_K: 2), one per 8 / H steps. */
+static inline __attribute__((always_inline)) void group_tile_halves(
+        int R, int H, const tile_args *a, float out[][16]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE][2];
     for (int i = 0; i < R; i++)
@@ -115,7 +179,24 @@ static inline __attribute__((always_inline)) void group_tile(int R, int H, const
 }
 #else
 #define TILE 1
-static void group_tile(int R, int H, const tile_args *a, float out[][16]) {
+static void group_tile(int R, const tile_args *a, float out[][16]) {
+    for (int i = 0; i < R; i++)
+        for (int l = 0; l < 16; l++) {
+            float total = 0.f;
+            for (int b = 0; b < a->nb; b++) {
+                const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES + 4 * l;
+                const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP;
+                int sum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int u = 0; u < 4; u++)
+                        sum += qb[j * STEP_BYTES + u] * x[4 * j + u];
+                total += (float)sum * (a->s[b * 16 + l] * a->d[(size_t)i * a->nb + b]);
+            }
+            out[i][l] = total;
+        }
+}
+/* The same with H scales a block (Q6_K: 2), one per 8 / H steps. */
+static void group_tile_halves(int R, int H, const tile_args *a, float out[][16]) {
     for (int i = 0; i < R; i++)
         for (int l = 0; l < 16; l++) {
             float total = 0.f;
@@ -135,13 +216,15 @@ static void group_tile(int R, int H, const tile_args *a, float out[][16]) {
 }
 #endif
 
-#define TILE_CASES(H)                                                                  \
-    switch (take) { /* each a constant: the accumulators stay in registers */             \
-    case 1: group_tile(1, H, &a, out); break;                                             \
-    TILE_2(case 2: group_tile(2, H, &a, out); break;)                                     \
-    TILE_4(case 3: group_tile(3, H, &a, out); break; case 4: group_tile(4, H, &a, out); break;) \
-    TILE_8(case 5: group_tile(5, H, &a, out); break; case 6: group_tile(6, H, &a, out); break; \
-           case 7: group_tile(7, H, &a, out); break; case 8: group_tile(8, H, &a, out); break;) \
+/* Q8_0's tiles as they were; Q6_K's through the general ones */
+#define RUN_TILE(R, H) ((H) == 1 ? group_tile(R, &a, out) : group_tile_halves(R, H, &a, out))
+#define TILE_CASES(H)                                                                     \
+    switch (take) { /* each a constant: the accumulators stay in registers */                \
+    case 1: RUN_TILE(1, H); break;                                                           \
+    TILE_2(case 2: RUN_TILE(2, H); break;)                                                   \
+    TILE_4(case 3: RUN_TILE(3, H); break; case 4: RUN_TILE(4, H); break;)                    \
+    TILE_8(case 5: RUN_TILE(5, H); break; case 6: RUN_TILE(6, H); break;                     \
+           case 7: RUN_TILE(7, H); break; case 8: RUN_TILE(8, H); break;)                    \
     }
 #if TILE >= 2
 #define TILE_2(x) x
