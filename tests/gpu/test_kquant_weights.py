@@ -126,3 +126,31 @@ def test_int4_kernels_agree_with_the_dequantized_weights_on_top1(loaded):
     dense_vs_fp32 = (logits["dense"] == logits["fp32"]).float().mean().item()
     assert int4_vs_dense >= 0.98, int4_vs_dense
     assert int4_vs_fp32 >= min(0.98, dense_vs_fp32 - 0.02), (int4_vs_fp32, dense_vs_fp32)
+
+
+@pytest.mark.parametrize("kind", [T.Q5_0, T.Q5_1])
+def test_q5_0_runs_as_int8_codes_and_q5_1_as_two_digits(kind):
+    """Q5_0's codes q - 16 (-16..15) are int8 codes with Q5_0's own scale: the 8-bit kernel's
+    one pass, bit for bit gguf's dequantize. Q5_1 has a minimum per block no int8 code holds:
+    it stays two 4-bit digits."""
+    from gpu.cpu_q4_kernel import CodesLinear, Q4Rows, Q8Rows, available
+    from tests.gpu.test_cpu_q4_kernel import int8_input
+    if not available():
+        pytest.skip("the C kernel is not built here")
+    rows, cols = 48, 640
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(3))
+    exact = torch.from_numpy(dequantize(raw, kind).reshape(rows, cols))
+    weight = Int4Weight.from_parts(q5_as_q4_pair(raw, kind.name, rows, cols))
+    layer = CodesLinear(weight, 4)
+    if kind == T.Q5_1:
+        assert Q8Rows.from_pair(weight) is None and isinstance(layer.rows[0], Q4Rows)
+        return
+    codes = Q8Rows.from_pair(weight)
+    assert codes is not None and isinstance(layer.rows[0], Q8Rows)
+    assert codes.row_codes().min() >= -16 and codes.row_codes().max() <= 15
+    assert torch.equal(codes.dequantize(), exact)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4))
+    x8, d = int8_input(x)  # the kernel's sums, written out: int8 input, int8 codes, scales
+    dots = torch.einsum("obj,rbj->rob", codes.row_codes().double().view(rows, -1, 32), x8.double())
+    expected = (dots * codes.row_scale().double()[None] * d.double()[:, None]).sum(-1).float()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
