@@ -102,6 +102,10 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.q8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_int]
+    lib.q8_matmul_argmax.restype = ctypes.c_int
+    lib.q8_matmul_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.q4_dequantize.restype = None
     lib.q4_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
@@ -161,6 +165,21 @@ def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.Tensor:
                                w.halves, padded, y.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
     return y if padded == w.out else y[:, :w.out].contiguous()
+
+
+def q8_matmul_argmax(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.Tensor:
+    """(x [rows, width] fp32 @ w^T).argmax(-1) as int64 [rows], without the product: the same
+    sums as q8_matmul, the first column of the largest (NaNs skipped), padding rows excluded."""
+    x = x.float().contiguous()
+    rows, width = x.shape
+    if width != w.codes.shape[1]:
+        raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
+    tokens = torch.empty(rows, dtype=torch.int64)
+    if _library(isa).q8_matmul_argmax(
+            x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(), w.halves,
+            w.codes.shape[0], w.out, tokens.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
+    return tokens
 
 
 def dequantize_rows(w: "Q4Rows | Q8Rows", start: int, out: torch.Tensor) -> None:

@@ -15,6 +15,8 @@
  * Q6_K, whose codes q - 32 (-32..31) are int8 codes exactly and whose scales d sc_j change
  * every 16 inputs. Each half's integer sum gets its own scale; the input stays quantized per
  * block of 32. */
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -242,11 +244,33 @@ static void group_tile_halves(int R, int H, const tile_args *a, float out[][16])
 #define TILE_8(x)
 #endif
 
-/* y [rows, n] = x [rows, k] W^T for an 8-bit weight (codes qs, scales s, interleaved as
- * above, `halves` 1 (Q8_0) or 2 (Q6_K) scales a block; k a multiple of 32, n of 16).
- * Returns 0, or -1 if out of memory. */
-int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,
-              int n, float *y, int threads) {
+/* Each tile's outputs go to y, or (y NULL) into each row's best column so far: the first
+ * of the largest among the `valid` columns, as torch's argmax over y would pick it. */
+typedef struct {
+    float *y;
+    int64_t *best;     /* [threads][rows]: each thread's best column of a row, -1 for none */
+    float *best_value; /* [threads][rows]: its value */
+    int valid;
+} tile_sink;
+
+static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int take,
+                      float out[][16]) {
+    if (o->y) {
+        for (int i = 0; i < take; i++)
+            memcpy(o->y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
+        return;
+    }
+    size_t slot = (size_t)omp_get_thread_num() * rows + r;
+    for (int i = 0; i < take; i++)
+        for (int c = 0; c < 16 && g * 16 + c < o->valid; c++)
+            if (out[i][c] > o->best_value[slot + i]) { /* ascending columns: ties keep the first */
+                o->best_value[slot + i] = out[i][c];
+                o->best[slot + i] = g * 16 + c;
+            }
+}
+
+static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const float *s,
+                    int halves, int n, const tile_sink *sink, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
     int32_t *x8_sums, *half_sums = NULL;
@@ -281,14 +305,56 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s,
                 TILE_CASES(2)
             else
                 TILE_CASES(1)
-            for (int i = 0; i < take; i++)
-                memcpy(y + (size_t)(r + i) * n + (size_t)g * 16, out[i], sizeof out[i]);
+            sink_tile(sink, rows, n, g, r, take, out);
             r += take;
         }
     }
     free(half_sums);
     free(d);
     return 0;
+}
+
+/* y [rows, n] = x [rows, k] W^T for an 8-bit weight (codes qs, scales s, interleaved as
+ * above, `halves` 1 (Q8_0) or 2 (Q6_K) scales a block; k a multiple of 32, n of 16).
+ * Returns 0, or -1 if out of memory. */
+int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,
+              int n, float *y, int threads) {
+    tile_sink sink = {y, NULL, NULL, n};
+    return q8_tiles(x, rows, k, qs, s, halves, n, &sink, threads);
+}
+
+/* tokens [rows] = argmax over the first `valid` columns of x W^T (the first column of the
+ * largest value), without writing the [rows, n] product: a greedy step's lm_head, whose
+ * 262,144-column product (Gemma 3) is 1 MB a row to write and read back. Returns 0 or -1. */
+int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const float *s,
+                     int halves, int n, int valid, int64_t *tokens, int threads) {
+    size_t slots = (size_t)threads * rows;
+    int64_t *best = malloc(sizeof(int64_t) * slots);
+    float *best_value = malloc(sizeof(float) * slots);
+    int status = -1;
+    if (best && best_value) {
+        for (size_t i = 0; i < slots; i++) {
+            best[i] = -1;
+            best_value[i] = -INFINITY;
+        }
+        tile_sink sink = {NULL, best, best_value, valid};
+        status = q8_tiles(x, rows, k, qs, s, halves, n, &sink, threads);
+        for (int r = 0; status == 0 && r < rows; r++) { /* threads hold ascending columns */
+            int64_t token = -1;
+            float top = -INFINITY;
+            for (int t = 0; t < threads; t++) {
+                size_t i = (size_t)t * rows + r;
+                if (best[i] >= 0 && (token < 0 || best_value[i] > top)) {
+                    top = best_value[i];
+                    token = best[i];
+                }
+            }
+            tokens[r] = token < 0 ? 0 : token; /* no column above -inf (NaNs are skipped) */
+        }
+    }
+    free(best);
+    free(best_value);
+    return status;
 }
 
 /* Output rows [o0, o0 + count) of an 8-bit weight as fp32 (w = q s), dst [count, k]. */

@@ -289,3 +289,28 @@ def test_other_families_decode_in_c_as_their_torch_decoder_does(family, kind, tm
     # moved one int8 rounding of a projection's input; a wrong window, RoPE table, norm or
     # activation moves every step by tenths of it.
     assert len(diffs) >= 5 and sorted(diffs)[len(diffs) // 2] < 1e-4 and max(diffs) < 5e-2, diffs
+
+
+def test_a_greedy_batch_takes_the_lm_heads_argmax_without_its_logits(codes_engine, monkeypatch):
+    """Greedy rows asking nothing else: the lm_head's argmax in C (LlamaModel.greedy_tokens),
+    never its [rows, vocab] logits, with the tokens the logits' argmax gives; a row asking
+    for logprobs takes the logits. (The fixture's kernels take at most 2 rows.)"""
+    model = codes_engine.worker.state.model
+    prompts = dev_prompts(codes_engine, 2)
+    calls = []
+    fused = model.greedy_tokens
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: calls.append(h.shape[0]) or fused(h))
+    logits_rows = []
+    full = model.logits
+    monkeypatch.setattr(model, "logits", lambda h: logits_rows.append(h.shape[0]) or full(h))
+    tokens = greedy(codes_engine, prompts, 10)
+    assert len(calls) >= 10 and max(calls) == 2 and not logits_rows
+    hidden = torch.randn(2, model.config.hidden_size) * 3
+    assert torch.equal(fused(hidden), full(hidden).argmax(-1))
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: None)  # the logits' way, same tokens
+    assert greedy(codes_engine, prompts, 10) == tokens and logits_rows
+    logits_rows.clear()
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True, logprobs=0)
+    monkeypatch.setattr(model, "greedy_tokens", fused)
+    out = codes_engine.generate(prompts[:1], params)[0]
+    assert out.token_ids == tokens[0][:4] and len(logits_rows) >= 4

@@ -9,7 +9,8 @@ import torch
 
 from gpu import cpu_q4_kernel
 from gpu.cpu_q4_kernel import (CodesLinear, Q4Rows, Q8Rows, codes_linear_ok, dequantize_rows,
-                                q4_matmul, q8_matmul, scratch_matmul)
+                                q4_matmul, q8_matmul, q8_matmul_argmax,
+                                scratch_matmul)
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
 from tests.gpu.test_q4_linear import int4, quantized
 
@@ -131,6 +132,34 @@ def test_the_8_bit_kernel_gives_each_row_alone_what_it_gives_it_in_a_batch(isa):
                         x8.double())
     expected = (dots * codes.row_scale().double()[None] * d.double()[:, None]).sum(-1).float()
     torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_the_8_bit_kernels_argmax_is_the_argmax_of_its_product(isa):
+    """q8_matmul_argmax (a greedy step's lm_head) picks what argmax over q8_matmul's product
+    picks: the first of equal maxima (duplicated weight rows tie exactly, across the threads'
+    column ranges too), and never a padding column, though every real logit is negative and
+    padding's are 0."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(11, 128, generator=gen)
+    w = torch.randn(1000, 128, generator=gen) - 3 * x.mean(0).sign()  # every logit negative
+    codes = Q8Rows.quantize(w)
+    assert codes.codes.shape[0] == 1008  # 8 padding rows
+    for rows in (1, 3, 11):
+        y = q8_matmul(x[:rows], codes, isa)
+        assert (y < 0).all()
+        assert torch.equal(q8_matmul_argmax(x[:rows], codes, isa), y.argmax(-1))
+    w = torch.randn(1000, 128, generator=gen)
+    w[3] *= 4
+    w[700] = w[999] = w[3]  # equal sums in column 3, 700 and 999 for any input
+    codes = Q8Rows.quantize(w)
+    x = torch.cat([w[3:4], torch.randn(4, 128, generator=gen)])
+    y = q8_matmul(x, codes, isa)
+    assert y[0, 3] == y[0, 700] == y[0, 999] == y[0].max()
+    tokens = q8_matmul_argmax(x, codes, isa)
+    assert tokens[0].item() == 3 and torch.equal(tokens, y.argmax(-1))
 
 
 def test_other_pairs_of_4_bit_parts_stay_4_bit():
