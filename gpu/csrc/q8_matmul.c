@@ -253,6 +253,11 @@ typedef struct {
     int valid;
 } tile_sink;
 
+/* Larger, or as large and an earlier column (whatever order the threads took them in). */
+static inline int better(float value, int64_t col, float best_value, int64_t best) {
+    return best < 0 ? value > -INFINITY : value > best_value || (value == best_value && col < best);
+}
+
 static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int take,
                       float out[][16]) {
     if (o->y) {
@@ -263,7 +268,7 @@ static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int tak
     size_t slot = (size_t)omp_get_thread_num() * rows + r;
     for (int i = 0; i < take; i++)
         for (int c = 0; c < 16 && g * 16 + c < o->valid; c++)
-            if (out[i][c] > o->best_value[slot + i]) { /* ascending columns: ties keep the first */
+            if (better(out[i][c], g * 16 + c, o->best_value[slot + i], o->best[slot + i])) {
                 o->best_value[slot + i] = out[i][c];
                 o->best[slot + i] = g * 16 + c;
             }
@@ -339,12 +344,12 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const fl
         }
         tile_sink sink = {NULL, best, best_value, valid};
         status = q8_tiles(x, rows, k, qs, s, halves, n, &sink, threads);
-        for (int r = 0; status == 0 && r < rows; r++) { /* threads hold ascending columns */
+        for (int r = 0; status == 0 && r < rows; r++) {
             int64_t token = -1;
             float top = -INFINITY;
             for (int t = 0; t < threads; t++) {
                 size_t i = (size_t)t * rows + r;
-                if (best[i] >= 0 && (token < 0 || best_value[i] > top)) {
+                if (best[i] >= 0 && better(best_value[i], best[i], top, token)) {
                     top = best_value[i];
                     token = best[i];
                 }

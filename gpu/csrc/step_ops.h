@@ -323,7 +323,8 @@ static void attend(const attention_shape *m, const void *k_cache, const void *v_
                    const float *qkv, int width, int rows, const int32_t *key_locs, int max_len,
                    const int64_t *seq_lens, float *out, float *scores, int threads) {
     int d = m->head_dim, group = m->heads / m->kv_heads;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    /* dynamic: a prefill piece's rows see more keys the later they come */
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
     for (int r = 0; r < rows; r++) {
         for (int g = 0; g < m->kv_heads; g++) {
             int len = (int)seq_lens[r], first = 0;
