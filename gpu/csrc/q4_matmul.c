@@ -244,6 +244,9 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
         float out[TILE][16];
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16,
                        m + (size_t)g * nb * 16, x8, d, dsum, nb, k};
+        if (rows > TILE && g + 1 < n / 16) /* as q8_matmul.c: the next group's codes to L2 */
+            for (int b = 0; b < nb * BLOCK_BYTES; b += 64)
+                __builtin_prefetch((const char *)a.qs + nb * BLOCK_BYTES + b, 0, 2);
         for (int r = 0; r < rows;) {
             int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;

@@ -266,12 +266,18 @@ static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int tak
         return;
     }
     size_t slot = (size_t)omp_get_thread_num() * rows + r;
-    for (int i = 0; i < take; i++)
+    for (int i = 0; i < take; i++) {
+        float top = -INFINITY;
+        for (int c = 0; c < 16; c++) /* a vector max first: most tiles beat nothing */
+            top = out[i][c] > top ? out[i][c] : top;
+        if (!(top >= o->best_value[slot + i]) && o->best[slot + i] >= 0)
+            continue;
         for (int c = 0; c < 16 && g * 16 + c < o->valid; c++)
             if (better(out[i][c], g * 16 + c, o->best_value[slot + i], o->best[slot + i])) {
                 o->best_value[slot + i] = out[i][c];
                 o->best[slot + i] = g * 16 + c;
             }
+    }
 }
 
 static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const float *s,
@@ -301,6 +307,9 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const flo
         float out[TILE][16];
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * halves * 16, x8,
                        d, nb, k, x8_sums};
+        if (rows > TILE && g + 1 < n / 16) /* the next group's codes reach L2 while this */
+            for (int b = 0; b < nb * BLOCK_BYTES; b += 64) /* one's later tiles compute */
+                __builtin_prefetch((const char *)a.qs + nb * BLOCK_BYTES + b, 0, 2);
         for (int r = 0; r < rows;) {
             int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
