@@ -239,7 +239,7 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s
     if (!d)
         return -1;
     float *dsum = d + (size_t)rows * nb;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(guided) num_threads(threads) /* as q8_matmul.c */
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * 16,
