@@ -1,11 +1,16 @@
 """What a worker's freed memory costs: glibc keeps freed heap blocks resident for reuse, which
-for a CPU worker of a small model is a large share of its resident set."""
+for a CPU worker of a small model is a large share of its resident set (release_free_heap:
+ipc/process_heap.py, which the service uses too)."""
 
 from __future__ import annotations
 
 import ctypes
 import math
 import time
+
+from ipc.process_heap import release_free_heap
+
+__all__ = ["release_free_heap", "map_large_buffers", "trim_after_prefill"]
 
 # mallopt's parameter number (glibc's malloc.h).
 M_MMAP_THRESHOLD = -3
@@ -17,17 +22,6 @@ LARGE_BUFFER_BYTES = 4 << 20
 _worker_heap = False
 TRIM_EVERY_S = 0.25
 _last_trim = -math.inf
-
-
-def release_free_heap() -> None:
-    """Hand the load's freed temporaries (the file's blocks, fp32 weights packed to fp16) back
-    to the system: glibc keeps freed heap memory for reuse, so a worker's RSS stayed ~160 MB
-    above what it holds (SmolLM2-135M split on an AVX2 CPU: 1,092 MB after load, 932 after
-    this). A no-op where the C library has no malloc_trim."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def map_large_buffers(threshold: int = LARGE_BUFFER_BYTES) -> bool:

@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from ipc.client_messages import Abort, AdminAbort, Error, Generate, Health, Ping, Pong, WorkerState
 from ipc.codec import ProtocolError, decode_client_request
+from ipc.process_heap import release_free_heap
 from ipc.worker_messages import WorkerInfo
 from service.admin import AdminOps
 from service.client_registry import ClientRegistry
@@ -52,6 +53,7 @@ class Service:
         self.cfg = cfg
         self.model_path = model_path
         self.tokenizer = TextTokenizer.from_model_path(model_path)
+        release_free_heap()  # the tokenizer's build temporaries (a GGUF's vocabulary in Python)
         self.intake = PromptIntake(self.tokenizer)
         # Requests whose prompt a thread is tokenizing: rid -> a ticket of that one request (an
         # aborted id may be reused while the thread of the old one still runs).
