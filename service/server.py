@@ -53,7 +53,6 @@ class Service:
         self.cfg = cfg
         self.model_path = model_path
         self.tokenizer = TextTokenizer.from_model_path(model_path)
-        release_free_heap()  # the tokenizer's build temporaries (a GGUF's vocabulary in Python)
         self.intake = PromptIntake(self.tokenizer)
         # Requests whose prompt a thread is tokenizing: rid -> a ticket of that one request (an
         # aborted id may be reused while the thread of the old one still runs).
@@ -88,6 +87,7 @@ class Service:
         for sock in (self.router, self.telemetry.socket):
             self.security.secure(sock)
         self.bound_endpoint: str | None = None
+        release_free_heap()  # what building the tokenizer and its tables left (a GGUF's in Python)
 
     @property
     def info(self) -> WorkerInfo | None:
