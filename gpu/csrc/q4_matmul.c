@@ -113,6 +113,43 @@ float *quantize_input(const float *x, int rows, int k, int8_t **x8_out, int32_t 
     return d;
 }
 
+/* For q8_matmul.c's VNNI tiles, whose rows are then read from one base register with constant
+ * offsets (R row pointers had spilled to vector registers, each brought back by a vmovq
+ * competing with the dot products; the 4-bit tiles, busier unpacking nibbles, gained nothing):
+ * each tile of `tile` rows (R in the last) re-laid in its own place, the R k bytes from r0 k.
+ * interleave_x8: x8 [rows][k] to [block][step][row][4 bytes] per tile. */
+int interleave_x8(int8_t *x8, int rows, int k, int tile) {
+    int8_t *t = malloc((size_t)rows * k);
+    if (!t)
+        return -1;
+    for (int r0 = 0; r0 < rows; r0 += tile) {
+        int R = rows - r0 < tile ? rows - r0 : tile;
+        for (int i = 0; i < R; i++)
+            for (int step = 0; step < k / 4; step++) /* step = block * 8 + j */
+                memcpy(t + (size_t)r0 * k + ((size_t)step * R + i) * 4,
+                       x8 + (size_t)(r0 + i) * k + 4 * step, 4);
+    }
+    memcpy(x8, t, (size_t)rows * k);
+    free(t);
+    return 0;
+}
+
+/* The same for 4-byte values [rows][n] (a block's scale, sum, ...): [n][row] per tile. */
+int interleave_words(void *words, int rows, int n, int tile) {
+    uint32_t *w = words, *t = malloc(sizeof(uint32_t) * (size_t)rows * n);
+    if (!t)
+        return -1;
+    for (int r0 = 0; r0 < rows; r0 += tile) {
+        int R = rows - r0 < tile ? rows - r0 : tile;
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < n; c++)
+                t[(size_t)r0 * n + (size_t)c * R + i] = w[(size_t)(r0 + i) * n + c];
+    }
+    memcpy(w, t, sizeof(uint32_t) * (size_t)rows * n);
+    free(t);
+    return 0;
+}
+
 static inline int32_t four_bytes(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);

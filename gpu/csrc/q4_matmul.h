@@ -28,6 +28,8 @@ int q4_kernel_isa(void);
  * `threads` threads. NULL if out of memory. */
 float *quantize_input(const float *x, int rows, int k, int8_t **x8, int32_t **sums,
                       int threads);
+int interleave_x8(int8_t *x8, int rows, int k, int tile);
+int interleave_words(void *words, int rows, int n, int tile);
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
               const float *m, int n, float *y, int threads);
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,

@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
         acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < a->nb; b++) {
         const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
-        const int8_t *xb = a->x8 + (size_t)b * 8 * R * 4; /* [step][row][4]: see interleave */
+        const int8_t *xb = a->x8 + (size_t)b * 8 * R * 4; /* [step][row][4]: interleave_x8 */
         __m512i sums[TILE];
         for (int i = 0; i < R; i++)
             sums[i] = _mm512_set1_epi32(-128 * a->sums[(size_t)b * R + i]);
@@ -108,42 +108,6 @@ static inline __attribute__((always_inline)) void group_tile_halves(
         _mm512_storeu_ps(out[i], acc[i]);
 }
 
-/* Each tile of TILE rows' inputs as the tiles above read them: x8 [block][step][row][4 bytes],
- * d [block][row], sums [block][half][row], in the rows' own place (a tile of R rows at row r0
- * takes the R k bytes from r0 k): one base register and constant offsets for all R rows,
- * where R row pointers spilled to vector registers and came back one vmovq at a time. */
-static int interleave_tiles(int rows, int k, int H, int8_t *x8, float *d, int32_t *sums) {
-    int nb = k / GROUP;
-    int8_t *x8t = malloc((size_t)rows * k);
-    float *dt = malloc(sizeof(float) * (size_t)rows * nb);
-    int32_t *st = malloc(sizeof(int32_t) * (size_t)rows * nb * H);
-    if (!x8t || !dt || !st) {
-        free(x8t);
-        free(dt);
-        free(st);
-        return -1;
-    }
-    for (int r0 = 0; r0 < rows; r0 += TILE) {
-        int R = rows - r0 < TILE ? rows - r0 : TILE;
-        for (int i = 0; i < R; i++)
-            for (int b = 0; b < nb; b++) {
-                for (int j = 0; j < 8; j++)
-                    memcpy(x8t + (size_t)r0 * k + ((size_t)(b * 8 + j) * R + i) * 4,
-                           x8 + (size_t)(r0 + i) * k + b * GROUP + 4 * j, 4);
-                dt[(size_t)r0 * nb + (size_t)b * R + i] = d[(size_t)(r0 + i) * nb + b];
-                for (int h = 0; h < H; h++)
-                    st[(size_t)r0 * nb * H + ((size_t)b * H + h) * R + i] =
-                        sums[((size_t)(r0 + i) * nb + b) * H + h];
-            }
-    }
-    memcpy(x8, x8t, (size_t)rows * k);
-    memcpy(d, dt, sizeof(float) * (size_t)rows * nb);
-    memcpy(sums, st, sizeof(int32_t) * (size_t)rows * nb * H);
-    free(x8t);
-    free(dt);
-    free(st);
-    return 0;
-}
 #elif defined(__AVX2__)
 #define TILE 2
 static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
@@ -341,8 +305,9 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const flo
         }
         x8_sums = half_sums;
     }
-#if defined(FMSERVE_VNNI)
-    if (rows > 1 && interleave_tiles(rows, k, halves, x8, d, x8_sums)) { /* one row: as it is */
+#if defined(FMSERVE_VNNI) /* the tiles' layout (q4_matmul.h); one row's is its own */
+    if (rows > 1 && (interleave_x8(x8, rows, k, TILE) || interleave_words(d, rows, nb, TILE)
+                     || interleave_words(x8_sums, rows, nb * halves, TILE))) {
         free(half_sums);
         free(d);
         return -1;
