@@ -472,6 +472,8 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
                                             "not-the-token")
             assert wrong.level == "error" and "[forbidden]" in wrong.text
             assert "victim" not in results
+            # The cursor still on the victim as "a" goes (rows of finished requests have left).
+            assert app.selected_key().endswith("/victim"), (app.selected_key(), table_rows(app))
             await pilot.press("a")
             await until(pilot, lambda: "victim" in results, timeout_s=30,
                         what="the victim's stream to end")
@@ -489,7 +491,8 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
             for t in threads:
                 await asyncio.to_thread(t.join, 60)
             for rid in short:  # the other clients finished normally
-                assert results[rid][-1].reason == "length"
+                assert results[rid][-1].reason == "length", (rid, results[rid][-1],
+                                                             events_text(app))
                 assert sum(len(m.token_ids) for m in results[rid] if isinstance(m, Chunk)) == 24
             await until(pilot, lambda: app.snapshot.finished_requests >= 4 and not table_rows(app),
                         timeout_s=10, what="the batch to drain")
