@@ -112,17 +112,17 @@ class Q8Rows:
         if weight.widening != "repeat" or b.codes.shape[1] != 2 * n:
             return None
         nb = n // Q4_GROUP
-        for hi, lo in ((slice(0, nb), slice(nb, None)), (slice(nb, None), slice(0, nb))):
-            d = b.scale[:, lo]
-            if not torch.equal(b.scale[:, hi], 16 * d) or b.zero[:, hi].any():
+        codes, scale, zero = ((t[:, :w], t[:, w:]) for t, w in
+                              ((b.codes, n), (b.scale, nb), (b.zero, nb)))
+        for hi, lo in ((0, 1), (1, 0)):  # Q8_0's high digit comes first, Q5_0's second
+            d = scale[lo]
+            if not torch.equal(scale[hi], 16 * d) or zero[hi].any():
                 continue
             for z in (8, -8):  # w = d (lo - 8) + z d + 16 d (hi - 8)
-                if torch.equal(b.zero[:, lo], z * d):
-                    c_hi = b.codes[:, :n] if hi.start == 0 else b.codes[:, n:]
-                    c_lo = b.codes[:, n:] if hi.start == 0 else b.codes[:, :n]
-                    codes = c_hi.short() * 16 + c_lo.short() + (z - 136)
-                    if codes.min() >= -128 and codes.max() <= 127:
-                        return Q8Rows.from_row_codes(codes.to(torch.int8), d)
+                if torch.equal(zero[lo], z * d):
+                    q = codes[hi].short() * 16 + codes[lo].short() + (z - 136)
+                    if q.min() >= -128 and q.max() <= 127:
+                        return Q8Rows.from_row_codes(q.to(torch.int8), d)
         return None
 
     @staticmethod
