@@ -60,7 +60,26 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def named_commands(argv: list[str] | None) -> tuple[str | None, str | None]:
+    """The command `argv` names and, for `bench`, its bench command (None where it names none:
+    `fmserve --help`)."""
+    words = list(argv or [])
+    command = words[0] if words and not words[0].startswith("-") else None
+    bench = words[1] if command == "bench" and len(words) > 1 and not words[1].startswith(
+        "-") else None
+    return command, bench
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command is listed; only the one `argv` names gets its arguments and imports its
+    modules (all of them when `argv` is None), so `fmserve serve` runs without the benchmarks'
+    and the monitor's modules in its memory."""
+    named, named_bench = named_commands(argv)
+
+    def wants(command: str, bench: str | None = None) -> bool:
+        return (named in (None, command)
+                and (bench is None or named_bench in (None, bench)))
+
     parser = argparse.ArgumentParser(prog="fmserve", description="a small LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -75,35 +94,41 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", default="-", help="where --file results go (JSONL; - = stdout)")
     add_model_args(gen)
     add_sampling_args(gen)
-    from fmserve.generate_cmd import run_generate
-    gen.set_defaults(func=run_generate)
+    if wants("generate"):
+        from fmserve.generate_cmd import run_generate
+        gen.set_defaults(func=run_generate)
 
     serve = sub.add_parser("serve", help="run the service (scheduler + worker processes)")
-    from fmserve.serve_cmd import add_serve_args, run_serve
-    add_serve_args(serve)
-    serve.set_defaults(func=run_serve)
+    if wants("serve"):
+        from fmserve.serve_cmd import add_serve_args, run_serve
+        add_serve_args(serve)
+        serve.set_defaults(func=run_serve)
 
     client = sub.add_parser("client", help="send requests to a running service")
-    from fmserve.client_cmd import add_client_args, run_client
-    add_client_args(client)
-    add_sampling_args(client)
-    client.set_defaults(func=run_client)
+    if wants("client"):
+        from fmserve.client_cmd import add_client_args, run_client
+        add_client_args(client)
+        add_sampling_args(client)
+        client.set_defaults(func=run_client)
 
     top = sub.add_parser("top", help="live monitor of a running service")
-    from fmserve.top_cmd import add_top_args, run_top
-    add_top_args(top)
-    top.set_defaults(func=run_top)
+    if wants("top"):
+        from fmserve.top_cmd import add_top_args, run_top
+        add_top_args(top)
+        top.set_defaults(func=run_top)
 
     keys = sub.add_parser("keys", help="write CURVE key pairs (service beyond loopback)")
-    from fmserve.keys_cmd import add_keys_args, run_keys
-    add_keys_args(keys)
-    keys.set_defaults(func=run_keys)
+    if wants("keys"):
+        from fmserve.keys_cmd import add_keys_args, run_keys
+        add_keys_args(keys)
+        keys.set_defaults(func=run_keys)
 
     worker = sub.add_parser("worker", help="a tensor-parallel rank on another machine "
                                            "(parallel.remote_ranks)")
-    from fmserve.worker_cmd import add_worker_args, run_worker
-    add_worker_args(worker)
-    worker.set_defaults(func=run_worker)
+    if wants("worker"):
+        from fmserve.worker_cmd import add_worker_args, run_worker
+        add_worker_args(worker)
+        worker.set_defaults(func=run_worker)
 
     bench = sub.add_parser("bench", help="measure throughput")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -130,35 +155,41 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--baseline-max-batch", type=int, default=32,
                      help="largest batch to run transformers at (it is slow)")
     off.add_argument("--markdown", default=None, help="also write the table to this file")
-    from fmserve.bench.spec import add_bench_spec_args
-    add_bench_spec_args(off)
-    off.set_defaults(func=run_bench_offline_or_spec)
+    if wants("bench", "offline"):
+        from fmserve.bench.spec import add_bench_spec_args
+        add_bench_spec_args(off)
+        off.set_defaults(func=run_bench_offline_or_spec)
     srv = bench_sub.add_parser("serve", help="the service under load vs the offline engine")
-    from fmserve.bench.serve import add_bench_serve_args, run_bench_serve
-    add_bench_serve_args(srv)
-    srv.set_defaults(func=run_bench_serve)
+    if wants("bench", "serve"):
+        from fmserve.bench.serve import add_bench_serve_args, run_bench_serve
+        add_bench_serve_args(srv)
+        srv.set_defaults(func=run_bench_serve)
     http = bench_sub.add_parser("http", help="the same load over the OpenAI HTTP API and ZMQ")
-    from fmserve.bench.http import add_bench_http_args, run_bench_http
-    add_bench_http_args(http)
-    http.set_defaults(func=run_bench_http)
+    if wants("bench", "http"):
+        from fmserve.bench.http import add_bench_http_args, run_bench_http
+        add_bench_http_args(http)
+        http.set_defaults(func=run_bench_http)
     peers = bench_sub.add_parser("peers", help="fmserve against transformers and llama.cpp: "
                                                "markdown report and plots")
-    from fmserve.bench.peers import add_bench_peers_args, run_bench_peers
-    add_bench_peers_args(peers)
-    peers.set_defaults(func=run_bench_peers)
+    if wants("bench", "peers"):
+        from fmserve.bench.peers import add_bench_peers_args, run_bench_peers
+        add_bench_peers_args(peers)
+        peers.set_defaults(func=run_bench_peers)
     prefix = bench_sub.add_parser("prefix", help="the prefix cache off and on: a shared system "
                                                  "prompt, and a multi-turn chat")
-    from fmserve.bench.prefix import add_bench_prefix_args, run_bench_prefix
-    add_bench_prefix_args(prefix)
-    prefix.set_defaults(func=run_bench_prefix)
+    if wants("bench", "prefix"):
+        from fmserve.bench.prefix import add_bench_prefix_args, run_bench_prefix
+        add_bench_prefix_args(prefix)
+        prefix.set_defaults(func=run_bench_prefix)
     soak = bench_sub.add_parser("soak", help="minutes of streams with aborts, vanishing "
                                              "clients, malformed frames and worker kills")
-    from fmserve.bench.soak import add_bench_soak_args, run_bench_soak
-    add_bench_soak_args(soak)
-    soak.set_defaults(func=run_bench_soak)
+    if wants("bench", "soak"):
+        from fmserve.bench.soak import add_bench_soak_args, run_bench_soak
+        add_bench_soak_args(soak)
+        soak.set_defaults(func=run_bench_soak)
 
     from fmserve.train_eagle.cli import add_parser as add_train_eagle_parser
-    add_train_eagle_parser(sub)
+    add_train_eagle_parser(sub)  # its modules are light: torch comes with its run
     return parser
 
 
@@ -188,10 +219,11 @@ def check_draft_model_used(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # imports every command's modules (torch too)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)  # imports the named command's modules
     from gpu.loader.errors import ModelLoadError
     from ipc.client_errors import ClientError
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = argv
     try:
         check_draft_model_used(args)
         return args.func(args)

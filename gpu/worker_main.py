@@ -38,6 +38,7 @@ import zmq
 
 from gpu.heap import map_large_buffers
 from gpu.worker_inbox import describe_exception, next_message
+from ipc.process_heap import release_library_pages
 from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import Shutdown, StepPlan, WorkerFailed, WorkerReady
 from ipc.zmq_util import WorkerSideCodec, configure_socket
@@ -116,6 +117,9 @@ def serve(sock: zmq.Socket, config_json: str) -> int:
             ranks = start_ranks(cfg, config_json)
         worker = Worker(cfg, background_compile=True)  # ready before its compiled step
         info = worker.info()
+        # Before any thread of ours can load a library: torch's start-up code leaves the
+        # resident set (ipc/process_heap.py).
+        release_library_pages()
     except Exception as exc:
         code = fail(None, describe_exception(exc))
         if ranks is not None:

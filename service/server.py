@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from ipc.client_messages import Abort, AdminAbort, Error, Generate, Health, Ping, Pong, WorkerState
 from ipc.codec import ProtocolError, decode_client_request
-from ipc.process_heap import release_free_heap
+from ipc.process_heap import release_free_heap, release_library_pages
 from ipc.worker_messages import WorkerInfo
 from service.admin import AdminOps
 from service.client_registry import ClientRegistry
@@ -88,6 +88,7 @@ class Service:
             self.security.secure(sock)
         self.bound_endpoint: str | None = None
         release_free_heap()  # what building the tokenizer and its tables left (a GGUF's in Python)
+        release_library_pages()  # before the event loop's threads: start-up code leaves the RSS
 
     @property
     def info(self) -> WorkerInfo | None:

@@ -7,6 +7,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -74,6 +75,29 @@ def assert_concurrent_streams_match(endpoint: str, reference) -> None:
 
 def test_concurrent_clients_stream_the_offline_greedy_output(service, reference):
     assert_concurrent_streams_match(service.endpoint, reference)
+
+
+def library_rss(pid: int, library: str) -> int:
+    """Resident bytes of `library`'s mappings in process `pid`."""
+    total, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            inside = len(head) > 5 and head[5].endswith(library)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) << 10
+    return total
+
+
+def test_the_worker_serves_with_torchs_start_up_code_released(service, reference):
+    """`import torch` leaves ~60 MB of libtorch_cpu's code resident, run once by its op
+    registrations; the worker drops it when loaded (ipc/process_heap.py). Serving brings back
+    only what steps run, and streams the same tokens."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/<pid>/smaps to read")
+    assert_concurrent_streams_match(service.endpoint, reference)
+    resident = library_rss(service.worker_pid(), "/libtorch_cpu.so")
+    assert 0 < resident < 32 << 20, f"libtorch_cpu.so: {resident >> 20} MB resident"
 
 
 def test_a_steps_replies_to_one_client_arrive_as_one_message_of_reply_frames(service,
