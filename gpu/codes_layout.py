@@ -24,8 +24,14 @@ class Q4Rows:
     The tensors keep the [out, ...] shapes of the plain layout (the bytes are the same count)."""
 
     nibbles: torch.Tensor  # [out, width / 2] uint8, interleaved as above
-    scale: torch.Tensor  # [out, width / 32] fp32, as [out / 16, width / 32, 16]
-    minimum: torch.Tensor  # [out, width / 32] fp32, likewise
+    scale: torch.Tensor  # [out, width / 32] fp32 or fp16, as [out / 16, width / 32, 16]
+    minimum: torch.Tensor  # [out, width / 32], likewise (the scale's dtype)
+
+    @property
+    def half(self) -> bool:
+        """Scales and minimums kept in fp16: where it holds them exactly (Q4_0 and Q4_1 store
+        theirs so), which makes the codes the file's own 0.625 bytes a weight, not 0.75."""
+        return self.scale.dtype == torch.float16
 
     @staticmethod
     def from_weight(weight: Int4Weight) -> "Q4Rows":
@@ -40,7 +46,10 @@ class Q4Rows:
         nibbles = (q[:, :, :, :8] | (q[:, :, :, 8:] << 4)).reshape(out, width // 2)
         # (q - 8) s + z = q s + (z - 8 s): in float64, so only the final rounding to fp32 errs.
         minimum = (b.zero.double() - 8 * b.scale.double()).float()
-        return Q4Rows(nibbles.contiguous(), _interleave(b.scale.float()), _interleave(minimum))
+        scale = b.scale.float()
+        if _exact_in_half(scale) and _exact_in_half(minimum):
+            scale, minimum = scale.half(), minimum.half()
+        return Q4Rows(nibbles.contiguous(), _interleave(scale), _interleave(minimum))
 
     def codes(self) -> torch.Tensor:
         """The [out, width] codes (0..15) in row order."""
@@ -52,7 +61,7 @@ class Q4Rows:
 
     def row_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The scales and minimums [out, width / 32] in row order."""
-        return _deinterleave(self.scale), _deinterleave(self.minimum)
+        return _deinterleave(self.scale.float()), _deinterleave(self.minimum.float())
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out, width] matrix (tests)."""
@@ -60,6 +69,11 @@ class Q4Rows:
         q = self.codes().float().view(out, -1, Q4_GROUP)
         scale, minimum = self.row_params()
         return (q * scale[..., None] + minimum[..., None]).view(out, -1)
+
+
+def _exact_in_half(values: torch.Tensor) -> bool:
+    """Whether fp16 holds every one of these fp32 values exactly."""
+    return torch.equal(values.half().float(), values)
 
 
 def _interleave(per_row: torch.Tensor) -> torch.Tensor:

@@ -30,12 +30,14 @@ float *quantize_input(const float *x, int rows, int k, int8_t **x8, int32_t **su
                       int threads);
 int interleave_x8(int8_t *x8, int rows, int k, int tile);
 int interleave_words(void *words, int rows, int n, int tile);
-int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *s,
-              const float *m, int n, float *y, int threads);
+/* A 4-bit weight's scales s and minimums m are fp32, or fp16 where `half` (a Q4_0 / Q4_1
+ * file's own values, which fp16 holds exactly). */
+int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const void *s, const void *m,
+              int half, int n, float *y, int threads);
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,
               int n, float *y, int threads);
-void q4_dequantize(const uint8_t *qs, const float *s, const float *m, int k, int o0, int count,
-                   float *dst, int threads);
+void q4_dequantize(const uint8_t *qs, const void *s, const void *m, int half, int k, int o0,
+                   int count, float *dst, int threads);
 void q8_dequantize(const int8_t *qs, const float *s, int halves, int k, int o0, int count,
                    float *dst, int threads);
 

@@ -414,3 +414,58 @@ def test_the_build_runs_the_widest_loop_the_cpu_has():
         if cpu_q4_kernel.library(isa) is not None:
             assert cpu_q4_kernel.kernel_isa(isa) == ("c" if isa == "c" or "avx2" not in flags
                                                      else "avx2")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_q4_0_and_q4_1_codes_keep_the_files_fp16_scales(type_name):
+    """Their scales and minimums are fp16 in the file, so the kernel's form keeps them so:
+    2 + 2 bytes a block of 32 instead of 4 + 4, the same weights."""
+    raw, exact = quantized(type_name, rows=48, cols=96)
+    weight = int4(raw, type_name, exact.shape)
+    rows_form = Q4Rows.from_weight(weight)
+    assert rows_form.half and rows_form.minimum.dtype == torch.float16
+    kept = sum(t.numel() * t.element_size()
+               for t in (rows_form.nibbles, rows_form.scale, rows_form.minimum))
+    assert kept == 48 * 96 // 32 * 20  # 16 bytes of codes and 2 + 2 of parameters a block
+    got = weight.shape.fold(rows_form.dequantize())
+    torch.testing.assert_close(got, exact, rtol=0, atol=2e-6 * exact.abs().max().item())
+
+
+def test_parameters_fp16_cannot_hold_stay_fp32():
+    w = random_rows(32, 64)  # random fp32 scales: not fp16 values
+    assert not w.half and w.scale.dtype == torch.float32
+
+
+def half_exact_rows(out: int, width: int) -> Q4Rows:
+    """Random codes whose scales and minimums are fp16 values, among them zeros, negative
+    minimums and subnormals (the plain C build converts those itself)."""
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (out, width), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(out, width // Q4_GROUP, generator=gen) * 0.02).half().float()
+    minimum = ((torch.rand(out, width // Q4_GROUP, generator=gen) - 0.5) * 0.1).half().float()
+    scale[0, :4] = torch.tensor([0.0, 2.0 ** -24, 3 * 2.0 ** -20, 6.1e-5]).half().float()
+    minimum[1, :3] = torch.tensor([0.0, -(2.0 ** -24), -5 * 2.0 ** -19]).half().float()
+    zero = minimum.double() + 8 * scale.double()  # (q - 8) s + z = q s + minimum
+    rows = Q4Rows.from_weight(Int4Weight(Q4Blocks(codes, scale, zero.float()), width))
+    assert rows.half, "the test's parameters should be fp16 values"
+    return rows
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_every_build_multiplies_fp16_parameters_as_the_same_values_in_fp32(isa):
+    """Each build reads fp16 scales and minimums (F16C's conversion, or the C build's own) as
+    exactly the fp32 values it reads otherwise: the same bits out, product and dequantization."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    half = half_exact_rows(48, 576)
+    full = Q4Rows(half.nibbles, half.scale.float(), half.minimum.float())
+    assert not full.half
+    for rows in (1, 3, 11):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(q4_matmul(x, half, isa), q4_matmul(x, full, isa)), rows
+    if isa == "native":  # dequantize_rows runs the native build
+        a, b = torch.empty(9, 576), torch.empty(9, 576)
+        dequantize_rows(half, 20, a)
+        dequantize_rows(full, 20, b)
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, half.dequantize()[20:29], rtol=2e-7, atol=1e-9)
