@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from gpu.device import resolve_device
+from ipc.process_heap import release_library_pages
 from ipc.worker_config import WorkerConfig
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -194,7 +195,9 @@ def follow_plans(cfg: WorkerConfig, rank: int, size: int, addr: str, port: int) 
 
     try:
         ranks = join_ranks(cfg, rank, size, addr, port)
-        follow(ranks, Worker(cfg))
+        worker = Worker(cfg)
+        release_library_pages()  # torch's start-up code leaves the resident set, as rank 0's
+        follow(ranks, worker)
         dist.destroy_process_group()
         return 0
     except Exception:

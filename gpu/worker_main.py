@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         # decode step needs them (not the C one), which imports them on its build thread.
         import gpu.worker  # noqa: F401
 
+        release_library_pages()  # torch's start-up code, while it waits (ipc/process_heap.py)
         line = sys.stdin.readline()
         if not line:
             return EXIT_OK  # the service discarded us
