@@ -28,7 +28,7 @@ class Q4Rows:
     minimum: torch.Tensor  # [out, width / 32], likewise (the scale's dtype)
 
     @property
-    def half(self) -> bool:
+    def fp16(self) -> bool:
         """Scales and minimums kept in fp16: where it holds them exactly (Q4_0 and Q4_1 store
         theirs so), which makes the codes the file's own 0.625 bytes a weight, not 0.75."""
         return self.scale.dtype == torch.float16
@@ -96,13 +96,21 @@ class Q8Rows:
     The kernel's outputs past `out` are dropped."""
 
     codes: torch.Tensor  # [padded out, width] int8, interleaved as above
-    scale: torch.Tensor  # [padded out, width / 32 * halves] fp32, as [groups, blocks, halves, 16]
+    # [padded out, width / 32 * halves] fp32 or fp16, as [groups, blocks, halves, 16]
+    scale: torch.Tensor
     out: int
     halves: int = 1
 
+    @property
+    def fp16(self) -> bool:
+        """Scales kept in fp16, a file's own (Q8_0's and Q5_0's d): 2 bytes a block, not 4."""
+        return self.scale.dtype == torch.float16
+
     @staticmethod
-    def from_row_codes(codes: torch.Tensor, scale: torch.Tensor) -> "Q8Rows":
-        """From codes [out, width] int8 and scales [out, width / 32 * halves] in row order."""
+    def from_row_codes(codes: torch.Tensor, scale: torch.Tensor,
+                       file_scales: bool = False) -> "Q8Rows":
+        """From codes [out, width] int8 and scales [out, width / 32 * halves] in row order.
+        `file_scales`: the scales are a GGUF's fp16 values, kept so where fp16 holds them."""
         out, width = codes.shape
         halves = scale.shape[1] * Q4_GROUP // width
         pad = -out % GROUP_ROWS
@@ -112,8 +120,11 @@ class Q8Rows:
         groups, nb = (out + pad) // GROUP_ROWS, width // Q4_GROUP
         # [group, row, block, step, byte] -> [group, block, step, row, byte]
         steps = codes.view(groups, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        scale = scale.float()
+        if file_scales and _exact_in_half(scale):
+            scale = scale.half()
         return Q8Rows(steps.reshape(out + pad, width).contiguous(),
-                      _interleave(scale.float()).contiguous(), out, halves)
+                      _interleave(scale).contiguous(), out, halves)
 
     @staticmethod
     def from_pair(weight: Int4Weight) -> "Q8Rows | None":
@@ -136,7 +147,7 @@ class Q8Rows:
                 if torch.equal(zero[lo], z * d):
                     q = codes[hi].short() * 16 + codes[lo].short() + (z - 136)
                     if q.min() >= -128 and q.max() <= 127:
-                        return Q8Rows.from_row_codes(q.to(torch.int8), d)
+                        return Q8Rows.from_row_codes(q.to(torch.int8), d, file_scales=True)
         return None
 
     @staticmethod
@@ -171,14 +182,14 @@ class Q8Rows:
         return self._steps().permute(0, 3, 1, 2, 4).reshape(rows, width)[:self.out]
 
     def row_scale(self) -> torch.Tensor:
-        return _deinterleave(self.scale)[:self.out]
+        return _deinterleave(self.scale.float())[:self.out]
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as fp32 [*ids.shape, width]: an embedding table kept as its codes."""
         group, lane = ids // GROUP_ROWS, ids % GROUP_ROWS
         q = self._steps()[group, :, :, lane].float()  # [*ids.shape, block, step, byte]
         scales = self.scale.shape[1]  # blocks x halves
-        scale = self.scale.view(-1, scales, GROUP_ROWS)[group, :, lane]  # [*ids.shape, scales]
+        scale = self.scale.view(-1, scales, GROUP_ROWS)[group, :, lane].float()  # [*ids, scales]
         return (q.flatten(-3).unflatten(-1, (scales, -1)) * scale[..., None]).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:

@@ -28,8 +28,8 @@ enum { CODES_Q4 = 0, CODES_Q4_REPEAT = 1, CODES_Q8 = 2, CODES_Q6 = 3 };
 
 typedef struct {
     const void *codes;  /* the kernels' form (q4_matmul.c's nibbles, q8_matmul.c's int8) */
-    const void *scale, *minimum; /* fp32; a 4-bit weight's fp16 where `half` */
-    int out, in, kind, half; /* in: the input's width */
+    const void *scale, *minimum; /* fp32, or fp16 where `fp16` */
+    int out, in, kind, fp16; /* in: the input's width */
 } q4_weight;
 
 typedef struct {
@@ -57,10 +57,10 @@ typedef struct {
 
 static int matmul(const q4_weight *w, const float *x, int rows, float *y, int threads) {
     if (w->kind == CODES_Q8 || w->kind == CODES_Q6)
-        return q8_matmul(x, rows, w->in, w->codes, w->scale, w->kind == CODES_Q6 ? 2 : 1,
-                         w->out, y, threads);
+        return q8_matmul(x, rows, w->in, w->codes, w->scale, w->fp16,
+                         w->kind == CODES_Q6 ? 2 : 1, w->out, y, threads);
     if (w->kind == CODES_Q4)
-        return q4_matmul(x, rows, w->in, w->codes, w->scale, w->minimum, w->half, w->out, y,
+        return q4_matmul(x, rows, w->in, w->codes, w->scale, w->minimum, w->fp16, w->out, y,
                          threads);
     float *xx = malloc(sizeof(float) * (size_t)rows * 2 * w->in); /* [x, x] */
     if (!xx)
@@ -69,7 +69,7 @@ static int matmul(const q4_weight *w, const float *x, int rows, float *y, int th
         memcpy(xx + (size_t)r * 2 * w->in, x + (size_t)r * w->in, sizeof(float) * w->in);
         memcpy(xx + ((size_t)r * 2 + 1) * w->in, x + (size_t)r * w->in, sizeof(float) * w->in);
     }
-    int status = q4_matmul(xx, rows, 2 * w->in, w->codes, w->scale, w->minimum, w->half, w->out,
+    int status = q4_matmul(xx, rows, 2 * w->in, w->codes, w->scale, w->minimum, w->fp16, w->out,
                            y, threads);
     free(xx);
     return status;

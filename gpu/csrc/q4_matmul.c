@@ -158,32 +158,14 @@ static inline int32_t four_bytes(const int8_t *p) {
 
 /* The operands of one group's tile: R input rows from x8 (row i at x8 + i k, its block scales
  * at d + i nb and d sum x8 at dsum + i nb) against the group's codes qs, scales s and
- * minimums m ([nb][16] each, fp16 where `half`, else fp32); out[i][16] gets row i's 16 sums. */
+ * minimums m ([nb][16] each, fp16 where `fp16`, else fp32); out[i][16] gets row i's 16 sums. */
 typedef struct {
     const uint8_t *qs;
     const void *s, *m;
     const int8_t *x8;
     const float *d, *dsum;
-    int nb, k, half;
+    int nb, k, fp16;
 } tile_args;
-
-/* An fp16 value as fp32 (exact: every fp16 is an fp32), without F16C. */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    if (exp == 0) { /* zero or subnormal: man 2^-24 */
-        float f = (float)man * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    uint32_t bits = sign | (man << 13) | (exp == 31 ? 0x7F800000u : (exp + 112) << 23);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Scale or minimum i of an array of them, fp16 or fp32. */
-static inline float param_at(const void *p, int half, size_t i) {
-    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 #if defined(FMSERVE_VNNI)
 #define TILE 8
@@ -207,10 +189,10 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
                 sums[i] = _mm512_dpbusd_epi32(sums[i], q, _mm512_set1_epi32(four_bytes(x)));
             }
         }
-        __m512 s = a->half ? _mm512_cvtph_ps(_mm256_loadu_si256(
+        __m512 s = a->fp16 ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                  (const __m256i *)((const uint16_t *)a->s + b * 16)))
                            : _mm512_loadu_ps((const float *)a->s + b * 16);
-        __m512 m = a->half ? _mm512_cvtph_ps(_mm256_loadu_si256(
+        __m512 m = a->fp16 ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                  (const __m256i *)((const uint16_t *)a->m + b * 16)))
                            : _mm512_loadu_ps((const float *)a->m + b * 16);
         for (int i = 0; i < R; i++) {
@@ -226,8 +208,8 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
 #elif defined(__AVX2__)
 #define TILE 2
 /* Eight scales or minimums from i on, fp16 or fp32. */
-static inline __m256 load8(const void *p, int half, size_t i) {
-    if (!half)
+static inline __m256 load8(const void *p, int fp16, size_t i) {
+    if (!fp16)
         return _mm256_loadu_ps((const float *)p + i);
 #ifdef __F16C__
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
@@ -264,8 +246,8 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
             }
         }
         for (int h = 0; h < 2; h++) {
-            __m256 s = load8(a->s, a->half, (size_t)b * 16 + 8 * h);
-            __m256 m = load8(a->m, a->half, (size_t)b * 16 + 8 * h);
+            __m256 s = load8(a->s, a->fp16, (size_t)b * 16 + 8 * h);
+            __m256 m = load8(a->m, a->fp16, (size_t)b * 16 + 8 * h);
             for (int i = 0; i < R; i++) {
                 size_t at = (size_t)i * a->nb + b;
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]),
@@ -295,8 +277,8 @@ static void group_tile(int R, const tile_args *a, float out[][16]) {
                         sum += (l < 8 ? byte & 0x0F : byte >> 4) * x[4 * j + u];
                     }
                 size_t at = (size_t)i * a->nb + b;
-                total = fmaf((float)sum, param_at(a->s, a->half, b * 16 + l) * a->d[at], total);
-                total = fmaf(param_at(a->m, a->half, b * 16 + l), a->dsum[at], total);
+                total = fmaf((float)sum, param_at(a->s, a->fp16, b * 16 + l) * a->d[at], total);
+                total = fmaf(param_at(a->m, a->fp16, b * 16 + l), a->dsum[at], total);
             }
             out[i][l] = total;
         }
@@ -306,7 +288,7 @@ static void group_tile(int R, const tile_args *a, float out[][16]) {
 /* y [rows, n] = x [rows, k] W^T on `threads` threads; k a multiple of 32, n of 16. Returns 0,
  * or -1 if out of memory. */
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const void *s, const void *m,
-              int half, int n, float *y, int threads) {
+              int fp16, int n, float *y, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
     float *d = quantize_input(x, rows, k, &x8, NULL, threads);
@@ -316,9 +298,9 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const void *s,
 #pragma omp parallel for schedule(guided) num_threads(threads) /* as q8_matmul.c */
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
-        size_t at = (size_t)g * nb * 16, size = half ? 2 : 4; /* the group's params */
+        size_t at = (size_t)g * nb * 16, size = fp16 ? 2 : 4; /* the group's params */
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, (const char *)s + at * size,
-                       (const char *)m + at * size, x8, d, dsum, nb, k, half};
+                       (const char *)m + at * size, x8, d, dsum, nb, k, fp16};
         if (rows > TILE && g + 1 < n / 16) /* as q8_matmul.c: the next group's codes to L2 */
             for (int b = 0; b < nb * BLOCK_BYTES; b += 64)
                 __builtin_prefetch((const char *)a.qs + nb * BLOCK_BYTES + b, 0, 2);
@@ -352,7 +334,7 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const void *s,
 
 /* Output rows [o0, o0 + count) of a 4-bit weight as fp32, dst [count, k]: the wide forwards
  * (prefill) multiply that with a dense GEMM instead of keeping a dense copy resident. */
-void q4_dequantize(const uint8_t *qs, const void *s, const void *m, int half, int k, int o0,
+void q4_dequantize(const uint8_t *qs, const void *s, const void *m, int fp16, int k, int o0,
                    int count, float *dst, int threads) {
     int nb = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -363,7 +345,7 @@ void q4_dequantize(const uint8_t *qs, const void *s, const void *m, int half, in
         float *w = dst + (size_t)o * k;
         for (int b = 0; b < nb; b++) {
             const uint8_t *qb = qg + (size_t)b * BLOCK_BYTES;
-            float sb = param_at(s, half, at + b * 16), mb = param_at(m, half, at + b * 16);
+            float sb = param_at(s, fp16, at + b * 16), mb = param_at(m, fp16, at + b * 16);
 #ifdef __AVX2__
             /* the row's 4 bytes of each of the 8 steps: its 32 codes in input order */
             __m256i steps = _mm256_i32gather_epi32(

@@ -15,6 +15,35 @@ static inline float hsum(__m256 acc) {
 }
 #endif
 
+/* An fp16 value as fp32 (exact: every fp16 is an fp32), without F16C. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0) { /* zero or subnormal: man 2^-24 */
+        float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    uint32_t bits = sign | (man << 13) | (exp == 31 ? 0x7F800000u : (exp + 112) << 23);
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Scale or minimum i of an array of them, fp16 where `fp16`, else fp32. */
+static inline float param_at(const void *p, int fp16, size_t i) {
+    return fp16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* n fp16 values as fp32 (F16C where the build has it). */
+static inline void halves_to_floats(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++)
+        dst[i] = half_to_float(src[i]);
+}
+
 /* AVX-512 VNNI where the compiler targets it (-march=native on such a CPU). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX2__)
 #define FMSERVE_VNNI 1
@@ -30,15 +59,15 @@ float *quantize_input(const float *x, int rows, int k, int8_t **x8, int32_t **su
                       int threads);
 int interleave_x8(int8_t *x8, int rows, int k, int tile);
 int interleave_words(void *words, int rows, int n, int tile);
-/* A 4-bit weight's scales s and minimums m are fp32, or fp16 where `half` (a Q4_0 / Q4_1
- * file's own values, which fp16 holds exactly). */
+/* A weight's scales s (and a 4-bit one's minimums m) are fp32, or fp16 where `fp16` (a Q4_0,
+ * Q4_1 or Q8_0 file's own values, which fp16 holds exactly). */
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const void *s, const void *m,
-              int half, int n, float *y, int threads);
-int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,
-              int n, float *y, int threads);
-void q4_dequantize(const uint8_t *qs, const void *s, const void *m, int half, int k, int o0,
+              int fp16, int n, float *y, int threads);
+int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
+              int halves, int n, float *y, int threads);
+void q4_dequantize(const uint8_t *qs, const void *s, const void *m, int fp16, int k, int o0,
                    int count, float *dst, int threads);
-void q8_dequantize(const int8_t *qs, const float *s, int halves, int k, int o0, int count,
-                   float *dst, int threads);
+void q8_dequantize(const int8_t *qs, const void *s, int fp16, int halves, int k, int o0,
+                   int count, float *dst, int threads);
 
 #endif

@@ -283,7 +283,7 @@ static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int tak
     }
 }
 
-static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const float *s,
+static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
                     int halves, int n, const tile_sink *sink, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
@@ -318,8 +318,15 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const flo
 #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int g = 0; g < n / 16; g++) {
         float out[TILE][16];
-        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, s + (size_t)g * nb * halves * 16, x8,
-                       d, nb, k, x8_sums};
+        /* fp16 scales (a Q8_0 file's own) as fp32 for this group: the tiles read fp32 */
+        size_t at = (size_t)g * nb * halves * 16, count = (size_t)nb * halves * 16;
+        float group_scales[fp16 ? count : 1];
+        const float *gs = (const float *)s + at;
+        if (fp16) {
+            halves_to_floats((const uint16_t *)s + at, group_scales, count);
+            gs = group_scales;
+        }
+        tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, gs, x8, d, nb, k, x8_sums};
         if (rows > TILE && g + 1 < n / 16) /* the next group's codes reach L2 while this */
             for (int b = 0; b < nb * BLOCK_BYTES; b += 64) /* one's later tiles compute */
                 __builtin_prefetch((const char *)a.qs + nb * BLOCK_BYTES + b, 0, 2);
@@ -344,17 +351,17 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const flo
 /* y [rows, n] = x [rows, k] W^T for an 8-bit weight (codes qs, scales s, interleaved as
  * above, `halves` 1 (Q8_0) or 2 (Q6_K) scales a block; k a multiple of 32, n of 16).
  * Returns 0, or -1 if out of memory. */
-int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *s, int halves,
-              int n, float *y, int threads) {
+int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
+              int halves, int n, float *y, int threads) {
     tile_sink sink = {y, NULL, NULL, n};
-    return q8_tiles(x, rows, k, qs, s, halves, n, &sink, threads);
+    return q8_tiles(x, rows, k, qs, s, fp16, halves, n, &sink, threads);
 }
 
 /* tokens [rows] = argmax over the first `valid` columns of x W^T (the first column of the
  * largest value), without writing the [rows, n] product: a greedy step's lm_head, whose
  * 262,144-column product (Gemma 3) is 1 MB a row to write and read back. Returns 0 or -1. */
-int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const float *s,
-                     int halves, int n, int valid, int64_t *tokens, int threads) {
+int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const void *s,
+                     int fp16, int halves, int n, int valid, int64_t *tokens, int threads) {
     size_t slots = (size_t)threads * rows;
     int64_t *best = malloc(sizeof(int64_t) * slots);
     float *best_value = malloc(sizeof(float) * slots);
@@ -365,7 +372,7 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const fl
             best_value[i] = -INFINITY;
         }
         tile_sink sink = {NULL, best, best_value, valid};
-        status = q8_tiles(x, rows, k, qs, s, halves, n, &sink, threads);
+        status = q8_tiles(x, rows, k, qs, s, fp16, halves, n, &sink, threads);
         for (int r = 0; status == 0 && r < rows; r++) {
             int64_t token = -1;
             float top = -INFINITY;
@@ -385,20 +392,20 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const fl
 }
 
 /* Output rows [o0, o0 + count) of an 8-bit weight as fp32 (w = q s), dst [count, k]. */
-void q8_dequantize(const int8_t *qs, const float *s, int halves, int k, int o0, int count,
-                   float *dst, int threads) {
+void q8_dequantize(const int8_t *qs, const void *s, int fp16, int halves, int k, int o0,
+                   int count, float *dst, int threads) {
     int nb = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int o = 0; o < count; o++) {
         int row = o0 + o, g = row / 16, l = row % 16;
         const int8_t *qg = qs + (size_t)g * nb * BLOCK_BYTES + 4 * l;
-        const float *sg = s + (size_t)g * nb * halves * 16 + l;
+        size_t at = (size_t)g * nb * halves * 16 + l; /* the row's scales: every 16th */
         float *w = dst + (size_t)o * k;
         for (int b = 0; b < nb; b++) {
             const int8_t *qb = qg + (size_t)b * BLOCK_BYTES;
             for (int j = 0; j < GROUP; j++)
                 w[b * GROUP + j] = (float)qb[(j / 4) * STEP_BYTES + j % 4]
-                                   * sg[(b * halves + j * halves / GROUP) * 16];
+                                   * param_at(s, fp16, at + (b * halves + j * halves / GROUP) * 16);
         }
     }
 }

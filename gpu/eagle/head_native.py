@@ -104,6 +104,8 @@ class NativeHead:
         self._weights = {"qkv": _fused([a.q_proj, a.k_proj, a.v_proj]),
                          "gate_up": _fused([mlp.gate_proj, mlp.up_proj]),
                          "o": _codes(a.o_proj), "down": _codes(mlp.down_proj)}
+        if any(v.fp16 for v in self._weights.values()):  # head_step.c reads fp32 scales
+            raise ValueError("the C head step takes codes with fp32 scales (Q8Rows.quantize)")
         w = {k: _Q8Weight(v.codes.data_ptr(), v.scale.data_ptr(), v.codes.shape[0],
                           v.codes.shape[1]) for k, v in self._weights.items()}
         # The struct holds raw pointers: every tensor it names lives as long as the head.

@@ -423,7 +423,7 @@ def test_q4_0_and_q4_1_codes_keep_the_files_fp16_scales(type_name):
     raw, exact = quantized(type_name, rows=48, cols=96)
     weight = int4(raw, type_name, exact.shape)
     rows_form = Q4Rows.from_weight(weight)
-    assert rows_form.half and rows_form.minimum.dtype == torch.float16
+    assert rows_form.fp16 and rows_form.minimum.dtype == torch.float16
     kept = sum(t.numel() * t.element_size()
                for t in (rows_form.nibbles, rows_form.scale, rows_form.minimum))
     assert kept == 48 * 96 // 32 * 20  # 16 bytes of codes and 2 + 2 of parameters a block
@@ -433,7 +433,7 @@ def test_q4_0_and_q4_1_codes_keep_the_files_fp16_scales(type_name):
 
 def test_parameters_fp16_cannot_hold_stay_fp32():
     w = random_rows(32, 64)  # random fp32 scales: not fp16 values
-    assert not w.half and w.scale.dtype == torch.float32
+    assert not w.fp16 and w.scale.dtype == torch.float32
 
 
 def half_exact_rows(out: int, width: int) -> Q4Rows:
@@ -447,7 +447,7 @@ def half_exact_rows(out: int, width: int) -> Q4Rows:
     minimum[1, :3] = torch.tensor([0.0, -(2.0 ** -24), -5 * 2.0 ** -19]).half().float()
     zero = minimum.double() + 8 * scale.double()  # (q - 8) s + z = q s + minimum
     rows = Q4Rows.from_weight(Int4Weight(Q4Blocks(codes, scale, zero.float()), width))
-    assert rows.half, "the test's parameters should be fp16 values"
+    assert rows.fp16, "the test's parameters should be fp16 values"
     return rows
 
 
@@ -459,7 +459,7 @@ def test_every_build_multiplies_fp16_parameters_as_the_same_values_in_fp32(isa):
         pytest.skip(f"the {isa} build of the kernel does not compile here")
     half = half_exact_rows(48, 576)
     full = Q4Rows(half.nibbles, half.scale.float(), half.minimum.float())
-    assert not full.half
+    assert not full.fp16
     for rows in (1, 3, 11):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(q4_matmul(x, half, isa), q4_matmul(x, full, isa)), rows
@@ -469,3 +469,38 @@ def test_every_build_multiplies_fp16_parameters_as_the_same_values_in_fp32(isa):
         dequantize_rows(full, 20, b)
         assert torch.equal(a, b)
         torch.testing.assert_close(a, half.dequantize()[20:29], rtol=2e-7, atol=1e-9)
+
+
+def test_q8_0_codes_keep_the_files_fp16_scales_and_a_quantized_head_keeps_fp32():
+    raw, exact = quantized("Q8_0", rows=48, cols=96)
+    codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
+    assert codes.fp16
+    assert codes.codes.numel() + codes.scale.numel() * 2 == 48 * 96 // 32 * 34  # the file's
+    assert torch.equal(codes.dequantize(), exact)
+    ids = torch.tensor([[3, 0], [47, 3]])
+    assert torch.equal(codes.lookup(ids), exact[ids])
+    assert not Q8Rows.quantize(exact).fp16  # scales of its own: max |w| / 127 in fp32
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_every_build_multiplies_fp16_8_bit_scales_as_the_same_values_in_fp32(isa):
+    """The 8-bit kernel converts a group's fp16 scales before its tiles run: product, argmax
+    and dequantization give the same bits as with the same scales in fp32."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    gen = torch.Generator().manual_seed(11)
+    row_codes = torch.randint(-128, 128, (72, 576), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(72, 576 // Q4_GROUP, generator=gen) * 0.01).half().float()
+    scale[0, :3] = torch.tensor([0.0, 2.0 ** -24, 3 * 2.0 ** -18])  # zero and subnormals
+    half = Q8Rows.from_row_codes(row_codes, scale, file_scales=True)
+    full = Q8Rows.from_row_codes(row_codes, scale)
+    assert half.fp16 and not full.fp16 and half.out == 72  # 72 rows: 8 of padding
+    for rows in (1, 3, 11):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(q8_matmul(x, half, isa), q8_matmul(x, full, isa)), rows
+        assert torch.equal(q8_matmul_argmax(x, half, isa), q8_matmul_argmax(x, full, isa))
+    if isa == "native":
+        a, b = torch.empty(5, 576), torch.empty(5, 576)
+        dequantize_rows(half, 60, a)
+        dequantize_rows(full, 60, b)
+        assert torch.equal(a, b) and torch.equal(a, half.dequantize()[60:65])
