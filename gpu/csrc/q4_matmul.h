@@ -1,5 +1,6 @@
 /* The 4-bit matmul of q4_matmul.c, shared with the decode step of decode_step.c, the 8-bit one
- * of q8_matmul.c, the input quantization both use, and a horizontal sum. */
+ * of q8_matmul.c, the input quantization both use, a horizontal sum, and the fp16 scales'
+ * conversion both kernels use. */
 #ifndef FMSERVE_Q4_MATMUL_H
 #define FMSERVE_Q4_MATMUL_H
 #include <stdint.h>
