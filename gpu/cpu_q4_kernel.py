@@ -2,8 +2,8 @@
 
 torch's CPU int4 matmul wants bf16 input, which an AVX2-only CPU emulates, and FBGEMM's fp16
 GEMM reads 2 bytes a weight. The C kernel reads the codes (0.625 bytes a weight with fp16 scales
-and minimums where those are the file's own, as Q4_0's and Q4_1's are; 0.75 with fp32 ones) and multiplies them by the input quantized to int8 per block of 32, as
-llama.cpp does. On a 2-core AVX2-only EPYC, SmolLM2-135M's 120 projections at one row: 6.4 ms
+and minimums where those are the file's own, as Q4_0's and Q4_1's are; 0.75 with fp32 ones)
+and multiplies them by the input quantized to int8 per block of 32, as llama.cpp does. On a 2-core AVX2-only EPYC, SmolLM2-135M's 120 projections at one row: 6.4 ms
 against 16.6 for FBGEMM fp16 and ~14 for torch's int4 kernel; its 49152x576 Q8_0 lm_head 2.4 ms.
 The codes are kept interleaved 16 output rows together (Q4Rows), so that the float work of the
 scales is done once per block for 16 outputs: at 32 rows that took the projections on an
