@@ -71,6 +71,32 @@ class Q4Rows:
         return (q * scale[..., None] + minimum[..., None]).view(out, -1)
 
 
+_PAIR_ROWS = 8192
+
+
+def _pair_codes(digits: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q8Rows.from_pair for rows [rows, 2, blocks, 32] of digits with their [rows, 2, blocks]
+    scales and zeros: int8 codes [rows, blocks, 32] and scales [rows, blocks], or None."""
+    codes = torch.zeros(digits.shape[0], digits.shape[2], Q4_GROUP, dtype=torch.int8)
+    d = torch.zeros(scale.shape[0], scale.shape[2], dtype=scale.dtype)
+    done = torch.zeros(d.shape, dtype=torch.bool)
+    for hi, lo in ((0, 1), (1, 0)):  # Q8_0's high digit comes first, Q5_0's second
+        step = scale[:, lo]
+        fits = (scale[:, hi] == 16 * step) & (zero[:, hi] == 0) & ~done
+        if not fits.any():
+            continue
+        q = digits[:, hi].short() * 16 + digits[:, lo] - 136
+        low, high = q.amin(-1), q.amax(-1)
+        for z in (8, -8):  # w = d (lo - 8) + z d + 16 d (hi - 8)
+            ok = fits & (zero[:, lo] == z * step) & (low + z >= -128) & (high + z <= 127) & ~done
+            if ok.any():
+                codes = torch.where(ok[..., None], (q + z).to(torch.int8), codes)
+                d = torch.where(ok, step, d)
+                done |= ok
+    return (codes, d) if done.all() else None
+
+
 def _exact_in_half(values: torch.Tensor) -> bool:
     """Whether fp16 holds every one of these fp32 values exactly."""
     return torch.equal(values.half().float(), values)
@@ -132,23 +158,23 @@ class Q8Rows:
         a Q8_0 (gguf_q4.q8_0_as_q4_pair: [hi | lo], scales 16 d and d, zeros 0 and 8 d) or a
         Q5_0 (q5_as_q4_pair: [lo | hi + 8], scales d and 16 d, zeros -8 d and 0), kept as
         its int8 codes with scale d: one pass of the 8-bit kernel instead of two 4-bit ones.
-        None for any other weight (Q5_1 and Q5_K's zeros are no multiple of d)."""
+        The digits' order is read block by block, so a fused projection whose rows mix the
+        two (Gemma 3's q/k in Q5_0 beside its v in Q8_0) is one too. None for any other
+        weight (Q5_1 and Q5_K's zeros are no multiple of d)."""
         b, n = weight.blocks, weight.in_features
         if weight.widening != "repeat" or b.codes.shape[1] != 2 * n:
             return None
-        nb = n // Q4_GROUP
-        codes, scale, zero = ((t[:, :w], t[:, w:]) for t, w in
-                              ((b.codes, n), (b.scale, nb), (b.zero, nb)))
-        for hi, lo in ((0, 1), (1, 0)):  # Q8_0's high digit comes first, Q5_0's second
-            d = scale[lo]
-            if not torch.equal(scale[hi], 16 * d) or zero[hi].any():
-                continue
-            for z in (8, -8):  # w = d (lo - 8) + z d + 16 d (hi - 8)
-                if torch.equal(zero[lo], z * d):
-                    q = codes[hi].short() * 16 + codes[lo].short() + (z - 136)
-                    if q.min() >= -128 and q.max() <= 127:
-                        return Q8Rows.from_row_codes(q.to(torch.int8), d, file_scales=True)
-        return None
+        nb, out = n // Q4_GROUP, b.codes.shape[0]
+        codes = torch.empty(out, n, dtype=torch.int8)
+        d = torch.empty(out, nb, dtype=b.scale.dtype)
+        for r in range(0, out, _PAIR_ROWS):  # int16 temporaries of a slice, not of an lm_head
+            got = _pair_codes(b.codes[r:r + _PAIR_ROWS].view(-1, 2, nb, Q4_GROUP),
+                              b.scale[r:r + _PAIR_ROWS].view(-1, 2, nb),
+                              b.zero[r:r + _PAIR_ROWS].view(-1, 2, nb))
+            if got is None:
+                return None
+            codes[r:r + _PAIR_ROWS], d[r:r + _PAIR_ROWS] = got[0].flatten(1), got[1]
+        return Q8Rows.from_row_codes(codes, d, file_scales=True)
 
     @staticmethod
     def from_digits16(weight: Int4Weight) -> "Q8Rows | None":

@@ -26,7 +26,8 @@ SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HIDDEN // HEADS, HID
 # Byte offsets of the fp16 scales in each super-block, and their magnitude: weights of a few
 # hundredths, as a trained model's.
 _FP16_SCALES = {T.Q4_K: ((0, 2e-4), (2, 2e-4)), T.Q5_K: ((0, 1e-4), (2, 1e-4)),
-                T.Q6_K: ((208, 1e-4),), T.Q5_0: ((0, 1e-3),), T.Q5_1: ((0, 1e-3), (2, 1e-2))}
+                T.Q6_K: ((208, 1e-4),), T.Q5_0: ((0, 1e-3),), T.Q5_1: ((0, 1e-3), (2, 1e-2)),
+                T.Q8_0: ((0, 1e-3),)}
 
 
 def random_blocks(kind: gguf.GGMLQuantizationType, rows: int, cols: int,

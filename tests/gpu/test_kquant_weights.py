@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from gpu.llama import LlamaModel
 from gpu.loader.gguf_kquants import kquant_weight
-from gpu.loader.gguf_q4 import Int4Weight, q5_as_q4_pair
+from gpu.loader.gguf_q4 import Int4Weight, q5_as_q4_pair, q8_0_as_q4_pair
 from gpu.q4_linear import Q4Linear, q4_kernel_available
 from tests.gpu.kquant_models import T, random_blocks, write_kquant_llama
 
@@ -126,6 +126,26 @@ def test_int4_kernels_agree_with_the_dequantized_weights_on_top1(loaded):
     dense_vs_fp32 = (logits["dense"] == logits["fp32"]).float().mean().item()
     assert int4_vs_dense >= 0.98, int4_vs_dense
     assert int4_vs_fp32 >= min(0.98, dense_vs_fp32 - 0.02), (int4_vs_fp32, dense_vs_fp32)
+
+
+def test_a_fused_projection_of_q5_0_and_q8_0_rows_runs_as_int8_codes():
+    """Gemma 3's Q4_K_M file holds q and k in Q5_0 and, in half its layers, v in Q8_0: the
+    fused q/k/v then has rows whose two 4-bit digits come in either order ([lo | hi + 8] and
+    [hi | lo]). Read block by block, it is still one matrix of int8 codes, bit for bit gguf's
+    dequantize of each part, and a Q5_1 part still keeps the whole fused matrix 4-bit."""
+    from gpu.cpu_q4_kernel import Q8Rows
+    rng = np.random.default_rng(5)
+    raws = {T.Q5_0: random_blocks(T.Q5_0, 32, 128, rng), T.Q8_0: random_blocks(T.Q8_0, 16, 128, rng),
+            T.Q5_1: random_blocks(T.Q5_1, 16, 128, rng)}
+    exact = {k: torch.from_numpy(dequantize(raw, k).reshape(-1, 128)) for k, raw in raws.items()}
+    parts = {T.Q5_0: Int4Weight.from_parts(q5_as_q4_pair(raws[T.Q5_0], "Q5_0", 32, 128)),
+             T.Q8_0: Int4Weight.from_parts(q8_0_as_q4_pair(raws[T.Q8_0], 16, 128)),
+             T.Q5_1: Int4Weight.from_parts(q5_as_q4_pair(raws[T.Q5_1], "Q5_1", 16, 128))}
+    fused = Q8Rows.from_pair(Int4Weight.cat([parts[T.Q5_0], parts[T.Q8_0]]))
+    assert fused is not None and fused.out == 48
+    assert torch.equal(fused.dequantize(), torch.cat([exact[T.Q5_0], exact[T.Q8_0]]))
+    assert fused.fp16  # the files' own d, 2 bytes a block
+    assert Q8Rows.from_pair(Int4Weight.cat([parts[T.Q8_0], parts[T.Q5_1]])) is None
 
 
 @pytest.mark.parametrize("kind", [T.Q5_0, T.Q5_1])
