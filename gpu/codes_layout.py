@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu.heap import in_huge_pages
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 
 # Output rows the kernel interleaves (gpu/csrc/q4_matmul.c): a weight's rows come in groups of it.
@@ -49,7 +50,8 @@ class Q4Rows:
         scale = b.scale.float()
         if _exact_in_half(scale) and _exact_in_half(minimum):
             scale, minimum = scale.half(), minimum.half()
-        return Q4Rows(nibbles.contiguous(), _interleave(scale), _interleave(minimum))
+        return Q4Rows(in_huge_pages(nibbles.contiguous()), _interleave(scale),
+                      _interleave(minimum))
 
     def codes(self) -> torch.Tensor:
         """The [out, width] codes (0..15) in row order."""
@@ -149,7 +151,7 @@ class Q8Rows:
         scale = scale.float()
         if file_scales and _exact_in_half(scale):
             scale = scale.half()
-        return Q8Rows(steps.reshape(out + pad, width).contiguous(),
+        return Q8Rows(in_huge_pages(steps.reshape(out + pad, width).contiguous()),
                       _interleave(scale).contiguous(), out, halves)
 
     @staticmethod
