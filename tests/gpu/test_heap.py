@@ -114,7 +114,30 @@ def test_large_freed_buffers_leave_the_resident_set_once_mapped_on_their_own():
     assert retained_mib("mapped") <= 2
 
 
-def _advised_huge(address: int) -> bool:
+_HUGE_PAGES_PROBE = """
+import torch
+from gpu import heap
+from gpu.codes_layout import Q8Rows
+from tests.gpu.test_heap import advised_huge
+from tests.gpu.test_q4_linear import int4, quantized
+
+def inside(t):
+    return -(-t.data_ptr() // heap.HUGE_PAGE_BYTES) * heap.HUGE_PAGE_BYTES
+
+big = torch.randint(-128, 128, (4096, 1280), dtype=torch.int8)  # 5 MiB
+moved = heap.in_huge_pages(big)
+assert moved.data_ptr() != big.data_ptr() and torch.equal(moved, big)
+assert advised_huge(inside(moved)) and not advised_huge(inside(big))
+small = torch.zeros(1024, 1024, dtype=torch.int8)
+assert heap.in_huge_pages(small) is small
+raw, exact = quantized("Q8_0", rows=4096, cols=1024)  # the 8-bit kernel's codes: 4 MiB
+codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
+assert advised_huge(inside(codes.codes)) and torch.equal(codes.dequantize(), exact)
+print("ok")
+"""
+
+
+def advised_huge(address: int) -> bool:
     """Whether the mapping holding `address` is advised MADV_HUGEPAGE ("hg" in its VmFlags)."""
     inside = False
     with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
@@ -131,15 +154,8 @@ def _advised_huge(address: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
 def test_large_codes_are_copied_into_memory_advised_for_huge_pages():
     """A weight's codes of 4 MiB and more are copied into memory advised for transparent huge
-    pages (whole 2 MiB pages inside the copy only); smaller ones stay where they are."""
-    big = torch.randint(-128, 128, (4096, 1280), dtype=torch.int8)  # 5 MiB
-    moved = heap.in_huge_pages(big)
-    assert moved.data_ptr() != big.data_ptr() and torch.equal(moved, big)
-    inside = -(-moved.data_ptr() // heap.HUGE_PAGE_BYTES) * heap.HUGE_PAGE_BYTES
-    assert _advised_huge(inside) and not _advised_huge(big.data_ptr())
-    small = torch.zeros(1024, 1024, dtype=torch.int8)
-    assert heap.in_huge_pages(small) is small
-    raw, exact = quantized("Q8_0", rows=4096, cols=1024)  # the 8-bit kernel's codes: 4 MiB
-    codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
-    assert _advised_huge(-(-codes.codes.data_ptr() // heap.HUGE_PAGE_BYTES) * heap.HUGE_PAGE_BYTES)
-    assert torch.equal(codes.dequantize(), exact)
+    pages (whole 2 MiB pages inside the copy only); smaller ones stay where they are. In a
+    fresh process: in this one, heap ranges that earlier tests' models advised are reused."""
+    run = subprocess.run([sys.executable, "-c", _HUGE_PAGES_PROBE], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
