@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.heap import in_huge_pages
+from gpu.huge_pages import in_huge_pages
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 
 # Output rows the kernel interleaves (gpu/csrc/q4_matmul.c): a weight's rows come in groups of it.
@@ -97,6 +97,14 @@ def _pair_codes(digits: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
                 d = torch.where(ok, step, d)
                 done |= ok
     return (codes, d) if done.all() else None
+
+
+def codes_capacity(weights: list[Int4Weight]) -> int:
+    """Bytes enough for the kernel's codes of these weights (`codes_in_huge_pages`): a Q4Rows
+    or Q8Rows takes half a byte or a byte per digit pair of the loader's int4 digits, plus up
+    to 15 padding rows and an alignment; a byte a digit covers all of it."""
+    return sum(w.blocks.codes.numel() + GROUP_ROWS * w.blocks.codes.shape[1] + 64
+               for w in weights)
 
 
 def _exact_in_half(values: torch.Tensor) -> bool:

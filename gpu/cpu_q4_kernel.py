@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from gpu.codes_layout import GROUP_ROWS, Q4Rows, Q8Rows
+from gpu.huge_pages import codes_in_huge_pages
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 from gpu.q4_linear import Q4Linear
 from ipc.cache_dirs import model_cache_dir
@@ -316,6 +317,7 @@ def codes_linear_ok(weights: Int4Weight | list[Int4Weight]) -> bool:
     """Whether the kernels take these parts: 4-bit ones of whole groups of rows, and the
     8-bit ones (a Q8_0 pair; Q6_K's digits, as int8 codes with two scales a block)."""
     parts = weights if isinstance(weights, list) else [weights]
-    return available() and all(w.shape.width % Q4_GROUP == 0 and (
-        w.widening == "digits16" or Q8Rows.from_pair(w) is not None
-        or w.shape.out_features % GROUP_ROWS == 0) for w in parts)
+    with codes_in_huge_pages(0):  # a trial pair's codes are not the load's: not in its buffer
+        return available() and all(w.shape.width % Q4_GROUP == 0 and (
+            w.shape.out_features % GROUP_ROWS == 0 or w.widening == "digits16"
+            or Q8Rows.from_pair(w) is not None) for w in parts)

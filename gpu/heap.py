@@ -8,11 +8,9 @@ import ctypes
 import math
 import time
 
-import torch
-
 from ipc.process_heap import release_free_heap
 
-__all__ = ["release_free_heap", "map_large_buffers", "trim_after_prefill", "in_huge_pages"]
+__all__ = ["release_free_heap", "map_large_buffers", "trim_after_prefill"]
 
 # mallopt's parameter number (glibc's malloc.h).
 M_MMAP_THRESHOLD = -3
@@ -55,28 +53,3 @@ def trim_after_prefill() -> None:
         _last_trim = now
         release_free_heap()
 
-
-# madvise's advice number (Linux) and the size of a transparent huge page (x86-64, arm64 4K).
-MADV_HUGEPAGE = 14
-HUGE_PAGE_BYTES = 2 << 20
-
-
-def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a large CPU tensor whose whole 2 MiB ranges are transparent huge pages (the
-    kernel's default "madvise" mode gives them only where asked): every step streams the
-    weights' codes once, and with 4 KiB pages those reads missed the TLB every 4 KiB. Only the
-    aligned inside of the buffer is advised, so no page holds more than the tensor. `t`
-    itself where that cannot be done (small, not CPU, no madvise)."""
-    if t.device.type != "cpu" or t.nbytes < 2 * HUGE_PAGE_BYTES:
-        return t
-    out = torch.empty_like(t, memory_format=torch.contiguous_format)  # not yet touched
-    start = -(-out.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (out.data_ptr() + out.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return t
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if end <= start or madvise(start, end - start, MADV_HUGEPAGE) != 0:
-        return t
-    return out.copy_(t)

@@ -23,6 +23,7 @@ import torch
 
 from gpu import cpu_q4_kernel
 from gpu.attention.factory import make_attention_backend, resolve_attention_backend
+from gpu.codes_layout import codes_capacity
 from gpu.cpu_decode_step import half_kv_supported
 from gpu.cpu_dtype import auto_dtype_for_codes, codes_dtype_applies
 from gpu.cpu_kernels import fp32_split_applies, plan_fp32_split
@@ -30,6 +31,7 @@ from gpu.device import device_kind, host_to_device, resolve_device, resolve_dtyp
 from gpu.dp_attention import AttentionDataParallel
 from gpu.future_map import FutureMap
 from gpu.heap import release_free_heap
+from gpu.huge_pages import codes_in_huge_pages
 from gpu.kv_cache import KVPool, ReqToTokenPool
 from gpu.llama import LlamaModel
 from gpu.loader.load import load_model
@@ -105,11 +107,16 @@ class WorkerState:
         # speculative step drafts past the limit (below).
         max_positions = (min(self.max_context_len, (num_pages - 1) * rt.page_size)
                          + cfg.spec.reserve_tokens)
-        self.model = LlamaModel(local, loaded.weights, self.device, self.dtype,
-                                weight_quant=cfg.weight_quant, q4=loaded.q4,
-                                q4_max_tokens=rt.q4_max_tokens, lm_head_q4=loaded.lm_head_q4,
-                                deterministic=rt.deterministic, fp32_split=fp32_split,
-                                max_positions=max_positions)
+        # The codes one after another in huge pages (gpu/huge_pages.py): each step streams them.
+        capacity = codes_capacity([w for ws in loaded.q4.values() for w in ws] + [
+            w for w in (loaded.lm_head_q4,) if w is not None]) if fp32_split is not None else 0
+        with codes_in_huge_pages(capacity):
+            self.model = LlamaModel(local, loaded.weights, self.device, self.dtype,
+                                    weight_quant=cfg.weight_quant, q4=loaded.q4,
+                                    q4_max_tokens=rt.q4_max_tokens,
+                                    lm_head_q4=loaded.lm_head_q4,
+                                    deterministic=rt.deterministic, fp32_split=fp32_split,
+                                    max_positions=max_positions)
         if ranked is not None:
             ranked.parallelize(self.model)
         del loaded

@@ -1,24 +1,20 @@
 """gpu/heap.py: the load's freed temporaries go back to the system instead of staying in the
 worker's resident memory, and so do large freed buffers (a prefill's activations) once the
-worker maps them on their own; large codes sit in memory advised for huge pages."""
+worker maps them on their own."""
 
 from __future__ import annotations
 
 import ctypes
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from fmserve.engine import Engine
 from gpu import heap
-from gpu.codes_layout import Q8Rows
 from gpu.heap import release_free_heap
 from ipc.sampling import SamplingParams
-from tests.gpu.test_q4_linear import int4, quantized
 
 
 def needs_malloc_trim() -> None:
@@ -112,50 +108,3 @@ def test_large_freed_buffers_leave_the_resident_set_once_mapped_on_their_own():
         pytest.skip("this C library has no mallopt")
     assert retained_mib("default") >= 12  # glibc's rising threshold: the heap kept it
     assert retained_mib("mapped") <= 2
-
-
-_HUGE_PAGES_PROBE = """
-import torch
-from gpu import heap
-from gpu.codes_layout import Q8Rows
-from tests.gpu.test_heap import advised_huge
-from tests.gpu.test_q4_linear import int4, quantized
-
-def inside(t):
-    return -(-t.data_ptr() // heap.HUGE_PAGE_BYTES) * heap.HUGE_PAGE_BYTES
-
-big = torch.randint(-128, 128, (4096, 1280), dtype=torch.int8)  # 5 MiB
-moved = heap.in_huge_pages(big)
-assert moved.data_ptr() != big.data_ptr() and torch.equal(moved, big)
-assert advised_huge(inside(moved)) and not advised_huge(inside(big))
-small = torch.zeros(1024, 1024, dtype=torch.int8)
-assert heap.in_huge_pages(small) is small
-raw, exact = quantized("Q8_0", rows=4096, cols=1024)  # the 8-bit kernel's codes: 4 MiB
-codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
-assert advised_huge(inside(codes.codes)) and torch.equal(codes.dequantize(), exact)
-print("ok")
-"""
-
-
-def advised_huge(address: int) -> bool:
-    """Whether the mapping holding `address` is advised MADV_HUGEPAGE ("hg" in its VmFlags)."""
-    inside = False
-    with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(v, 16) for v in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return "hg" in line.split()[1:]
-    return False
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
-def test_large_codes_are_copied_into_memory_advised_for_huge_pages():
-    """A weight's codes of 4 MiB and more are copied into memory advised for transparent huge
-    pages (whole 2 MiB pages inside the copy only); smaller ones stay where they are. In a
-    fresh process: in this one, heap ranges that earlier tests' models advised are reused."""
-    run = subprocess.run([sys.executable, "-c", _HUGE_PAGES_PROBE], capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
