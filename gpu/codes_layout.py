@@ -101,9 +101,10 @@ def _pair_codes(digits: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 def codes_capacity(weights: list[Int4Weight]) -> int:
     """Bytes enough for the kernel's codes of these weights (`codes_in_huge_pages`): a Q4Rows
-    or Q8Rows takes half a byte or a byte per digit pair of the loader's int4 digits, plus up
-    to 15 padding rows and an alignment; a byte a digit covers all of it."""
-    return sum(w.blocks.codes.numel() + GROUP_ROWS * w.blocks.codes.shape[1] + 64
+    holds two of the loader's int4 digits a byte, and a Q8Rows one int8 code per digit pair
+    (Q8_0's and Q5_0's two digits side by side, Q6_K's two per weight), with up to 15 padding
+    rows; each tensor is aligned to 64 bytes."""
+    return sum((w.blocks.codes.shape[0] + GROUP_ROWS) * w.blocks.codes.shape[1] // 2 + 64
                for w in weights)
 
 

@@ -44,7 +44,11 @@ class _LoadBuffer:
     resident) from which a load's codes are taken in order."""
 
     def __init__(self, capacity: int) -> None:
-        self.buffer = torch.empty(capacity + HUGE_PAGE_BYTES, dtype=torch.uint8)
+        try:
+            self.buffer = torch.empty(capacity + HUGE_PAGE_BYTES, dtype=torch.uint8)
+        except RuntimeError:  # no address space for it (a strict overcommit policy): as before
+            self.buffer, self.advised = torch.empty(0, dtype=torch.uint8), False
+            return
         self.used = -self.buffer.data_ptr() % HUGE_PAGE_BYTES  # from a page's start
         ptr = self.buffer.data_ptr()
         self.advised = advise_huge(ptr, ptr + self.buffer.numel())
