@@ -52,4 +52,3 @@ def trim_after_prefill() -> None:
     if _worker_heap and now - _last_trim >= TRIM_EVERY_S:
         _last_trim = now
         release_free_heap()
-

@@ -13,12 +13,13 @@ a buffer of its own (only its aligned inside advised: no page holds anything els
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+
+from ipc.process_heap import madvise
 
 # madvise's advice number (Linux) and the size of a transparent huge page (x86-64, arm64 4K).
 MADV_HUGEPAGE = 14
@@ -31,12 +32,7 @@ def advise_huge(start: int, end: int) -> bool:
     """Advise the whole 2 MiB pages inside [start, end); whether any were (Linux only)."""
     start = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
+    return end > start and madvise(start, end - start, MADV_HUGEPAGE)
 
 
 class _LoadBuffer:
@@ -47,7 +43,7 @@ class _LoadBuffer:
         try:
             self.buffer = torch.empty(capacity + HUGE_PAGE_BYTES, dtype=torch.uint8)
         except RuntimeError:  # no address space for it (a strict overcommit policy): as before
-            self.buffer, self.advised = torch.empty(0, dtype=torch.uint8), False
+            self.buffer, self.used, self.advised = torch.empty(0, dtype=torch.uint8), 0, False
             return
         self.used = -self.buffer.data_ptr() % HUGE_PAGE_BYTES  # from a page's start
         ptr = self.buffer.data_ptr()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import re
 
-__all__ = ["release_free_heap", "release_library_pages"]
+__all__ = ["release_free_heap", "release_library_pages", "madvise"]
 
 # madvise's advice number (Linux): the pages leave this process; a clean file page comes back
 # from the page cache at the next touch (a minor fault), with the file's contents.
@@ -73,13 +73,21 @@ def release_library_pages() -> int:
     try:
         with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
             text = f.read()
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    except OSError:
         return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
     for start, end, resident in clean_library_mappings(text):
-        if madvise(start, end - start, MADV_DONTNEED) == 0:
+        if madvise(start, end - start, MADV_DONTNEED):
             released += resident
     return released
+
+
+def madvise(start: int, length: int, advice: int) -> bool:
+    """madvise(2) on [start, start + length); whether it took (False where the C library has
+    no madvise)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return call(start, length, advice) == 0
