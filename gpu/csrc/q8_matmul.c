@@ -327,9 +327,6 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const voi
             gs = group_scales;
         }
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, gs, x8, d, nb, k, x8_sums};
-        if (rows > TILE && g + 1 < n / 16) /* the next group's codes reach L2 while this */
-            for (int b = 0; b < nb * BLOCK_BYTES; b += 64) /* one's later tiles compute */
-                __builtin_prefetch((const char *)a.qs + nb * BLOCK_BYTES + b, 0, 2);
         for (int r = 0; r < rows;) {
             int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
