@@ -99,10 +99,8 @@ class Drafter:
         if hc.algorithm != settings.algorithm:
             raise ValueError(f"spec.algorithm is '{settings.algorithm}' but the head in "
                              f"{settings.draft_model} is an '{hc.algorithm}' head")
-        # Its keys and values in the target's KV dtype (fp16 beside an fp32 model on its
-        # codes): the draft layer reads them as the target's layers read theirs.
         self.draft_kv = KVPool(1, state.kv_pool.num_pages, state.page_size, hc.num_kv_heads,
-                               hc.head_dim, state.kv_pool.dtype, state.device)
+                               hc.head_dim, state.dtype, state.device)
         self.draft_attn = make_attention_backend(state.attention_backend,
                                                  self.draft_kv, state.req_to_token,
                                                  hc.num_heads, hc.num_kv_heads, hc.head_dim,
