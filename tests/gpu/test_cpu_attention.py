@@ -1,4 +1,4 @@
-"""The C decode step's attention (gpu/csrc/step_ops.h `attend`, through the library's
+"""The C decode step's attention (gpu/csrc/attention_ops.h `attend`, through the library's
 `decode_attention`) against torch's softmax(q k^T) v on the same gathered keys and values.
 
 It does the query heads of a kv head together, up to four at a time, so the cases cover every
