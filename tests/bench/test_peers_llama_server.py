@@ -63,6 +63,20 @@ def test_closed_loop_keeps_c_streams_in_flight(fake_server):
     assert seen1["requests"] == 13 + 1 + 3 and len(one.reqs) == 3
 
 
+@pytest.mark.parametrize("has_flag", [True, False])
+def test_the_ram_prompt_cache_is_off_where_the_binary_has_it(fake_server, monkeypatch, has_flag):
+    """The requests never reuse a prompt: a build's RAM prompt cache would only add to its
+    peak RSS. A build without the flag starts as before."""
+    wrapper, stats = fake_server
+    monkeypatch.setenv("FAKE_LLAMA_CACHE_RAM", "1" if has_flag else "0")
+    peer = LlamaServerPeer(config(str(wrapper), concurrency=(1,)))
+    try:
+        peer.measure("llama-server", 1, [[1, 2]])
+    finally:
+        peer.close()
+    assert json.loads(stats.read_text())["cache_ram"] == (0 if has_flag else None)
+
+
 def test_held_back_tokens_are_counted(fake_server, monkeypatch):
     wrapper, _ = fake_server
     monkeypatch.setenv("FAKE_LLAMA_HOLD", "1")

@@ -4,7 +4,8 @@ protocol, for testing fmserve's llama-server peer driver where the real binary i
 It streams `n_predict` tokens (ids 0, 1, ...) one per server-sent event (FAKE_LLAMA_HOLD=1:
 every third one held back into the next event, as the real server does with a token that ends
 inside a UTF-8 character), and records the most
-requests it had in flight at once in $FAKE_LLAMA_STATS."""
+requests it had in flight at once in $FAKE_LLAMA_STATS. FAKE_LLAMA_CACHE_RAM=1: it has newer
+builds' --cache-ram flag (listed by --help, its value recorded)."""
 
 import argparse
 import json
@@ -16,9 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 parser = argparse.ArgumentParser()
 parser.add_argument("--port", type=int)
 parser.add_argument("-np", type=int)
+if os.environ.get("FAKE_LLAMA_CACHE_RAM") == "1":
+    parser.add_argument("--cache-ram", type=int)
 args, _ = parser.parse_known_args()
 lock = threading.Lock()
-stats = {"in_flight": 0, "max_in_flight": 0, "requests": 0, "slots": args.np}
+stats = {"in_flight": 0, "max_in_flight": 0, "requests": 0, "slots": args.np,
+         "cache_ram": getattr(args, "cache_ram", None)}
 
 
 class Handler(BaseHTTPRequestHandler):
