@@ -165,7 +165,14 @@ typedef struct {
     const int8_t *x8;
     const float *d, *dsum;
     int nb, k, fp16;
+    const uint8_t *ahead; /* codes AHEAD_BYTES on, fetched a line every other step (or NULL) */
 } tile_args;
+
+/* The first tile of a group asks for the codes this far ahead, a line every other step, into
+ * L1: without it the stream waited on memory between bursts of integer work (both added up),
+ * with it they overlap. SmolLM2-135M's 150 4-bit projections from memory, 1-4 rows 1.24-1.27x,
+ * 8 rows 1.1-1.15x, 32 rows 1.02-1.04x (2-core AVX512-BF16 EPYC; 2 KB ahead 1.17-1.22x). */
+#define AHEAD_BYTES 4096
 
 #if defined(FMSERVE_VNNI)
 #define TILE 8
@@ -181,6 +188,9 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
         for (int i = 0; i < R; i++)
             sums[i] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
+            if (a->ahead && (j & 1) == 0)
+                _mm_prefetch((const char *)a->ahead + (size_t)b * BLOCK_BYTES + j * STEP_BYTES,
+                             _MM_HINT_T0);
             __m256i t = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES));
             __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(t, low)),
                                            _mm256_and_si256(_mm256_srli_epi16(t, 4), low), 1);
@@ -234,6 +244,9 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
         for (int i = 0; i < R; i++)
             sums[i][0] = sums[i][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
+            if (a->ahead && (j & 1) == 0)
+                _mm_prefetch((const char *)a->ahead + (size_t)b * BLOCK_BYTES + j * STEP_BYTES,
+                             _MM_HINT_T0);
             __m256i t = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES));
             __m256i q[2] = {_mm256_and_si256(t, low),
                             _mm256_and_si256(_mm256_srli_epi16(t, 4), low)};
@@ -300,13 +313,11 @@ int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const void *s,
         float out[TILE][16];
         size_t at = (size_t)g * nb * 16, size = fp16 ? 2 : 4; /* the group's params */
         tile_args a = {qs + (size_t)g * nb * BLOCK_BYTES, (const char *)s + at * size,
-                       (const char *)m + at * size, x8, d, dsum, nb, k, fp16};
-        if (rows > TILE && g + 1 < n / 16) /* as q8_matmul.c: the next group's codes to L2 */
-            for (int b = 0; b < nb * BLOCK_BYTES; b += 64)
-                __builtin_prefetch((const char *)a.qs + nb * BLOCK_BYTES + b, 0, 2);
+                       (const char *)m + at * size, x8, d, dsum, nb, k, fp16, NULL};
         for (int r = 0; r < rows;) {
             int take = rows - r < TILE ? rows - r : TILE;
             a.x8 = x8 + (size_t)r * k;
+            a.ahead = r == 0 ? a.qs + AHEAD_BYTES : NULL; /* past the end: a hint, no fault */
             a.d = d + (size_t)r * nb;
             a.dsum = dsum + (size_t)r * nb;
             switch (take) { /* each a constant: the accumulators stay in registers */
