@@ -139,15 +139,16 @@ def test_the_8_bit_kernels_argmax_is_the_argmax_of_its_product(isa):
     """q8_matmul_argmax (a greedy step's lm_head) picks what argmax over q8_matmul's product
     picks: the first of equal maxima (duplicated weight rows tie exactly, across the threads'
     column ranges too), and never a padding column, though every real logit is negative and
-    padding's are 0."""
+    padding's are 0. Up to 25 rows: VNNI's argmax tiles take 12 rows where its product's take
+    8, so 11, 13 and 25 rows end tiles of either at different rows."""
     if cpu_q4_kernel.library(isa) is None:
         pytest.skip(f"the {isa} build of the kernel does not compile here")
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(11, 128, generator=gen)
-    w = torch.randn(1000, 128, generator=gen) - 3 * x.mean(0).sign()  # every logit negative
+    x = torch.randn(25, 128, generator=gen) + 1
+    w = torch.randn(1000, 128, generator=gen) - 3  # every logit negative (~ -384 +- 40)
     codes = Q8Rows.quantize(w)
     assert codes.codes.shape[0] == 1008  # 8 padding rows
-    for rows in (1, 3, 11):
+    for rows in (1, 3, 11, 13, 25):
         y = q8_matmul(x[:rows], codes, isa)
         assert (y < 0).all()
         assert torch.equal(q8_matmul_argmax(x[:rows], codes, isa), y.argmax(-1))
@@ -371,6 +372,8 @@ def test_a_q6_k_weight_runs_on_the_8_bit_kernel_with_a_scale_every_16_inputs(isa
     torch.testing.assert_close(batch, scaled.sum(-1).float(), rtol=1e-5, atol=1e-5)
     exact_y = x @ exact.t()
     assert ((batch - exact_y).norm() / exact_y.norm()).item() < 0.01
+    wide = torch.randn(25, 512, generator=torch.Generator().manual_seed(10))  # argmax: 12 + 12 + 1
+    assert torch.equal(q8_matmul_argmax(wide, codes, isa), q8_matmul(wide, codes, isa).argmax(-1))
     out = torch.empty(40, 512)
     dequantize_rows(codes, 0, out)
     assert torch.equal(out, exact)
