@@ -170,7 +170,7 @@ typedef struct {
 
 /* The first tile of a group asks for the codes this far ahead, a line every other step, into
  * L1: without it the stream waited on memory between bursts of integer work (both added up),
- * with it they overlap. SmolLM2-135M's 150 4-bit projections from memory, 1-4 rows 1.24-1.27x,
+ * with it they overlap. SmolLM2-135M's 150 4-bit projections from memory, 1-4 rows 1.17-1.27x,
  * 8 rows 1.1-1.15x, 32 rows 1.02-1.04x (2-core AVX512-BF16 EPYC; 2 KB ahead 1.17-1.22x). */
 #define AHEAD_BYTES 4096
 
