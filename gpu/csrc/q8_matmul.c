@@ -58,41 +58,10 @@ static inline int32_t four_bytes(const int8_t *p) {
 /* vpdpbusd multiplies unsigned bytes by signed ones: the codes go in as q + 128 (a flip of
  * the top bit, once per step for every row), and each block's sum then exceeds q . x8 by
  * exactly 128 sum(x8), taken off in the integers: the same sums as q . x8, with one
- * subtraction per row and block instead of a sign applied to every row's input at every step. */
-static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
+ * subtraction per row and block instead of a sign applied to every row's input at every step.
+ * H scales a block: 1, or Q6_K's 2, one per 8 / H steps (a constant at each call). */
+static inline __attribute__((always_inline)) void group_tile(int R, int H, const tile_args *a,
                                                              float out[][16]) {
-    const __m512i top = _mm512_set1_epi8((char)0x80);
-    __m512 acc[ARGMAX_TILE];
-    for (int i = 0; i < R; i++)
-        acc[i] = _mm512_setzero_ps();
-    for (int b = 0; b < a->nb; b++) {
-        const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
-        const int8_t *xb = a->x8 + (size_t)b * 8 * R * 4; /* [step][row][4]: interleave_x8 */
-        __m512i sums[ARGMAX_TILE];
-        for (int i = 0; i < R; i++)
-            sums[i] = _mm512_set1_epi32(-128 * a->sums[(size_t)b * R + i]);
-        for (int j = 0; j < 8; j++) {
-            if (a->ahead)
-                _mm_prefetch((const char *)a->ahead + (size_t)b * BLOCK_BYTES + j * STEP_BYTES,
-                             _MM_HINT_T0);
-            __m512i q = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)),
-                                         top);
-            for (int i = 0; i < R; i++)
-                sums[i] = _mm512_dpbusd_epi32(sums[i], q,
-                                              _mm512_set1_epi32(four_bytes(xb + (j * R + i) * 4)));
-        }
-        __m512 s = _mm512_loadu_ps(a->s + b * 16);
-        for (int i = 0; i < R; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]),
-                                     _mm512_mul_ps(s, _mm512_set1_ps(a->d[(size_t)b * R + i])),
-                                     acc[i]);
-    }
-    for (int i = 0; i < R; i++)
-        _mm512_storeu_ps(out[i], acc[i]);
-}
-/* The same with H scales a block (Q6_K: 2), one per 8 / H steps. */
-static inline __attribute__((always_inline)) void group_tile_halves(
-        int R, int H, const tile_args *a, float out[][16]) {
     const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 acc[ARGMAX_TILE];
     for (int i = 0; i < R; i++)
@@ -105,6 +74,9 @@ static inline __attribute__((always_inline)) void group_tile_halves(
             for (int i = 0; i < R; i++)
                 sums[i] = _mm512_set1_epi32(-128 * a->sums[((size_t)b * H + h) * R + i]);
             for (int j = h * 8 / H; j < (h + 1) * 8 / H; j++) {
+                if (H == 1 && a->ahead) /* Q6_K's (H 2) tiles were not measured with it */
+                    _mm_prefetch((const char *)a->ahead + (size_t)b * BLOCK_BYTES
+                                 + j * STEP_BYTES, _MM_HINT_T0);
                 __m512i q = _mm512_xor_si512(
                     _mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)), top);
                 for (int i = 0; i < R; i++)
@@ -126,8 +98,8 @@ static inline __attribute__((always_inline)) void group_tile_halves(
 #include "q8_tiles_fallback.h"
 #endif
 
-/* Q8_0's tiles as they were; Q6_K's through the general ones */
-#define RUN_TILE(R, H) ((H) == 1 ? group_tile(R, &a, out) : group_tile_halves(R, H, &a, out))
+/* H a constant at each call: Q8_0's one scale a block and Q6_K's two compile apart */
+#define RUN_TILE(R, H) group_tile(R, H, &a, out)
 #define TILE_CASES(H)                                                                     \
     switch (take) { /* each a constant: the accumulators stay in registers */                \
     case 1: RUN_TILE(1, H); break;                                                           \

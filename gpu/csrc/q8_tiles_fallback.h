@@ -5,43 +5,8 @@
 #define FMSERVE_Q8_TILES_FALLBACK_H
 #if defined(__AVX2__)
 #define TILE 2
-static inline __attribute__((always_inline)) void group_tile(int R, const tile_args *a,
-                                                             float out[][16]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE][2];
-    for (int i = 0; i < R; i++)
-        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int b = 0; b < a->nb; b++) {
-        const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
-        __m256i sums[TILE][2];
-        for (int i = 0; i < R; i++)
-            sums[i][0] = sums[i][1] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            for (int h = 0; h < 2; h++) { /* rows 0-7, then 8-15 */
-                __m256i q = _mm256_loadu_si256((const __m256i *)(qb + j * STEP_BYTES + 32 * h));
-                __m256i q_abs = _mm256_sign_epi8(q, q);
-                for (int i = 0; i < R; i++) {
-                    __m256i x = _mm256_set1_epi32(four_bytes(a->x8 + (size_t)i * a->k
-                                                             + b * GROUP + 4 * j));
-                    sums[i][h] = _mm256_add_epi32(sums[i][h], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q)), ones));
-                }
-            }
-        }
-        for (int h = 0; h < 2; h++) {
-            __m256 s = _mm256_loadu_ps(a->s + b * 16 + 8 * h);
-            for (int i = 0; i < R; i++)
-                acc[i][h] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(sums[i][h]),
-                    _mm256_mul_ps(s, _mm256_set1_ps(a->d[(size_t)i * a->nb + b])), acc[i][h]);
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_ps(out[i] + 8 * h, acc[i][h]);
-}
-/* The same with H scales a block (Q6_K: 2), one per 8 / H steps. */
-static inline __attribute__((always_inline)) void group_tile_halves(
+/* H scales a block (q8_matmul.c): 1, or Q6_K's 2, one per 8 / H steps. */
+static inline __attribute__((always_inline)) void group_tile(
         int R, int H, const tile_args *a, float out[][16]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE][2];
@@ -79,24 +44,8 @@ static inline __attribute__((always_inline)) void group_tile_halves(
 }
 #else
 #define TILE 1
-static void group_tile(int R, const tile_args *a, float out[][16]) {
-    for (int i = 0; i < R; i++)
-        for (int l = 0; l < 16; l++) {
-            float total = 0.f;
-            for (int b = 0; b < a->nb; b++) {
-                const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES + 4 * l;
-                const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP;
-                int sum = 0;
-                for (int j = 0; j < 8; j++)
-                    for (int u = 0; u < 4; u++)
-                        sum += qb[j * STEP_BYTES + u] * x[4 * j + u];
-                total += (float)sum * (a->s[b * 16 + l] * a->d[(size_t)i * a->nb + b]);
-            }
-            out[i][l] = total;
-        }
-}
-/* The same with H scales a block (Q6_K: 2), one per 8 / H steps. */
-static void group_tile_halves(int R, int H, const tile_args *a, float out[][16]) {
+/* H scales a block (q8_matmul.c): 1, or Q6_K's 2, one per 8 / H steps. */
+static void group_tile(int R, int H, const tile_args *a, float out[][16]) {
     for (int i = 0; i < R; i++)
         for (int l = 0; l < 16; l++) {
             float total = 0.f;
