@@ -25,10 +25,11 @@ import numpy as np
 from rich.console import Console
 
 from fmserve.arg_types import positive_int
-from fmserve.bench.serve import (RequestTiming, RunResult, add_load_args, dev_prompts, pct,
-                                 pool_rounds, run_closed_loop, start_service)
 from fmserve.bench.peer_types import LLAMA_SERVER_INSTALL
 from fmserve.bench.peers_llama_server import LlamaServerPeer, find_llama_server
+from fmserve.bench.serve import (RequestTiming, RunResult, add_load_args, dev_prompts, pct,
+                                 run_closed_loop, start_service)
+from fmserve.bench.serve_rounds import pool_rounds
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from ipc.sampling import SamplingParams

@@ -9,7 +9,8 @@
 Reported per run: TTFT, inter-token latency (ITL) and end-to-end p50/p99, output tokens/s.
 Steps 2-4 repeat per service variant: --overlap on,off, and with overlap on each
 --launch-ahead mode; --rounds N starts the variants in turn N times (the order reversed every
-other round) and pools their runs.
+other round) and pools their runs; --alternate N starts them side by side instead and takes
+each run N times, the variants in turn (fmserve/bench/serve_alternate.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from rich.console import Console
 from fmserve.arg_types import (add_runtime_args, non_negative_int, positive_float, positive_int,
                                positive_int_list)
 from fmserve.bench import dev_texts
+from fmserve.bench.serve_rounds import (alternate, overlap_summary, pool_rounds, round_ratios,
+                                        run_order)
 from fmserve.bench.tables import print_table
 from fmserve.default_model import resolve_model_path
 from ipc.async_client import AsyncClient
@@ -92,6 +96,11 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                         "order (A B, B A, A B ...), and pool each one's runs: on a machine "
                         "whose speed drifts, or favours the first or last service started, "
                         "this keeps the drift and the position out of the ratios")
+    p.add_argument("--alternate", type=non_negative_int, default=0, metavar="N",
+                   help="start the variants side by side and take each run N times, the "
+                        "variants in turn (A B, B A, ...): each pair's ratio and their median; "
+                        "on a machine whose speed moves within seconds, runs taken minutes "
+                        "apart are not comparable (0: off)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed on to `fmserve serve --set` (e.g. runtime.worker_cpu_threads=2)")
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
@@ -187,6 +196,11 @@ def start_service(args, path: Path, overlap: bool, extra: list[str] = (),
     raise RuntimeError("fmserve serve did not answer within 300 s")
 
 
+def stop_service(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 def pct(values: list[float], q: float) -> str:
     return f"{np.percentile(values, q) * 1000:.0f}" if values else "-"
 
@@ -195,6 +209,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     console = Console()
     if args.rounds < 1:  # checked before the baseline spends minutes
         raise SystemExit(f"fmserve bench serve: --rounds is {args.rounds}; it must be at least 1")
+    if args.alternate and args.rounds > 1:
+        raise SystemExit("fmserve bench serve: give --rounds (services started in turn) or "
+                         "--alternate (side by side), not both")
     variants = service_variants(args.overlap, args.launch_ahead)
     check_serve_flags(args)
     path = resolve_model_path(args.model)
@@ -206,37 +223,20 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     baseline = offline_baseline(args, path, prompts[:n], params)
     console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
     results: list[RunResult] = []
-    for overlap, launch_ahead in run_order(variants, args.rounds):
-        tag = "overlap " + ("on" if overlap else "off")
-        extra = [f for kv in args.set for f in ("--set", kv)]
-        if launch_ahead is not None:
-            tag += f" (launch-ahead {launch_ahead})"
-            extra += ["--set", f"scheduling.launch_ahead={launch_ahead}"]
-        console.print(f"starting fmserve serve ({tag}) ...")
-        proc, endpoint = start_service(args, path, overlap, extra)
-        try:
-            top = max(levels)  # warm-up at the widest level (GPU kernels compile per shape)
-            asyncio.run(run_closed_loop(endpoint, prompts[:top], top,
-                                        SamplingParams(max_new_tokens=4)))
-            runs = [(f"{tag}, concurrency {c}",
-                     lambda c=c: run_closed_loop(endpoint, prompts[:max(n, c)], c, params))
-                    for c in levels]
-            if args.poisson_requests > 0:  # 0: the closed-loop levels only
-                runs.append((f"{tag}, poisson {args.rate:g}/s", lambda: run_poisson(
-                    endpoint, prompts[:args.poisson_requests], args.rate, params)))
-            for name, make in runs:
-                console.print(f"{name} ...")
-                with Client(endpoint) as client:
-                    before = client.health()
-                    result = asyncio.run(make())
-                    after = client.health()
-                idle = after.worker_idle_ms - before.worker_idle_ms
-                busy = after.worker_busy_ms - before.worker_busy_ms
-                result.name, result.idle_share = name, idle / max(idle + busy, 1e-9)
-                results.append(result)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    # --alternate: every variant's service at once; else each started in turn, once a round
+    for group in ([variants] if args.alternate else [[v] for v in run_order(variants, args.rounds)]):
+        with ExitStack() as services:
+            runs = []
+            for overlap, launch_ahead in group:
+                tag, extra = variant_flags(args, overlap, launch_ahead)
+                console.print(f"starting fmserve serve ({tag}) ...")
+                proc, endpoint = start_service(args, path, overlap, extra)
+                services.callback(stop_service, proc)
+                warm_up(endpoint, prompts, levels)
+                runs.append([(name, lambda endpoint=endpoint, name=name, make=make: measure(
+                    endpoint, name, make)) for name, make in workloads(
+                        args, endpoint, tag, levels, n, prompts, params)])
+            results += alternate(runs, max(args.alternate, 1), console.print)
     per_round = results
     results = pool_rounds(results)
     header = ["run", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
@@ -251,12 +251,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                      pct(itl, 99), pct(e2e, 50), pct(e2e, 99), f"{r.output_tps:.1f}",
                      f"{r.output_tps / baseline:.2f}",
                      "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}"])
-    rounds_note = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
+    rounds_note = (f", {args.alternate} alternated runs each pooled" if args.alternate else
+                   f", {args.rounds} rounds pooled" if args.rounds > 1 else "")
     lines = print_table(console, f"serve: {args.dtype}, {args.max_new_tokens} new tokens/request, "
                                  f"offline batch-32 baseline {baseline:.1f} tok/s{rounds_note}",
                         header, rows)
     summary = overlap_summary(results)
-    if args.rounds > 1:
+    if args.rounds > 1 or args.alternate > 1:
         summary += round_ratios(per_round)
     for line in summary:
         console.print(line)
@@ -274,6 +275,46 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     config_from_args(serve.parse_args(
         ["--dtype", args.dtype, "--device", args.device, "--attention-backend",
          args.attention_backend, *(f for kv in args.set for f in ("--set", kv))]))
+
+
+def variant_flags(args, overlap: bool, launch_ahead: str | None) -> tuple[str, list[str]]:
+    """A service variant's name in the tables and its `fmserve serve` flags beyond overlap."""
+    tag = "overlap " + ("on" if overlap else "off")
+    extra = [f for kv in args.set for f in ("--set", kv)]
+    if launch_ahead is not None:
+        tag += f" (launch-ahead {launch_ahead})"
+        extra += ["--set", f"scheduling.launch_ahead={launch_ahead}"]
+    return tag, extra
+
+
+def warm_up(endpoint: str, prompts: list[str], levels: list[int]) -> None:
+    """A few tokens at the widest level (GPU kernels compile per shape)."""
+    top = max(levels)
+    asyncio.run(run_closed_loop(endpoint, prompts[:top], top, SamplingParams(max_new_tokens=4)))
+
+
+def workloads(args, endpoint: str, tag: str, levels: list[int], n: int, prompts: list[str],
+              params: SamplingParams) -> list[tuple[str, object]]:
+    """The runs of one service: (name, a function making the run's coroutine)."""
+    runs = [(f"{tag}, concurrency {c}",
+             lambda c=c: run_closed_loop(endpoint, prompts[:max(n, c)], c, params))
+            for c in levels]
+    if args.poisson_requests > 0:  # 0: the closed-loop levels only
+        runs.append((f"{tag}, poisson {args.rate:g}/s", lambda: run_poisson(
+            endpoint, prompts[:args.poisson_requests], args.rate, params)))
+    return runs
+
+
+def measure(endpoint: str, name: str, make) -> RunResult:
+    """One run, with the worker's idle share over it (from the service's health counters)."""
+    with Client(endpoint) as client:
+        before = client.health()
+        result = asyncio.run(make())
+        after = client.health()
+    idle = after.worker_idle_ms - before.worker_idle_ms
+    busy = after.worker_busy_ms - before.worker_busy_ms
+    result.name, result.idle_share = name, idle / max(idle + busy, 1e-9)
+    return result
 
 
 def service_variants(overlap: str, launch_ahead: str | None) -> list[tuple[bool, str | None]]:
@@ -296,68 +337,3 @@ def service_variants(overlap: str, launch_ahead: str | None) -> list[tuple[bool,
         on = o.strip() == "on"
         variants += [(True, m) for m in modes] if on else [(False, None)]
     return variants
-
-
-def run_order(variants: list, rounds: int) -> list:
-    """The services in the order they start: every variant once a round, the order reversed
-    every other round (A B, B A, ...). Runs on 2-core machines favoured the service started
-    first or last by up to 15% (docs/benchmarks.md); over an even number of rounds every
-    variant holds every position equally often."""
-    return [v for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
-
-
-def pool_rounds(results: list[RunResult]) -> list[RunResult]:
-    """One result per run name, in first-seen order: the rounds' requests pooled, their wall
-    times summed (so output tok/s is over all rounds) and their idle shares averaged."""
-    pooled: dict[str, RunResult] = {}
-    shares: dict[str, list[float]] = {}
-    for r in results:
-        if r.name not in pooled:
-            pooled[r.name], shares[r.name] = RunResult(r.name, [], 0.0), []
-        pooled[r.name].timings += r.timings
-        pooled[r.name].wall += r.wall
-        if r.idle_share is not None:
-            shares[r.name].append(r.idle_share)
-    for name, r in pooled.items():
-        r.idle_share = float(np.mean(shares[name])) if shares[name] else None
-    return list(pooled.values())
-
-
-def round_ratios(results: list[RunResult]) -> list[str]:
-    """Each overlap-on run against overlap off, round by round (the k-th run of a name is in
-    round k): the spread says how far to trust the pooled ratio."""
-    runs: dict[str, list[RunResult]] = {}
-    for r in results:
-        runs.setdefault(r.name, []).append(r)
-    out = []
-    for name, ons in runs.items():
-        tag, _, workload = name.partition(", ")
-        offs = runs.get("overlap off, " + workload)
-        if not tag.startswith("overlap on") or not offs:
-            continue
-        ratios = " ".join(f"{on.output_tps / off.output_tps:.3f}x"
-                          for on, off in zip(ons, offs) if off.output_tps)
-        out.append(f"- {workload}: {tag}/off by round: {ratios}")
-    return out
-
-
-def overlap_summary(results: list[RunResult]) -> list[str]:
-    """Per workload run both ways: the on/off throughput ratio, and the most overlap could give
-    there, 1 / (1 - idle share without it): hiding all of the worker's idle time for free."""
-    by_name = {r.name: r for r in results}
-    out = []
-    for r in results:
-        tag, _, workload = r.name.partition(", ")
-        if not tag.startswith("overlap on"):
-            continue
-        off = by_name.get("overlap off, " + workload)
-        if off is None or not off.output_tps:
-            continue
-        mode = tag.removeprefix("overlap on").strip()
-        line = (f"- {workload}: overlap on{' ' + mode if mode else ''}/off throughput "
-                f"{r.output_tps / off.output_tps:.3f}x")
-        if off.idle_share is not None and r.idle_share is not None:
-            line += (f"; worker idle {100 * r.idle_share:.1f}% on, {100 * off.idle_share:.1f}% "
-                     f"off; ceiling {1 / max(1 - off.idle_share, 1e-9):.3f}x")
-        out.append(line)
-    return out

@@ -5,8 +5,9 @@ import re
 
 import pytest
 
-from fmserve.bench.serve import (RequestTiming, RunResult, overlap_summary, pool_rounds,
-                                 round_ratios, run_order, service_variants)
+from fmserve.bench.serve import RequestTiming, RunResult, service_variants
+from fmserve.bench.serve_rounds import (alternate, overlap_summary, pool_rounds, round_ratios,
+                                        run_order)
 from fmserve.cli import build_parser, main
 
 
@@ -94,7 +95,43 @@ def test_rounds_pool_per_run_and_keep_each_rounds_ratio():
     assert [len(r.timings) for r in pooled] == [2, 2]
     assert [r.output_tps for r in pooled] == [100.0, 100.0]  # (110 + 90) / 2 s
     assert [round(r.idle_share, 3) for r in pooled] == [0.02, 0.04]
-    assert round_ratios(rounds) == ["- concurrency 8: overlap on/off by round: 1.100x 0.900x"]
+    assert round_ratios(rounds) == [
+        "- concurrency 8: overlap on/off by round: 1.100x 0.900x; median 1.000x"]
+    assert round_ratios(rounds[:2]) == ["- concurrency 8: overlap on/off by round: 1.100x"]
+
+
+def test_alternate_takes_each_run_in_turn_the_order_reversed_every_other_time():
+    taken, said = [], []
+
+    def service(s: str) -> list:
+        return [(f"{s} {w}", lambda s=s, w=w: taken.append(f"{s}{w}") or len(taken))
+                for w in ("c1", "c8")]
+
+    results = alternate([service("A"), service("B")], 3, said.append)
+    assert taken == ["Ac1", "Bc1", "Bc1", "Ac1", "Ac1", "Bc1",
+                     "Ac8", "Bc8", "Bc8", "Ac8", "Ac8", "Bc8"]
+    assert results == list(range(1, 13))  # in the order taken
+    assert said[:3] == ["A c1 (1/3) ...", "B c1 (1/3) ...", "B c1 (2/3) ..."]
+    assert alternate([service("A")], 1, said.append) == [13, 14] and said[-1] == "A c8 ..."
+
+
+def test_bench_serve_alternate_runs_the_services_side_by_side_end_to_end(tmp_path, model_path):
+    md = tmp_path / "serve.md"
+    argv = ["bench", "serve", "--model", str(model_path), "--dtype", "fp32",
+            "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "3",
+            "--poisson-requests", "0", "--overlap", "on,off", "--alternate", "2",
+            "--markdown", str(md)]
+    assert main(argv) == 0
+    text = md.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| overlap")]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "overlap on, concurrency 2", "overlap off, concurrency 2"]
+    assert all(r.split("|")[2].strip() == "4" for r in rows)  # 2 requests, twice each
+    pairs = re.search(r"- concurrency 2: overlap on/off by round: ([\d.]+)x ([\d.]+)x; "
+                      r"median ([\d.]+)x", text)
+    assert pairs, text
+    first, second, median = (float(pairs.group(i)) for i in (1, 2, 3))
+    assert min(first, second) <= median <= max(first, second) and median > 0
 
 
 def test_bad_arguments_are_refused_before_the_baseline(tmp_path, capsys):
@@ -112,6 +149,8 @@ def test_bad_arguments_are_refused_before_the_baseline(tmp_path, capsys):
         service_variants("maybe", None)
     assert main(["bench", "serve", "--model", model, "--set", "runtime.page_sise=8"]) == 2
     assert "did you mean runtime.page_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="not both"):
+        main(["bench", "serve", "--model", model, "--rounds", "2", "--alternate", "2"])
     assert main(["bench", "serve", "--model", model, "--dtype", "bf17"]) == 2
     assert 'model.dtype = "bf17"' in capsys.readouterr().err
 
