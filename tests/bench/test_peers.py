@@ -13,6 +13,9 @@ import re
 
 import pytest
 
+from fmserve.bench.peer_types import PEERS as PEER_LIST
+from fmserve.bench.peer_types import PeerResult, PointResult, Req
+from fmserve.bench.peers_pairs import overlap_pairs
 from fmserve.cli import main
 
 PEERS = "hf-*,llama-cpp,llama-server,offline-chain,offline-overlap-chain,served"
@@ -78,6 +81,10 @@ def test_bench_peers_quick_end_to_end(tmp_path, model_path):
     assert all(c.startswith("skipped") for c in row_for(rows, "llama-server")[1:])
     assert "no-llama-server is not an executable file" in report
     assert "scripts/build_llama_server.sh" in report  # how to build it
+    pairs = re.findall(r"- `offline-overlap-chain` / `offline-chain` at C = (\d): ([\d.]+)x\n",
+                       report)  # one round (--quick): one ratio, no median
+    assert "### Overlap on / off, round by round" in report and [c for c, _ in pairs] == ["1", "2"]
+    assert all(float(r) > 0 for _, r in pairs)
 
     for png in ["peers_throughput.png", "peers_latency_cdf.png", "peers_accept.png"]:
         data = (out / png).read_bytes()
@@ -173,3 +180,20 @@ def test_a_rounds_points_are_taken_concurrency_by_concurrency_on_the_cpu(monkeyp
                        (("start", k), ("measure", k, 1), ("measure", k, 8), ("close", k))]
     assert all(len(results[k].points[c]) == 1 for k in keys for c in (1, 8))
     assert [t["peers"] for t in timings] == keys
+
+
+def test_overlap_pairs_are_each_rounds_ratio_to_the_twin_and_their_median():
+    def point(tokens: int, wall: float) -> PointResult:
+        return PointResult(8, wall, [Req(0.1, wall, tokens, [])])
+
+    by_key = {p.key: p for p in PEER_LIST}
+    results = {
+        "served": PeerResult(by_key["served"], points={8: [point(100, 1.0), point(100, 2.0)]}),
+        "served-overlap": PeerResult(by_key["served-overlap"],
+                                     points={8: [point(110, 1.0), point(45, 1.0)]}),
+        "offline-chain": PeerResult(by_key["offline-chain"], skipped="not selected"),
+        "offline-overlap-chain": PeerResult(by_key["offline-overlap-chain"],
+                                            points={8: [point(100, 1.0)]}),
+    }
+    assert overlap_pairs(results) == [
+        "- `served-overlap` / `served` at C = 8: 1.100x 0.900x; median 1.000x"]
