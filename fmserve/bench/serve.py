@@ -10,7 +10,7 @@ Reported per run: TTFT, inter-token latency (ITL) and end-to-end p50/p99, output
 Steps 2-4 repeat per service variant: --overlap on,off, and with overlap on each
 --launch-ahead mode; --rounds N starts the variants in turn N times (the order reversed every
 other round) and pools their runs; --alternate N starts them side by side instead and takes
-each run N times, the variants in turn (fmserve/bench/serve_alternate.py).
+each run N times, the variants in turn (fmserve/bench/serve_rounds.py).
 """
 
 from __future__ import annotations
@@ -224,7 +224,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     console.print(f"offline engine: {baseline:.1f} output tok/s; starting fmserve serve ...")
     results: list[RunResult] = []
     # --alternate: every variant's service at once; else each started in turn, once a round
-    for group in ([variants] if args.alternate else [[v] for v in run_order(variants, args.rounds)]):
+    groups = [variants] if args.alternate else [[v] for v in run_order(variants, args.rounds)]
+    for group in groups:
         with ExitStack() as services:
             runs = []
             for overlap, launch_ahead in group:
