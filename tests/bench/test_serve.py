@@ -11,15 +11,19 @@ from fmserve.bench.serve_rounds import (alternate, overlap_summary, pool_rounds,
 from fmserve.cli import build_parser, main
 
 
-def test_bench_serve_overlap_on_off_end_to_end(tmp_path, model_path):
+def bench_serve_tables(tmp_path, model_path, *flags: str) -> tuple[str, list[str]]:
+    """A tiny real `fmserve bench serve --overlap on,off` run: its markdown and table rows."""
     md = tmp_path / "serve.md"
-    argv = ["bench", "serve", "--model", str(model_path), "--dtype", "fp32",
-            "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "4",
-            "--poisson-requests", "0", "--overlap", "on,off", "--launch-ahead", "prepare",
-            "--markdown", str(md)]
-    assert main(argv) == 0
+    assert main(["bench", "serve", "--model", str(model_path), "--dtype", "fp32",
+                 "--concurrency", "2", "--requests-per-level", "2", "--poisson-requests", "0",
+                 "--overlap", "on,off", "--markdown", str(md), *flags]) == 0
     text = md.read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| overlap")]
+    return text, [line for line in text.splitlines() if line.startswith("| overlap")]
+
+
+def test_bench_serve_overlap_on_off_end_to_end(tmp_path, model_path):
+    text, rows = bench_serve_tables(tmp_path, model_path, "--max-new-tokens", "4",
+                                    "--launch-ahead", "prepare")
     assert [r.split("|")[1].strip() for r in rows] == [
         "overlap on (launch-ahead prepare), concurrency 2", "overlap off, concurrency 2"]
     for row in rows:
@@ -116,14 +120,8 @@ def test_alternate_takes_each_run_in_turn_the_order_reversed_every_other_time():
 
 
 def test_bench_serve_alternate_runs_the_services_side_by_side_end_to_end(tmp_path, model_path):
-    md = tmp_path / "serve.md"
-    argv = ["bench", "serve", "--model", str(model_path), "--dtype", "fp32",
-            "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "3",
-            "--poisson-requests", "0", "--overlap", "on,off", "--alternate", "2",
-            "--markdown", str(md)]
-    assert main(argv) == 0
-    text = md.read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| overlap")]
+    text, rows = bench_serve_tables(tmp_path, model_path, "--max-new-tokens", "3",
+                                    "--alternate", "2")
     assert [r.split("|")[1].strip() for r in rows] == [
         "overlap on, concurrency 2", "overlap off, concurrency 2"]
     assert all(r.split("|")[2].strip() == "4" for r in rows)  # 2 requests, twice each
