@@ -19,7 +19,7 @@ import numpy as np
 
 
 class Run(Protocol):
-    """A measured run (serve.Run): its requests' timings over its wall time."""
+    """A measured run (serve.RunResult): its requests' timings over its wall time."""
     name: str
     timings: list
     wall: float
