@@ -167,8 +167,9 @@ def device_section(device: str, cfg: dict, results: dict[str, PeerResult], plots
     lines += table(header, rows)
     if pairs := overlap_pairs(results):
         lines += ["### Overlap on / off, round by round", "", "Output tok/s of each round's "
-                  "overlap-on run over its overlap-off twin's, taken seconds apart "
-                  "(fmserve/bench/peers_pairs.py), and their median.", "", *pairs, ""]
+                  "overlap-on run over its overlap-off twin's in the same round (on the CPU "
+                  "seconds apart), and their median (fmserve/bench/peers_pairs.py).", "",
+                  *pairs, ""]
 
     lines += ["### Latency", "",
               "Milliseconds, from submission (served: from the client's send). TTFT: to the "
