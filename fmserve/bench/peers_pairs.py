@@ -7,9 +7,8 @@ drift moves least. The pooled figures of the throughput table mix every round's 
 
 from __future__ import annotations
 
-import numpy as np
-
 from fmserve.bench.peer_types import PEERS, PeerResult, PointResult
+from fmserve.bench.serve_rounds import ratios_text
 
 
 def output_tps(point: PointResult) -> float:
@@ -30,8 +29,5 @@ def overlap_pairs(results: dict[str, PeerResult]) -> list[str]:
             ratios = [output_tps(a) / output_tps(b)
                       for a, b in zip(on.points[c], off.points[c]) if output_tps(b) > 0]
             if ratios:
-                lines.append(f"- `{peer.key}` / `{twin}` at C = {c}: "
-                             + " ".join(f"{r:.3f}x" for r in ratios)
-                             + (f"; median {float(np.median(ratios)):.3f}x"
-                                if len(ratios) > 1 else ""))
+                lines.append(f"- `{peer.key}` / `{twin}` at C = {c}: {ratios_text(ratios)}")
     return lines

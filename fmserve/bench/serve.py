@@ -24,6 +24,7 @@ import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -234,9 +235,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 proc, endpoint = start_service(args, path, overlap, extra)
                 services.callback(stop_service, proc)
                 warm_up(endpoint, prompts, levels)
-                runs.append([(name, lambda endpoint=endpoint, name=name, make=make: measure(
-                    endpoint, name, make)) for name, make in workloads(
-                        args, endpoint, tag, levels, n, prompts, params)])
+                runs.append([(name, partial(measure, endpoint, name, make)) for name, make
+                             in workloads(args, endpoint, tag, levels, n, prompts, params)])
             results += alternate(runs, max(args.alternate, 1), console.print)
     per_round = results
     results = pool_rounds(results)

@@ -88,10 +88,14 @@ def round_ratios(results: list[Run]) -> list[str]:
         if not tag.startswith("overlap on") or not offs:
             continue
         ratios = [on.output_tps / off.output_tps for on, off in zip(ons, offs) if off.output_tps]
-        out.append(f"- {workload}: {tag}/off by round: "
-                   + " ".join(f"{r:.3f}x" for r in ratios)
-                   + (f"; median {float(np.median(ratios)):.3f}x" if len(ratios) > 1 else ""))
+        out.append(f"- {workload}: {tag}/off by round: {ratios_text(ratios)}")
     return out
+
+
+def ratios_text(ratios: list[float]) -> str:
+    """Each pair's ratio in order, then their median where there are several."""
+    return " ".join(f"{r:.3f}x" for r in ratios) + (
+        f"; median {float(np.median(ratios)):.3f}x" if len(ratios) > 1 else "")
 
 
 def overlap_summary(results: list[Run]) -> list[str]:
