@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void group_tile(int R, const tile_a
                                            _mm256_and_si256(_mm256_srli_epi16(t, 4), low), 1);
             for (int i = 0; i < R; i++) {
                 const int8_t *x = a->x8 + (size_t)i * a->k + b * GROUP + 4 * j;
-                sums[i] = _mm512_dpbusd_epi32(sums[i], q, _mm512_set1_epi32(four_bytes(x)));
+                sums[i] = dpbusd_x4(sums[i], q, x);
             }
         }
         __m512 s = a->fp16 ? _mm512_cvtph_ps(_mm256_loadu_si256(

@@ -80,8 +80,7 @@ static inline __attribute__((always_inline)) void group_tile(int R, int H, const
                 __m512i q = _mm512_xor_si512(
                     _mm512_loadu_si512((const void *)(qb + j * STEP_BYTES)), top);
                 for (int i = 0; i < R; i++)
-                    sums[i] = _mm512_dpbusd_epi32(
-                        sums[i], q, _mm512_set1_epi32(four_bytes(xb + (j * R + i) * 4)));
+                    sums[i] = dpbusd_x4(sums[i], q, xb + (j * R + i) * 4);
             }
             __m512 s = _mm512_loadu_ps(a->s + (b * H + h) * 16);
             for (int i = 0; i < R; i++)
