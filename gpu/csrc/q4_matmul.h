@@ -55,8 +55,8 @@ static inline void halves_to_floats(const uint16_t *src, float *dst, size_t n) {
 /* acc + the dot products of q's unsigned bytes with the four signed bytes at x, broadcast:
  * vpdpbusd with x as its embedded-broadcast memory operand. Written out because gcc loads
  * _mm512_set1_epi32(x) into a register first, an extra vector instruction for each (2-core
- * AVX512-BF16 EPYC, bit-identical: the 8-bit tiles 1.02-1.05x at 8-32 rows, the 4-bit ones
- * 1.03-1.12x; a 32-stream offline wave, SmolLM2 1.02-1.10x, Gemma 3 1.01x). */
+ * AVX512-BF16 EPYC, bit-identical: the 4-bit tiles 1.03-1.12x at 8-32 rows, the 8-bit ones
+ * 1.00-1.05x; a 32-stream offline wave, SmolLM2 1.06x, Gemma 3 1.01x: docs/benchmarks.md). */
 static inline __attribute__((always_inline)) __m512i dpbusd_x4(__m512i acc, __m512i q,
                                                                 const int8_t *x) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t *)x));
