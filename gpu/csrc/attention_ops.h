@@ -50,7 +50,7 @@ static inline __m256 kv8(const attention_shape *m, const void *cache, int32_t lo
  * whole value row; the passes over the others find them in cache. Fetching both rows in the
  * keys' pass had put all of a row's memory traffic in one sixth of its arithmetic (SmolLM2's
  * shape, 32 rows, 30 layers, out of cache: both split this way and rows dealt whole, below,
- * 7.3-7.5 -> 5.6-5.9 ms; Gemma 3's 1.02x; 2-core AVX512-BF16 EPYC). */
+ * 7.7 -> 5.9 ms; Gemma 3's 1.01x; 2-core AVX512-BF16 EPYC; docs/benchmarks.md). */
 #define KV_AHEAD 8
 /* The whole row of token `loc` (row_bytes: every kv head) of the keys or of the values. */
 static inline __attribute__((always_inline)) void prefetch_row(const void *cache, int32_t loc,
