@@ -20,7 +20,6 @@ from gpu.compiled_decode import CompiledDecode, compile_applies, compile_mode
 from gpu.decode_graphs import DecodeGraphs
 from gpu.device import host_to_device
 from gpu.forward_batch import ForwardBatch, ForwardMode
-from gpu.sampling_state import SampleOutput
 from gpu.step_streams import HostCopy
 from gpu.step_types import PendingStep, PreparedStep
 from gpu.worker_state import WorkerState
@@ -153,13 +152,7 @@ class PlainStep:
             last_token = torch.cumsum(batch.extend_lens, 0) - 1
             rows_hidden = hidden[last_token[sample_rows]]
             sample_slots, seq_lens = batch.slots[sample_rows], batch.seq_lens[sample_rows]
-        tokens = (st.model.greedy_tokens(rows_hidden)
-                  if st.sampler.argmax_only(sample_slots, sample_slots_host) else None)
-        if tokens is not None:
-            out = SampleOutput(tokens)
-        else:
-            logits = st.model.logits(rows_hidden)
-            out = st.sampler.sample(logits, sample_slots, seq_lens, slots_host=sample_slots_host)
+        out = st.sample(rows_hidden, sample_slots, seq_lens, sample_slots_host)
         st.commit(sample_slots, out.token_ids)  # lengths were published before the forward
         outputs = {"slots": sample_slots, "token_ids": out.token_ids}
         if out.logprobs is not None:

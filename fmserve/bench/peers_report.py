@@ -18,7 +18,7 @@ import numpy as np
 
 from fmserve.bench.tables import markdown_table
 from fmserve.bench.peer_types import BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL, PeerResult
-from fmserve.bench.peers_pairs import overlap_pairs
+from fmserve.bench.peers_pairs import pairs_sections
 
 REPORT = "peers.md"
 
@@ -165,11 +165,7 @@ def device_section(device: str, cfg: dict, results: dict[str, PeerResult], plots
         row.append(fmt(first.accept_length, 2, "no speculation") if first else "skipped")
         rows.append(row)
     lines += table(header, rows)
-    if pairs := overlap_pairs(results):
-        lines += ["### Overlap on / off, round by round", "", "Output tok/s of each round's "
-                  "overlap-on run over its overlap-off twin's in the same round (on the CPU "
-                  "seconds apart), and their median (fmserve/bench/peers_pairs.py).", "",
-                  *pairs, ""]
+    lines += pairs_sections(results)
 
     lines += ["### Latency", "",
               "Milliseconds, from submission (served: from the client's send). TTFT: to the "

@@ -248,8 +248,7 @@ class EagleStep:
         slots_host = np.concatenate([np.array([extends[i].slot for i in sample_host],
                                               dtype=np.int64), decode_host])
         seq_rows = torch.cat([sample_rows, len(extends) + torch.arange(nd, device=dev)])
-        out = st.sampler.sample(st.model.logits(hidden[rows]), sample_slots,
-                                batch.seq_lens[seq_rows], slots_host=slots_host)
+        out = st.sample(hidden[rows], sample_slots, batch.seq_lens[seq_rows], slots_host)
         st.commit(sample_slots, out.token_ids)
         if nd and feats is not None:  # the head runs over the decodes' tokens later, if ever
             lag.defer(decode_host, batch.seq_lens[len(extends):] - 1,
@@ -383,9 +382,8 @@ class EagleStep:
                              slots, seq_lens, torch.ones_like(seq_lens), seq_lens + 1,
                              batches.locs(slots, seq_lens[:, None]))
         hidden, feats = self._target(batch, lag is None or not lag.all_headless(slots_host))
-        logits = st.model.logits(hidden)
-        out = (SampleOutput(logits.argmax(-1)) if slots_host is None else
-               st.sampler.sample(logits, slots, batch.seq_lens, slots_host=slots_host))
+        out = (SampleOutput(st.model.logits(hidden).argmax(-1)) if slots_host is None else
+               st.sample(hidden, slots, batch.seq_lens, slots_host))
         st.commit(slots, out.token_ids, seq_lens=batch.seq_lens)
         if lag is not None:  # the head runs over this token later, if ever needed
             if feats is not None:

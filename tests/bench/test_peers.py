@@ -15,7 +15,7 @@ import pytest
 
 from fmserve.bench.peer_types import PEERS as PEER_LIST
 from fmserve.bench.peer_types import PeerResult, PointResult, Req
-from fmserve.bench.peers_pairs import overlap_pairs
+from fmserve.bench.peers_pairs import overlap_pairs, pairs_sections, spec_pairs
 from fmserve.cli import main
 
 PEERS = "hf-*,llama-cpp,llama-server,offline-chain,offline-overlap-chain,served"
@@ -197,3 +197,27 @@ def test_overlap_pairs_are_each_rounds_ratio_to_the_twin_and_their_median():
     }
     assert overlap_pairs(results) == [
         "- `served-overlap` / `served` at C = 8: 1.100x 0.900x; median 1.000x"]
+
+
+def test_spec_pairs_are_each_served_eagle_rounds_ratio_to_its_twin_without_speculation():
+    def point(tokens: int, wall: float) -> PointResult:
+        return PointResult(8, wall, [Req(0.1, wall, tokens, [])])
+
+    by_key = {p.key: p for p in PEER_LIST}
+    results = {
+        "served-overlap": PeerResult(by_key["served-overlap"],
+                                     points={1: [point(50, 1.0)], 8: [point(100, 1.0),
+                                                                      point(100, 2.0)]}),
+        "served-overlap-chain": PeerResult(by_key["served-overlap-chain"], points={
+            1: [point(80, 1.0)], 8: [point(96, 1.0), point(51, 1.0)]}),
+        "served-tree": PeerResult(by_key["served-tree"], points={8: [point(100, 1.0)]}),
+        "offline": PeerResult(by_key["offline"], points={8: [point(100, 1.0)]}),
+        "offline-chain": PeerResult(by_key["offline-chain"], points={8: [point(200, 1.0)]}),
+    }
+    # served-tree's twin (served) did not run; offline peers are not paired
+    assert spec_pairs(results) == [
+        "- `served-overlap-chain` / `served-overlap` at C = 1: 1.600x",
+        "- `served-overlap-chain` / `served-overlap` at C = 8: 0.960x 1.020x; median 0.990x"]
+    report = pairs_sections(results)
+    assert "### Speculation on / off, round by round" in report
+    assert "### Overlap on / off, round by round" not in report  # no overlap twin ran
