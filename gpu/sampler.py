@@ -59,11 +59,8 @@ class Sampler:
         return self.state.batch_flags(host)
 
     def argmax_only(self, slots: torch.Tensor, slots_host=None) -> bool:
-        """Whether `sample` would return the logits' argmax and nothing else for this batch:
-        every row greedy, no penalties, no min-token bans, no logprobs (the caller may then
-        take the argmax without the logits, `LlamaModel.greedy_tokens`)."""
-        f = self.batch_flags(slots, slots_host)
-        return f.all_greedy and not (f.any_penalty or f.any_min_tokens) and f.max_logprobs < 0
+        """Whether `sample` would return the logits' argmax and nothing else (BatchFlags)."""
+        return self.batch_flags(slots, slots_host).argmax_only
 
     def process_logits(self, logits: torch.Tensor, slots: torch.Tensor, flags: BatchFlags,
                        drafted: DraftedBefore | None = None) -> torch.Tensor:

@@ -44,6 +44,14 @@ class BatchFlags:
     any_min_p: bool
     max_logprobs: int  # -1: no row wants logprobs
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row takes the logits' argmax and nothing else: greedy, no penalties, no
+        min-token bans, no logprobs (the caller may then skip the logits,
+        LlamaModel.greedy_tokens)."""
+        return (self.all_greedy and not (self.any_penalty or self.any_min_tokens)
+                and self.max_logprobs < 0)
+
 
 @dataclass(frozen=True)
 class DraftedBefore:

@@ -27,7 +27,7 @@ import torch
 from gpu import cpu_decode_step
 from gpu.cpu_decode_step import native_decode_applies
 from gpu.device import host_to_device
-from gpu.eagle.accept import accept_verified, compact_accepted_kv
+from gpu.eagle.accept import accept_greedy, accept_verified, compact_accepted_kv
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.gate_memory import GateMemory
@@ -151,8 +151,7 @@ class EagleStep:
             start = time.perf_counter()
             caught = (lag.seconds, lag.tokens) if lag is not None else (0.0, 0)
             parts.append(self._decode(decode_host, drafts))
-            # On a CPU: the forwards themselves, less any catch-up of the head (the gate
-            # charges that to the plain way: gpu/eagle/spec_gate.py).
+            # On a CPU: the forwards, less the head's catch-up (the gate charges that apart).
             pending.decode_s = time.perf_counter() - start
             if lag is not None and lag.tokens > caught[1]:
                 pending.decode_s -= lag.seconds - caught[0]
@@ -317,7 +316,7 @@ class EagleStep:
         """The device half of a drafting decode step, from the FutureMap's state to the next
         step's: draft the tree, verify it, accept, commit, extend the draft over the accepted
         path. Returns (emitted tokens [bs, E] -1 padded, accept lengths, the tree, the verify
-        logits, the accepted path [bs, E]). Static shapes, no host sync: CUDA graphs capture it
+        logits (None where the argmax sufficed), the accepted path [bs, E]). Static shapes, no host sync: CUDA graphs capture it
         whole (gpu/eagle/eagle_graphs.py, with `slots_host` None and greedy `flags`)."""
         st, s, dev = self.state, self.settings, self.state.device
         bs, T, E = slots.shape[0], s.num_draft_tokens, s.num_steps + 1
@@ -337,9 +336,15 @@ class EagleStep:
             batches.locs(slots, seq_lens[:, None] + cols),
             tree.mask if s.topk > 1 else None)  # a chain is the ordinary causal extend
         hidden, feats = self._target(batch)
-        logits = st.model.logits(hidden)  # [bs * T, V]
-        result = accept_verified(st.sampler, st.sampling_state, tree, logits, slots,
-                                 slots_host, positions, flags)
+        # Each node's argmax in C where that is all the batch wants (as WorkerState.sample).
+        greedy = (st.model.greedy_tokens(hidden) if slots_host is not None
+                  and flags.argmax_only else None)
+        if greedy is not None:
+            logits, result = None, accept_greedy(tree, greedy.view(bs, T))
+        else:
+            logits = st.model.logits(hidden)
+            result = accept_verified(st.sampler, st.sampling_state, tree, logits, slots,
+                                     slots_host, positions, flags)
         acc = result.accept_lens
         if s.topk > 1:
             compact_accepted_kv(self.state.kv_pool, self.state.req_to_token.req_to_token,
@@ -369,13 +374,10 @@ class EagleStep:
 
     def decode_plain(self, slots: torch.Tensor, slots_host: np.ndarray | None = None
                      ) -> SampleOutput:
-        """A decode step without drafting, for a batch the gate keeps from drafting (above
-        spec.disable_above_batch_size, or measured faster without: gpu/eagle/spec_gate.py):
-        the target decodes the root and samples the next token exactly as the plain step
-        does, then the draft extends over that one token, so its KV and the relayed top-k stay
-        complete and a later, smaller batch speculates from where this one left off. Where the
-        gate is timed (a CPU) that extend is deferred instead (`HeadLag`). `slots_host` None:
-        captured as a CUDA graph (gpu/eagle/eagle_graphs.py), greedy rows only."""
+        """A decode step of a batch the gate keeps from drafting (gpu/eagle/spec_gate.py):
+        the target decodes and samples as the plain step does, then the draft extends over
+        the token (deferred where the gate is timed: `HeadLag`), so a later, smaller batch
+        drafts from here. `slots_host` None: a CUDA graph's capture, greedy rows only."""
         st, batches, fm, lag = self.state, self.batches, self.state.future_map, self.lag
         seq_lens, root = fm.resolve_seq_lens(slots), fm.resolve_future(slots)
         batch = batches.make(ForwardMode.DECODE, root, seq_lens.clamp(max=self.max_position),
