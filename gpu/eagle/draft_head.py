@@ -348,6 +348,12 @@ class DraftHead(nn.Module):
         weight = self.target_lm_head if self.target_lm_head is not None else self.target_embed
         return F.linear(logits_hidden.to(weight.dtype), weight).float()
 
+    def greedy_ids(self, logits_hidden: torch.Tensor) -> torch.Tensor | None:
+        """logits(logits_hidden).argmax(-1) in draft ids, the logits never written, where an
+        EAGLE-3 head's lm_head runs on the C kernel's codes; else None."""
+        head = self.lm_head if self.eagle3 else None
+        return head.argmax(logits_hidden) if isinstance(head, SmallRowsInt8Linear) else None
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (target = draft + d2t[draft])."""
         return draft_ids + self.d2t[draft_ids]

@@ -59,6 +59,7 @@ class Drafter:
             raise ValueError("speculative decoding needs a draft head: set spec.draft_model to "
                              "an EAGLE head directory (config.json + safetensors)")
         self.settings = settings
+        self.chain = settings.topk == 1 and settings.num_draft_tokens == settings.num_steps + 1
         mc, model = state.model_config, state.model
         # A tied table the target keeps as its Q8_0 codes only (gpu/llama.py): the head embeds
         # and scores through the target's own lookup and lm_head, not a table copy.
@@ -131,6 +132,14 @@ class Drafter:
         return self.head(batch.input_ids, hidden, batch.positions, attend)
 
     def topk(self, logits_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's `topk` best tokens (target ids) and their probabilities. A chain ranks
+        nothing by them, so there its one token is the argmax, in C where the head's lm_head
+        runs on codes (the probability then reads 1: unused)."""
+        if self.chain:
+            ids = self.head.greedy_ids(logits_hidden)
+            if ids is not None:
+                return (torch.ones(ids.shape[0], 1, device=ids.device),
+                        self.head.draft_to_target(ids[:, None]))
         probs = torch.softmax(self.head.logits(logits_hidden).float(), dim=-1)
         p, ids = probs.topk(self.settings.topk, dim=-1)
         return p, self.head.draft_to_target(ids)
@@ -151,7 +160,7 @@ class Drafter:
         inputs = topk_ids.reshape(-1)
         hid = hidden.repeat_interleave(k, dim=0)
         ancestors = torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)
-        chain = k == 1 and s.num_draft_tokens == s.num_steps + 1  # every draft kept
+        chain = self.chain
         for i in range(1, s.num_steps):
             pos = (seq_lens + i - 1).clamp(max=self.max_position)
             if k == 1:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu_q4_kernel import Q8Rows, q8_matmul, scratch_matmul
+from gpu.cpu_q4_kernel import Q8Rows, q8_matmul, q8_matmul_argmax, scratch_matmul
 from gpu.quantized_linear import quantize_int8_per_channel
 
 
@@ -58,3 +58,11 @@ class SmallRowsInt8Linear(nn.Module):
         else:
             return F.linear(x, self.weight)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """forward(x).argmax(-1) without writing the product, where the forward would run on
+        the C kernel's codes (fp32 rows, at most max_rows); else None."""
+        if (self.q8 is None or x.dtype != torch.float32 or x.device.type != "cpu"
+                or x.shape[0] > self.max_rows):
+            return None
+        return q8_matmul_argmax(x, self.q8)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fmserve.engine import Engine
+from gpu import cpu_q4_kernel, worker_state
 from gpu.eagle.head_linear import SmallRowsInt8Linear
 from gpu.quantized_linear import dequantize_int8, quantize_int8_per_channel
 from gpu.q4_linear import q4_kernel_available
@@ -76,3 +77,38 @@ def test_fp32_engines_keep_the_heads_linears(model_path):
     engine = Engine(model=str(model_path), dtype="fp32", max_running_requests=1, progress=False,
                     spec=spec)
     assert not any(isinstance(m, SmallRowsInt8Linear) for m in engine.worker.step.head.modules())
+
+
+@pytest.mark.skipif(not cpu_q4_kernel.available(), reason="the C kernel is not built here")
+def test_the_codes_argmax_is_the_products_argmax_without_writing_it():
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(96, 500, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(500, 96, generator=gen))
+    layer = SmallRowsInt8Linear(linear, max_rows=4, fp32_codes=True)
+    x = torch.randn(3, 96, generator=gen)
+    assert torch.equal(layer.argmax(x), layer(x).argmax(-1))
+    assert layer.argmax(torch.randn(5, 96, generator=gen)) is None  # wider: the linear's
+    assert layer.argmax(x.bfloat16()) is None
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):  # bf16's int8 copy: no codes
+        assert SmallRowsInt8Linear(linear.bfloat16(), max_rows=4).argmax(x) is None
+
+
+@pytest.mark.skipif(not cpu_q4_kernel.available(), reason="the C kernel is not built here")
+def test_a_chains_draft_token_is_the_heads_argmax_taken_on_its_codes(model_path, monkeypatch):
+    """A chain ranks no drafts, so Drafter.topk takes the head's argmax on the C kernel's
+    codes without its logits: the tokens the softmax's top-1 of those logits gives."""
+    monkeypatch.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+    spec = SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                        disable_above_batch_size=0)
+    engine = Engine(model=str(model_path), device="cpu", dtype="auto", max_kv_tokens=1024,
+                    max_running_requests=2, progress=False, spec=spec)
+    drafter = engine.worker.step.drafter
+    assert drafter.chain
+    rows = drafter.head.lm_head.max_rows  # a step's draft rows: one per request
+    h = torch.randn(rows, drafter.head.config.hidden_size,
+                    generator=torch.Generator().manual_seed(1))
+    assert drafter.head.greedy_ids(h) is not None  # the fast way applies here
+    _, ids = drafter.topk(h)
+    expected = torch.softmax(drafter.head.logits(h), -1).topk(1, dim=-1).indices
+    assert torch.equal(ids, drafter.head.draft_to_target(expected))
