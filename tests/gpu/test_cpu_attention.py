@@ -73,3 +73,33 @@ def test_attention_matches_torch_for_every_grouping_of_heads(heads, kv_heads, di
     # fp32 sums in another order than the fp64 reference: ~1e-6; a key of another head or
     # row, or a head given another head's output, is off by order 1
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
+@pytest.mark.parametrize("isa,half", [("native", True), ("avx2", False), ("c", False)])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(heads, kv_heads, dim, isa, half):
+    """Fewer rows than twice the threads are shared out by kv head, more a thread a row: each
+    row's output is bit for bit what it gets in a batch of six rows, alone or beside others
+    (an EAGLE verify's rows and a plain step's row then agree), and matches torch."""
+    lib = cpu_q4_kernel.library(isa)
+    if half and not lib.kv_half_supported():
+        pytest.skip("this CPU has no F16C: its C step keeps an fp32 cache")
+    gen = torch.Generator().manual_seed(heads * 10 + dim)
+    lengths = (1, 5, 41, 130, 203, 64)  # one part, a tail, several parts of four and a tail
+    locations, max_len = 512, max(lengths)
+    cache_dtype = torch.float16 if half else torch.float32
+    k_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
+    key_locs = torch.full((len(lengths), max_len), -1, dtype=torch.int32)
+    for r, n in enumerate(lengths):
+        key_locs[r, :n] = torch.randperm(locations, generator=gen)[:n].int()
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    q = torch.randn(len(lengths), heads, dim, generator=gen) * 2
+    batch = c_attention(lib, q, k_cache, v_cache, key_locs, seq_lens, kv_heads)
+    for rows in ([0], [2], [3], [4], [1, 4], [2, 3, 5]):
+        few = c_attention(lib, q[rows].contiguous(), k_cache, v_cache,
+                          key_locs[rows].contiguous(), seq_lens[rows], kv_heads)
+        assert torch.equal(few, batch[rows]), rows
+        torch.testing.assert_close(few, torch_attention(q[rows], k_cache, v_cache,
+                                                        key_locs[rows], seq_lens[rows]),
+                                   rtol=1e-4, atol=1e-5)
