@@ -49,10 +49,15 @@ FAR_BEHIND = 8  # ... else every REPROBE_EVERY * FAR_BEHIND steps
 # head over every prompt, a chunk and a verify as two target forwards): served at 8 streams,
 # drafting measured 2.04 against plain's 2.00 ms a token and the service ran 0.79x plain.
 HEADED_IF_FASTER_BY = 1.1
-# ... from this batch size class up. One stream's trials ride on one request's acceptance
-# (1.3 to 3.6 tokens a step over the dev prompts): a wrong verdict there would leave every
-# later request headless, never drafting, for HEADLESS_REPROBE steps (seen: a whole bench).
+# ... from this batch size class up; below it only once both ways have SETTLED_STEPS steps
+# measured, over this run and earlier ones. One stream's trials ride on one request's
+# acceptance (1.3 to 3.6 tokens a step over the dev prompts): a verdict from them alone could
+# leave every later request headless, never drafting, for HEADLESS_REPROBE steps (seen: a
+# whole bench). But a head kept where drafting does not pay costs: on the 2-core AVX512-BF16
+# EPYC, where one stream drafts about as fast as it decodes, the gate's probes and the head's
+# catch-ups left the chain at 0.92x the plain engine (docs/benchmarks.md).
 HEADLESS_FROM = 4
+SETTLED_STEPS = 64
 # Steps of such a class, its batches holding headless requests, before it admits with the
 # head again so that a batch can draft and be measured (each such round costs the head's work
 # over a batch's worth of requests).
@@ -73,6 +78,7 @@ class Way:
     # Whether this process ran the way at this class: its first step is counted but not
     # measured (new shapes, first calls: 2-3x).
     warm: bool = False
+    seen: int = 0  # steps counted over every run (`steps` restarts from RESTORED_STEPS)
 
     @property
     def seconds_per_token(self) -> float:
@@ -80,6 +86,7 @@ class Way:
 
     def add(self, seconds: float, tokens: int) -> None:
         self.steps += 1
+        self.seen += 1
         if not self.warm:
             self.warm = True
             return
@@ -146,8 +153,8 @@ class SpecGate:
     def admits_headless(self, batch_size: int) -> bool:
         """Whether a request admitted into a batch of this size runs without the head
         (gpu/eagle/head_lag.py): "auto" did not measure drafting HEADED_IF_FASTER_BY faster
-        than plain at its class or a smaller one (from HEADLESS_FROM up), so speculation costs
-        nothing where it is off."""
+        than plain at its class or a smaller one (from HEADLESS_FROM up; below it, once both
+        ways have SETTLED_STEPS steps), so speculation costs nothing where it is off."""
         key = size_class(batch_size)
         c = self.classes.get(key) if self.auto else None
         # Once its probe of drafting is due, the class admits requests with the head again,
@@ -157,7 +164,8 @@ class SpecGate:
         return (c is not None and self._loses(key, c) and not due) or self._loses_below(batch_size)
 
     def _loses(self, key: int, c: SizeClass) -> bool:
-        if key < HEADLESS_FROM or c.drafting.steps < TRIALS or c.plain.steps < TRIALS:
+        if c.drafting.steps < TRIALS or c.plain.steps < TRIALS or key < HEADLESS_FROM and min(
+                c.drafting.seen, c.plain.seen) < SETTLED_STEPS:
             return False
         # No catch-up here: a headless request never catches up.
         return c.drafting.seconds_per_token * HEADED_IF_FASTER_BY > c.plain.seconds_per_token

@@ -9,7 +9,8 @@ import torch
 from gpu.eagle import gate_memory
 from gpu.eagle.gate_memory import GateMemory
 from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, HEADLESS_REPROBE, REPROBE_EVERY,
-                                 RESTORED_STEPS, TRIALS, SizeClass, SpecGate, size_class)
+                                 RESTORED_STEPS, SETTLED_STEPS, TRIALS, SizeClass, SpecGate,
+                                 size_class)
 from ipc.worker_config import ModelSettings, WorkerConfig
 
 
@@ -114,14 +115,34 @@ def test_a_probe_that_falls_due_among_headless_requests_waits_and_readmits_the_h
     assert gate.admits_headless(4) and gate.drafts(4) is False
 
 
-def test_one_or_two_streams_are_never_admitted_headless():
+def test_one_or_two_streams_are_admitted_headless_only_once_both_ways_settle():
     """A trial at one stream rides on one request's acceptance: drafting measured slower there
-    keeps the head (the gate goes on probing), and says nothing of larger batches."""
+    keeps the head (the gate goes on probing) and says nothing of larger batches, until both
+    ways have SETTLED_STEPS steps, over this run and the kept ones; then a class where drafting
+    does not pay runs headless, as do the larger ones, and where it pays keeps the head."""
     gate = SpecGate("auto", measured=True)
     run(gate, 1, 2 * TRIALS, draft_s=3.0, plain_s=1.0)
     run(gate, 2, 2 * TRIALS, draft_s=3.0, plain_s=1.0)
     assert not any(gate.admits_headless(n) for n in (1, 2, 3, 4))
     assert gate.drafts(4) is True  # class 3-4 is still tried
+    c = gate.classes[1]
+    while min(c.drafting.seen, c.plain.seen) < SETTLED_STEPS - 1:  # the probes go on
+        run(gate, 1, 1, draft_s=3.0, plain_s=1.0)
+    assert not gate.admits_headless(1)
+    run(gate, 1, REPROBE_EVERY * FAR_BEHIND + 1, draft_s=3.0, plain_s=1.0)  # one more probe
+    # settled: one stream runs headless, and larger batches, where drafting only costs more
+    assert all(gate.admits_headless(n) for n in (1, 2, 4, 8))
+    # settled where drafting pays (0.6 a token against 1.0): the head stays
+    paying = SpecGate("auto", measured=True)
+    run(paying, 1, 2 * TRIALS + SETTLED_STEPS * REPROBE_EVERY * FAR_BEHIND, draft_s=1.2,
+        plain_s=1.0)  # plain, far behind, is probed every REPROBE_EVERY * FAR_BEHIND steps
+    assert min(paying.classes[1].drafting.seen, paying.classes[1].plain.seen) >= SETTLED_STEPS
+    assert not paying.admits_headless(1)
+    # what counts is the steps seen over the runs, kept with the class (gate_memory.py)
+    kept = msgspec.json.decode(msgspec.json.encode(gate.decided()), type=dict[int, SizeClass])
+    restored = SpecGate("auto", measured=True)
+    restored.restore(kept)
+    assert restored.classes[1].drafting.steps <= RESTORED_STEPS and restored.admits_headless(1)
 
 
 def test_a_ways_first_step_in_a_class_is_not_measured():
