@@ -37,4 +37,5 @@ class PendingStep:
     parts: Any = None  # what the step class needs to pack its result (EagleStep: its parts)
     n_top: int = 0  # top logprobs per token (PlainStep)
     decode_s: float = 0.0  # host time of the decode part's forwards (EagleStep's gate)
+    headless: bool = False  # an EagleStep's step run by its plain step (headless_steps.py)
     decode_compile: str = "off"  # the compiled decode step's state at launch (StepResult's)

@@ -10,9 +10,8 @@ built before step k's result is known):
               the tree in one target forward -> accept -> compact the accepted path's KV
               (trees) -> *commit* (new lengths, bonus token, accepted tokens) -> draft extend
               over the accepted tokens -> *stash_spec*
-Shapes are static per step (the draft extend always covers num_steps + 1 positions, the verify
-tree always num_draft_tokens nodes), so nothing here needs the accept lengths on the host
-except the result message itself.
+Shapes are static per step (the draft extend covers num_steps + 1 positions, the verify tree
+num_draft_tokens nodes): only the result message needs the accept lengths on the host.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.gate_memory import GateMemory
 from gpu.eagle.head_lag import HeadLag
+from gpu.eagle.headless_steps import HeadlessSteps
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
                                     pad_to, rows_of)
@@ -47,9 +47,8 @@ log = logging.getLogger(__name__)
 
 
 def hidden_size_for(step: "EagleStep | PlainStep") -> int:
-    """Width of the target hidden states a step hands its draft head: the concatenation of
-    the captured layers for EAGLE-3, the final hidden state otherwise. The one place this width
-    is computed; idle batches build their empty tensors from it."""
+    """Width of the target hidden states a step hands its draft head (EAGLE-3: the captured
+    layers concatenated; else the final hidden state); idle batches' empty tensors use it."""
     if isinstance(step, EagleStep):
         return step.drafter.head.config.input_hidden_size
     return step.state.model_config.hidden_size
@@ -62,15 +61,13 @@ class EagleStep:
         self.drafter = drafter = Drafter(state, settings)
         self.head = drafter.head
         self.capture_layers = tuple(self.head.config.capture_layers)
-        # Host lengths only if some backend in use (target or draft) needs them.
         self.needs_cpu_seq_lens = (state.attn.needs_cpu_seq_lens
                                    or drafter.draft_attn.needs_cpu_seq_lens)
         self.batches = SpecBatches(state, self.needs_cpu_seq_lens)
         state.future_map.enable_spec(settings.topk, self.head.config.hidden_size, state.dtype)
         self.max_position = drafter.max_position
-        # Deterministic mode must not choose by timing: there "auto" always drafts. Nor must
-        # tensor-parallel or DP-attention ranks, each timing itself: every rank must make the
-        # same forwards (their collectives pair up).
+        # Not by timing in deterministic mode ("auto" always drafts), nor on TP or DP-attention
+        # ranks, each timing itself: every rank must make the same forwards.
         timed = (state.device.type == "cpu" and not state.cfg.runtime.deterministic
                  and state.shard is None and state.dp_attention is None)
         on_gpu = (state.device.type == "cuda" and not state.cfg.runtime.deterministic
@@ -81,17 +78,16 @@ class EagleStep:
         self.gate_memory = GateMemory.for_worker(state) if self.gate.auto else None
         if self.gate_memory is not None:
             self.gate_memory.restore(self.gate)
-        # Where the gate times the two ways, a plain step leaves the head behind and it
-        # catches up before drafting again (gpu/eagle/head_lag.py); elsewhere it follows along.
+        # Where the gate times the two ways, plain steps leave the head behind (head_lag.py).
         self.lag = HeadLag(self) if timed else None
-        # Decode steps the gate keeps from drafting run the target in C where the plain step
-        # would (gpu/cpu_decode_step.py), with the head's features captured between segments
-        # of layers: "auto" compares drafting with the plain step's own speed then.
+        # Plain decode steps run the target in C as the plain step would, capturing the head's
+        # features; a step of headless requests only runs as it does (headless_steps.py).
         self.native_decode = (cpu_decode_step.NativeDecode(state.model, state.attn)
                               if native_decode_applies(state) else None)
-        # The drafting decode step as CUDA graphs where they can be captured (a GPU, backends
-        # that read no host lengths, one rank: gpu/eagle/eagle_graphs.py). A failed capture
-        # leaves the step eager, with the reason in the worker's log and ready line.
+        self.headless = (HeadlessSteps(self) if self.lag is not None
+                         and self.native_decode is not None else None)
+        # The drafting decode step as CUDA graphs where they can be captured (eagle_graphs.py);
+        # a failed capture leaves it eager, the reason in the worker's log and ready line.
         self.graphs: EagleGraphs | None = None
         self.graphs_error = ""
         max_batch = state.cfg.runtime.cuda_graph_max_batch
@@ -138,6 +134,8 @@ class EagleStep:
                 lag.drop_heads()  # those admitted with the head before their batch grew
             elif new:
                 lag.admit(new, headless=False)
+            if self.headless is not None and self.headless.applies(plan, decode_host):
+                return self.headless.launch(step, pending, decode_host)
         drafts = bool(len(decode_host)) and self.gate.drafts(
             len(decode_host), can_draft=lag is None or not lag.any_headless(decode_host))
         if prefills and decodes and not drafts and lag is not None:
@@ -162,6 +160,8 @@ class EagleStep:
 
     def finish(self, pending: PendingStep, host: dict[str, torch.Tensor]) -> StepResult:
         """The step's result from its parts' outputs, landed on the host (timings left 0)."""
+        if pending.headless:
+            return self.headless.finish(pending, host)
         rows = rows_of(pending.parts, host)
         decode = pending.parts[-1]
         if len(decode.slots) and pending.decode_s:
@@ -316,8 +316,8 @@ class EagleStep:
         """The device half of a drafting decode step, from the FutureMap's state to the next
         step's: draft the tree, verify it, accept, commit, extend the draft over the accepted
         path. Returns (emitted tokens [bs, E] -1 padded, accept lengths, the tree, the verify
-        logits (None where the argmax sufficed), the accepted path [bs, E]). Static shapes, no host sync: CUDA graphs capture it
-        whole (gpu/eagle/eagle_graphs.py, with `slots_host` None and greedy `flags`)."""
+        logits or None where the argmax sufficed, the accepted path [bs, E]). Static shapes, no
+        host sync: CUDA graphs capture it whole (eagle_graphs.py, `slots_host` None, greedy)."""
         st, s, dev = self.state, self.settings, self.state.device
         bs, T, E = slots.shape[0], s.num_draft_tokens, s.num_steps + 1
         fm, batches = st.future_map, self.batches

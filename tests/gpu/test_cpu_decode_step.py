@@ -314,3 +314,37 @@ def test_a_greedy_batch_takes_the_lm_heads_argmax_without_its_logits(codes_engin
     monkeypatch.setattr(model, "greedy_tokens", fused)
     out = codes_engine.generate(prompts[:1], params)[0]
     assert out.token_ids == tokens[0][:4] and len(logits_rows) >= 4
+
+
+def test_a_step_of_headless_requests_runs_as_the_plain_step(model_path, codes_engine,
+                                                            monkeypatch):
+    """Under "auto", requests admitted where drafting measured far slower run headless; a step
+    holding only such requests runs through a plain step on the same state and C step
+    (gpu/eagle/headless_steps.py): the plain engine's tokens, the head never runs, and the
+    gate still counts those steps toward its probe and times them as the plain way."""
+    from gpu.eagle.drafter import Drafter
+    from gpu.eagle.spec_gate import TRIALS
+    from ipc.spec_settings import SpecSettings
+
+    monkeypatch.setattr(worker_state, "resolve_dtype", lambda setting, device: torch.float32)
+    spec = Engine(model=str(model_path), device="cpu", dtype="auto", max_kv_tokens=2048,
+                  max_running_requests=4, progress=False,
+                  spec=SpecSettings("eagle3", "", num_steps=3, topk=1, num_draft_tokens=4,
+                                    disable_above_batch_size="auto"))
+    step = spec.worker.step
+    assert step.headless is not None and step.headless.plain.native_decode is step.native_decode
+    gate = step.gate
+    for _ in range(TRIALS):  # 4 requests: drafting 5 ms a token, plain 2.5
+        gate.record(4, True, 0.040, 8), gate.record(4, False, 0.010, 4)
+    assert gate.admits_headless(4)
+    plain_steps, head_runs = [], []
+    launch, forward = step.headless.launch, Drafter.forward
+    monkeypatch.setattr(step.headless, "launch", lambda *a: plain_steps.append(1) or launch(*a))
+    monkeypatch.setattr(Drafter, "forward",
+                        lambda self, *a: head_runs.append(1) or forward(self, *a))
+    steps_before, probe_before = gate.classes[4].plain.steps, gate.classes[4].since_probe
+    prompts = dev_prompts(codes_engine, 4)
+    assert greedy(spec, prompts, 6) == greedy(codes_engine, prompts, 6)
+    assert len(plain_steps) >= 6 and head_runs == []  # the prefill and every decode step
+    assert gate.classes[4].since_probe > probe_before  # counted toward the probe
+    assert gate.classes[4].plain.steps > steps_before  # and timed as the plain way
