@@ -47,27 +47,38 @@ def torch_attention(q, k_cache, v_cache, key_locs, seq_lens):
     return torch.stack(outs)
 
 
+def library_for(isa: str, half: bool):
+    lib = cpu_q4_kernel.library(isa)
+    if half and not lib.kv_half_supported():
+        pytest.skip("this CPU has no F16C: its C step keeps an fp32 cache")
+    return lib
+
+
+def attention_case(heads, kv_heads, dim, half, lengths, locations, seed):
+    """Random caches (fp16 where `half`), each row's keys at scattered locations of the cache
+    (the rest of its row unused), and the rows' queries: (q, k_cache, v_cache, key_locs,
+    seq_lens)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache_dtype = torch.float16 if half else torch.float32
+    k_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
+    key_locs = torch.full((len(lengths), max(lengths)), -1, dtype=torch.int32)
+    for r, n in enumerate(lengths):
+        key_locs[r, :n] = torch.randperm(locations, generator=gen)[:n].int()
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    q = torch.randn(len(lengths), heads, dim, generator=gen) * 2
+    return q, k_cache, v_cache, key_locs, seq_lens
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
 @pytest.mark.parametrize("isa,half", [("native", False), ("native", True), ("avx2", False),
                                       ("avx2", True), ("c", False)])
 def test_attention_matches_torch_for_every_grouping_of_heads(heads, kv_heads, dim, isa, half):
     """The library built for this CPU, without AVX-512 (16 vector registers), and in plain C
     (a CPU without AVX2 or F16C, whose C step keeps an fp32 cache)."""
-    lib = cpu_q4_kernel.library(isa)
-    if half and not lib.kv_half_supported():
-        pytest.skip("this CPU has no F16C: its C step keeps an fp32 cache")
-    gen = torch.Generator().manual_seed(heads * 100 + dim)
-    locations, max_len = 256, max(LENGTHS)
-    cache_dtype = torch.float16 if half else torch.float32
-    k_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
-    # each row's keys at scattered locations of the cache, the rest of its row unused
-    key_locs = torch.full((len(LENGTHS), max_len), -1, dtype=torch.int32)
-    for r, n in enumerate(LENGTHS):
-        key_locs[r, :n] = torch.randperm(locations, generator=gen)[:n].int()
-    seq_lens = torch.tensor(LENGTHS, dtype=torch.int64)
-    q = torch.randn(len(LENGTHS), heads, dim, generator=gen) * 2
-
+    lib = library_for(isa, half)
+    q, k_cache, v_cache, key_locs, seq_lens = attention_case(heads, kv_heads, dim, half,
+                                                             LENGTHS, 256, heads * 100 + dim)
     ours = c_attention(lib, q, k_cache, v_cache, key_locs, seq_lens, kv_heads)
     theirs = torch_attention(q, k_cache, v_cache, key_locs, seq_lens)
     # fp32 sums in another order than the fp64 reference: ~1e-6; a key of another head or
@@ -81,20 +92,10 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(heads, kv_heads, di
     """Fewer rows than twice the threads are shared out by kv head, more a thread a row: each
     row's output is bit for bit what it gets in a batch of six rows, alone or beside others
     (an EAGLE verify's rows and a plain step's row then agree), and matches torch."""
-    lib = cpu_q4_kernel.library(isa)
-    if half and not lib.kv_half_supported():
-        pytest.skip("this CPU has no F16C: its C step keeps an fp32 cache")
-    gen = torch.Generator().manual_seed(heads * 10 + dim)
-    lengths = (1, 5, 41, 130, 203, 64)  # one part, a tail, several parts of four and a tail
-    locations, max_len = 512, max(lengths)
-    cache_dtype = torch.float16 if half else torch.float32
-    k_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(locations, kv_heads, dim, generator=gen).to(cache_dtype)
-    key_locs = torch.full((len(lengths), max_len), -1, dtype=torch.int32)
-    for r, n in enumerate(lengths):
-        key_locs[r, :n] = torch.randperm(locations, generator=gen)[:n].int()
-    seq_lens = torch.tensor(lengths, dtype=torch.int64)
-    q = torch.randn(len(lengths), heads, dim, generator=gen) * 2
+    lib = library_for(isa, half)
+    lengths = (1, 5, 41, 130, 203, 64)  # below a block of four keys, tails after them, long rows
+    q, k_cache, v_cache, key_locs, seq_lens = attention_case(heads, kv_heads, dim, half,
+                                                             lengths, 512, heads * 10 + dim)
     batch = c_attention(lib, q, k_cache, v_cache, key_locs, seq_lens, kv_heads)
     for rows in ([0], [2], [3], [4], [1, 4], [2, 3, 5]):
         few = c_attention(lib, q[rows].contiguous(), k_cache, v_cache,
