@@ -20,9 +20,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fmserve.arg_types import add_runtime_args, batch_limit, positive_int, positive_int_list
+from gpu.cpu_info import torch_isa_env
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -220,6 +222,11 @@ def check_draft_model_used(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # before torch loads: its kernels read their cap at import
+        os.environ.update({k: v for k, v in torch_isa_env().items() if k not in os.environ})
+    except ValueError as exc:
+        print(f"fmserve: error: {exc}", file=sys.stderr)
+        return 2
     args = build_parser(argv).parse_args(argv)  # imports the named command's modules
     from gpu.loader.errors import ModelLoadError
     from ipc.client_errors import ClientError

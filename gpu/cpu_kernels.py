@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ import torch
 from gpu import cpu_q4_kernel
 from gpu.cpu_load import OtherWork
 from gpu.cpu_q4_kernel import Q4Rows
+from gpu.cpu_info import cpu_flag_list, cpu_model
 from gpu.device import cpu_has_native_bf16
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
 from gpu.q4_linear import q4_kernel_available
@@ -97,16 +97,7 @@ def machine_key() -> str:
     """What a timing on this machine depends on: the CPU model and flags, torch's version and
     threads, the C kernel's build. The EAGLE gate's kept measurements key on it too
     (gpu/eagle/gate_memory.py)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            info = f.read()
-        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                      if ln.startswith("model name")), platform.processor())
-        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                      if ln.startswith("flags")), "")
-    except OSError:
-        model = platform.processor()
+    model, flags = cpu_model(), " ".join(cpu_flag_list())
     # A new build of the C kernel (its sources changed) is timed afresh.
     kernel = (f"c+scratch-{cpu_q4_kernel.build_key()}" if cpu_q4_kernel.available()
               else "torch+fbgemm")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from gpu.codes_layout import GROUP_ROWS, Q4Rows, Q8Rows
+from gpu.cpu_info import cpu_flag_list, cpu_isa
 from gpu.huge_pages import codes_in_huge_pages
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 from gpu.q4_linear import Q4Linear
@@ -51,11 +52,7 @@ ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "c": ("-march=x86-64",)}
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return ""
+    return " ".join(cpu_flag_list(capped=False))  # the build's own flags say what it may use
 
 
 def _build(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
@@ -84,6 +81,8 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     if compiler is None or not all(f.exists() for f in SOURCES + HEADERS):
         log.info("no C compiler found: 4-bit decode stays on torch's kernels")
         return None
+    if isa == "native":  # FMSERVE_CPU_ISA=avx2 builds this CPU's library without AVX-512
+        isa = cpu_isa()
     flags = FLAGS + ISA_FLAGS[isa]
     key = build_key(compiler, flags)
     target = model_cache_dir() / "cpu_kernels" / f"q4_matmul-{key}.so"

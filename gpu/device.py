@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import torch
+
+from gpu.cpu_info import cpu_flag_list
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -27,17 +28,9 @@ def device_kind(device: torch.device) -> str:
     return "cpu"
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo); empty where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:  # not Linux: assume no native bf16, fp32 is the safe choice
-        pass
-    return frozenset()
+    """The CPU's feature flags (/proc/cpuinfo; FMSERVE_CPU_ISA may hide the newer ones)."""
+    return frozenset(cpu_flag_list())
 
 
 def cpu_has_native_bf16() -> bool:

@@ -79,17 +79,11 @@ def with_ratio(value: float | None, base: float | None, digits: int = 1) -> str:
 def machine_description() -> dict:
     import psutil
     import torch
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from gpu.cpu_info import cpu_flag_list, cpu_isa, cpu_model
+    cpu, flags = cpu_model(), set(cpu_flag_list())
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    if cpu_isa() != "native":
+        isa.append(f"(capped: FMSERVE_CPU_ISA={cpu_isa()})")
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for module in ("transformers", "llama_cpp"):
         try:
