@@ -277,6 +277,25 @@ def test_every_build_of_the_4_bit_kernel_gives_each_row_alone_what_it_gives_it_i
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_every_build_sums_the_largest_codes_and_inputs_exactly(isa):
+    """Codes of 15 against a block of inputs at +-127 after quantizing: the largest sums a block
+    can have (AVX2 adds a block's int16 pairs before widening them: 8 x 3,810 = 30,480 must not
+    wrap), with both signs and a block that mixes them, in every build."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    codes = torch.full((32, 128), 15, dtype=torch.uint8)
+    codes[16:, 64:] = 0  # other rows: the smallest codes
+    ones = torch.ones(32, 128 // Q4_GROUP)
+    w = Q4Rows.from_weight(Int4Weight(Q4Blocks(codes, ones, torch.zeros_like(ones)), 128))
+    x = torch.full((3, 128), 127.0)  # each block's scale exactly 1, its codes 127
+    x[1] = -127
+    x[2, ::2] = -127
+    y = q4_matmul(x, w, isa)
+    assert torch.equal(y, emulated(x, w))
+    assert torch.equal(y, x @ w.dequantize().t())  # integers under 2^24: exact in fp32
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
 def test_every_build_quantizes_the_input_to_the_same_bytes(isa):
     """The input's int8 codes and scales, the vector loops' and the plain C loop's, against the
     written-out rounding: ties to even (a block whose largest value is 127 scales by exactly 1,
