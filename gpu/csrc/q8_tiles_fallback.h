@@ -5,7 +5,10 @@
 #define FMSERVE_Q8_TILES_FALLBACK_H
 #if defined(__AVX2__)
 #define TILE 2
-/* H scales a block (q8_matmul.c): 1, or Q6_K's 2, one per 8 / H steps. */
+/* H scales a block (q8_matmul.c): 1, or Q6_K's 2, one per 8 / H steps. Q6_K's codes are
+ * within +-32, so a half's 4 steps of maddubs pairs add up to at most 4 x 2 x 32 x 127 =
+ * 32,512: they are added in int16 and widened once a half (exact); Q8_0's full-range codes
+ * widen every step. */
 static inline __attribute__((always_inline)) void group_tile(
         int R, int H, const tile_args *a, float out[][16]) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -25,11 +28,17 @@ static inline __attribute__((always_inline)) void group_tile(
                 for (int i = 0; i < R; i++) {
                     __m256i x = _mm256_set1_epi32(four_bytes(a->x8 + (size_t)i * a->k
                                                              + b * GROUP + 4 * j));
-                    sums[i][h] = _mm256_add_epi32(sums[i][h], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q)), ones));
+                    __m256i pairs = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q));
+                    sums[i][h] = H == 2 ? _mm256_add_epi16(sums[i][h], pairs)
+                                        : _mm256_add_epi32(sums[i][h],
+                                                           _mm256_madd_epi16(pairs, ones));
                 }
             }
         }
+        if (H == 2)
+            for (int i = 0; i < R; i++)
+                for (int h = 0; h < 2; h++)
+                    sums[i][h] = _mm256_madd_epi16(sums[i][h], ones);
         for (int h = 0; h < 2; h++) {
             __m256 s = _mm256_loadu_ps(a->s + (b * H + half) * 16 + 8 * h);
             for (int i = 0; i < R; i++)

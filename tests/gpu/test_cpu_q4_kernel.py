@@ -296,6 +296,24 @@ def test_every_build_sums_the_largest_codes_and_inputs_exactly(isa):
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_every_build_sums_q6_k_s_largest_codes_exactly(isa):
+    """Q6_K's codes (-32..31) with a scale every 16 inputs: AVX2 adds a half's 4 steps of int16
+    pairs before widening them (4 x 2 x 32 x 127 = 32,512); codes of -32 against inputs at
+    +-127 are the largest sums, and a whole block (8 steps) would wrap."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    codes = torch.full((16, 128), -32, dtype=torch.int8)
+    codes[8:, ::3] = 31
+    codes_form = Q8Rows.from_row_codes(codes, torch.ones(16, 128 // 16))
+    assert codes_form.halves == 2
+    x = torch.full((3, 128), 127.0)
+    x[1] = -127
+    x[2, ::2] = -127
+    y = q8_matmul(x, codes_form, isa)
+    assert torch.equal(y, x @ codes_form.dequantize().t())  # integers under 2^24: exact
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
 def test_every_build_quantizes_the_input_to_the_same_bytes(isa):
     """The input's int8 codes and scales, the vector loops' and the plain C loop's, against the
     written-out rounding: ties to even (a block whose largest value is 127 scales by exactly 1,
