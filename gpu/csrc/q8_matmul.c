@@ -109,23 +109,23 @@ static inline __attribute__((always_inline)) void group_tile(int R, int H, const
     TILE_12(case 9: RUN_TILE(9, H); break; case 10: RUN_TILE(10, H); break;                  \
             case 11: RUN_TILE(11, H); break; case 12: RUN_TILE(12, H); break;)               \
     }
-#if TILE >= 2
+#ifndef ARGMAX_TILE
+#define ARGMAX_TILE TILE
+#endif
+#if ARGMAX_TILE >= 2 /* the cases either kind of tile may take */
 #define TILE_2(x) x
 #else
 #define TILE_2(x)
 #endif
-#if TILE >= 4 /* an lm_head at 3 streams: the codes read once */
+#if ARGMAX_TILE >= 4 /* an lm_head at 3 streams: the codes read once */
 #define TILE_4(x) x
 #else
 #define TILE_4(x)
 #endif
-#if TILE >= 8
+#if ARGMAX_TILE >= 8
 #define TILE_8(x) x
 #else
 #define TILE_8(x)
-#endif
-#ifndef ARGMAX_TILE
-#define ARGMAX_TILE TILE
 #endif
 #if ARGMAX_TILE >= 12
 #define TILE_12(x) x

@@ -4,7 +4,13 @@
 #ifndef FMSERVE_Q8_TILES_FALLBACK_H
 #define FMSERVE_Q8_TILES_FALLBACK_H
 #if defined(__AVX2__)
-#define TILE 2
+/* Rows a tile: a group's codes and |q| are read once for them. More rows than the 16 ymm
+ * registers hold still paid (spilled sums live in L1), measured under FMSERVE_CPU_ISA=avx2 on
+ * the AVX512-BF16 EPYC against 2 rows: Gemma 3's Q5_0 and Q6_K projections 1.06-1.11x at
+ * 8-128 rows with 4; a greedy lm_head (Gemma 3's 262,144 x 640, SmolLM2's 49,152 x 576) with
+ * 8, 1.29x at 8 rows and 1.10x at 32 (4: 1.20x and 1.12x). */
+#define TILE 4
+#define ARGMAX_TILE 8
 /* H scales a block (q8_matmul.c): 1, or Q6_K's 2, one per 8 / H steps. Q6_K's codes are
  * within +-32, so a half's 4 steps of maddubs pairs add up to at most 4 x 2 x 32 x 127 =
  * 32,512: they are added in int16 and widened once a half (exact); Q8_0's full-range codes
@@ -12,13 +18,13 @@
 static inline __attribute__((always_inline)) void group_tile(
         int R, int H, const tile_args *a, float out[][16]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE][2];
+    __m256 acc[ARGMAX_TILE][2];
     for (int i = 0; i < R; i++)
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int b = 0; b < a->nb; b++)
       for (int half = 0; half < H; half++) {
         const int8_t *qb = a->qs + (size_t)b * BLOCK_BYTES;
-        __m256i sums[TILE][2];
+        __m256i sums[ARGMAX_TILE][2];
         for (int i = 0; i < R; i++)
             sums[i][0] = sums[i][1] = _mm256_setzero_si256();
         for (int j = half * 8 / H; j < (half + 1) * 8 / H; j++) {
