@@ -6,7 +6,9 @@
 #   scripts/build_llama_server.sh [--portable] [--jobs N] [--out DIR]
 #
 # Native (default): tuned for this CPU (-march=native: AVX2 / AVX-512 / AMX where present).
-# --portable: GGML_NATIVE=OFF, for a binary to copy to another x86-64 machine.
+# --portable: GGML_NATIVE=OFF, for a binary to copy to another x86-64 machine: AVX, AVX2,
+# FMA, F16C and BMI2, no AVX-512 (llama.cpp's CMake defaults), so also the peer to run
+# against fmserve capped at AVX2 (FMSERVE_CPU_ISA=avx2, gpu/cpu_info.py).
 # The binary ends in DIR (default ~/.cache/fmserve/llama-server/<native|portable>/bin/
 # llama-server: outside the repo, whose tree holds only fmserve's own code); the script prints
 # `export FMSERVE_LLAMA_SERVER=...` for the benches.
