@@ -14,6 +14,8 @@ from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 
 # Output rows the kernel interleaves (gpu/csrc/q4_matmul.c): a weight's rows come in groups of it.
 GROUP_ROWS = 16
+# The largest |code| of an 8-bit weight that AVX2 sums a block of in int16 (Q8Rows.narrow).
+NARROW_CODE = 16
 
 
 @dataclass
@@ -137,6 +139,10 @@ class Q8Rows:
     scale: torch.Tensor
     out: int
     halves: int = 1
+    # Every code within +-NARROW_CODE (Q5_0's): AVX2 adds a block's 8 steps of int16 pairs
+    # before widening them, at most 8 x 2 x 16 x 127 = 32,512 (q8_tiles_fallback.h). False is
+    # always safe.
+    narrow: bool = False
 
     @property
     def fp16(self) -> bool:
@@ -160,8 +166,10 @@ class Q8Rows:
         scale = scale.float()
         if file_scales and _exact_in_half(scale):
             scale = scale.half()
+        narrow = (halves == 1 and int(codes.amax()) <= NARROW_CODE
+                  and int(codes.amin()) >= -NARROW_CODE)
         return Q8Rows(in_huge_pages(steps.reshape(out + pad, width).contiguous()),
-                      _interleave(scale).contiguous(), out, halves)
+                      _interleave(scale).contiguous(), out, halves, narrow)
 
     @staticmethod
     def from_pair(weight: Int4Weight) -> "Q8Rows | None":

@@ -53,7 +53,7 @@ _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class _Q4Weight(ctypes.Structure):
     _fields_ = [("codes", _PTR), ("scale", _PTR), ("minimum", _PTR), ("out", _INT),
-                ("in_features", _INT), ("kind", _INT), ("fp16", _INT)]
+                ("in_features", _INT), ("kind", _INT), ("fp16", _INT), ("narrow", _INT)]
 
 
 class _Layer(ctypes.Structure):
@@ -131,7 +131,7 @@ def _q4(proj: CodesLinear) -> _Q4Weight:
     rows = proj.rows[0]
     if isinstance(rows, Q8Rows):
         return _Q4Weight(rows.codes.data_ptr(), rows.scale.data_ptr(), None, rows.out,
-                         proj.in_features, _codes_kind(proj), rows.fp16)
+                         proj.in_features, _codes_kind(proj), rows.fp16, rows.narrow)
     return _Q4Weight(rows.nibbles.data_ptr(), rows.scale.data_ptr(), rows.minimum.data_ptr(),
                      proj.out_features, proj.in_features, _codes_kind(proj), rows.fp16)
 

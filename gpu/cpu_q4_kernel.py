@@ -102,11 +102,12 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.q8_matmul.restype = ctypes.c_int
     lib.q8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_void_p, ctypes.c_int]
+                              ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.q8_matmul_argmax.restype = ctypes.c_int
     lib.q8_matmul_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.c_int]
     lib.q4_dequantize.restype = None
     lib.q4_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -165,7 +166,7 @@ def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.Tensor:
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
     y = torch.empty(rows, padded, dtype=torch.float32)
     if _library(isa).q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
-                               w.fp16, w.halves, padded, y.data_ptr(),
+                               w.fp16, w.halves, w.narrow, padded, y.data_ptr(),
                                torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
     return y if padded == w.out else y[:, :w.out].contiguous()
@@ -181,7 +182,8 @@ def q8_matmul_argmax(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.T
     tokens = torch.empty(rows, dtype=torch.int64)
     if _library(isa).q8_matmul_argmax(
             x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(), w.fp16,
-            w.halves, w.codes.shape[0], w.out, tokens.data_ptr(), torch.get_num_threads()) != 0:
+            w.halves, w.narrow, w.codes.shape[0], w.out, tokens.data_ptr(),
+            torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
     return tokens
 

@@ -40,9 +40,12 @@ def build(src: Path, out: Path, isa: str) -> ctypes.CDLL:
     names = [f.name for f in cpu_q4_kernel.SOURCES]
     subprocess.run(["cc", *flags, "-o", str(out), *names], cwd=src, check=True)
     lib = ctypes.CDLL(str(out))
+    # Sources before the `narrow` argument (Q8Rows.narrow) are called without it.
+    lib.narrow_arg = "int narrow" in (src / "q4_matmul.h").read_text()
+    narrow = [I] if lib.narrow_arg else []
     lib.q4_matmul.argtypes = [P, I, I, P, P, P, I, I, P, I]
-    lib.q8_matmul.argtypes = [P, I, I, P, P, I, I, I, P, I]
-    lib.q8_matmul_argmax.argtypes = [P, I, I, P, P, I, I, I, I, P, I]
+    lib.q8_matmul.argtypes = [P, I, I, P, P, I, I, *narrow, I, P, I]
+    lib.q8_matmul_argmax.argtypes = [P, I, I, P, P, I, I, *narrow, I, I, P, I]
     return lib
 
 
@@ -72,12 +75,13 @@ def call(lib, w, x: torch.Tensor, y: torch.Tensor, argmax: bool) -> int:
         return lib.q4_matmul(x.data_ptr(), rows, k, w.nibbles.data_ptr(), w.scale.data_ptr(),
                              w.minimum.data_ptr(), int(w.fp16), w.nibbles.shape[0], y.data_ptr(),
                              threads)
+    form = (int(w.fp16), w.halves, *([int(w.narrow)] if lib.narrow_arg else []))
     if argmax:
         return lib.q8_matmul_argmax(x.data_ptr(), rows, k, w.codes.data_ptr(),
-                                    w.scale.data_ptr(), int(w.fp16), w.halves,
-                                    w.codes.shape[0], w.out, y.data_ptr(), threads)
-    return lib.q8_matmul(x.data_ptr(), rows, k, w.codes.data_ptr(), w.scale.data_ptr(),
-                         int(w.fp16), w.halves, w.codes.shape[0], y.data_ptr(), threads)
+                                    w.scale.data_ptr(), *form, w.codes.shape[0], w.out,
+                                    y.data_ptr(), threads)
+    return lib.q8_matmul(x.data_ptr(), rows, k, w.codes.data_ptr(), w.scale.data_ptr(), *form,
+                         w.codes.shape[0], y.data_ptr(), threads)
 
 
 def main() -> int:

@@ -30,6 +30,7 @@ typedef struct {
     const void *codes;  /* the kernels' form (q4_matmul.c's nibbles, q8_matmul.c's int8) */
     const void *scale, *minimum; /* fp32, or fp16 where `fp16` */
     int out, in, kind, fp16; /* in: the input's width */
+    int narrow; /* 8-bit codes all within +-16 (Q5_0's): q8_matmul's `narrow` */
 } q4_weight;
 
 typedef struct {
@@ -58,7 +59,7 @@ typedef struct {
 static int matmul(const q4_weight *w, const float *x, int rows, float *y, int threads) {
     if (w->kind == CODES_Q8 || w->kind == CODES_Q6)
         return q8_matmul(x, rows, w->in, w->codes, w->scale, w->fp16,
-                         w->kind == CODES_Q6 ? 2 : 1, w->out, y, threads);
+                         w->kind == CODES_Q6 ? 2 : 1, w->narrow, w->out, y, threads);
     if (w->kind == CODES_Q4)
         return q4_matmul(x, rows, w->in, w->codes, w->scale, w->minimum, w->fp16, w->out, y,
                          threads);

@@ -27,7 +27,7 @@ typedef struct {
 } head_layer;
 
 static int matmul8(const q8_weight *w, const float *x, int rows, float *y, int threads) {
-    return q8_matmul(x, rows, w->in, w->codes, w->scale, 0, 1, w->out, y, threads);
+    return q8_matmul(x, rows, w->in, w->codes, w->scale, 0, 1, 0, w->out, y, threads);
 }
 
 /* emb [rows, hidden] the tokens' embeddings; h [rows, hidden] the hidden states in, the

@@ -79,7 +79,7 @@ int interleave_words(void *words, int rows, int n, int tile);
 int q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const void *s, const void *m,
               int fp16, int n, float *y, int threads);
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
-              int halves, int n, float *y, int threads);
+              int halves, int narrow, int n, float *y, int threads);
 void q4_dequantize(const uint8_t *qs, const void *s, const void *m, int fp16, int k, int o0,
                    int count, float *dst, int threads);
 void q8_dequantize(const int8_t *qs, const void *s, int fp16, int halves, int k, int o0,

@@ -14,7 +14,10 @@
  * With `halves` = 2 a block has two scales, one per 16 inputs (steps 0-3 and 4-7): GGUF's
  * Q6_K, whose codes q - 32 (-32..31) are int8 codes exactly and whose scales d sc_j change
  * every 16 inputs. Each half's integer sum gets its own scale; the input stays quantized per
- * block of 32. */
+ * block of 32.
+ *
+ * `narrow`: every code is within +-16 (Q5_0's): AVX2 may then add a block's int16 pairs
+ * before widening them (q8_tiles_fallback.h); the other builds ignore it. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -60,8 +63,9 @@ static inline int32_t four_bytes(const int8_t *p) {
  * exactly 128 sum(x8), taken off in the integers: the same sums as q . x8, with one
  * subtraction per row and block instead of a sign applied to every row's input at every step.
  * H scales a block: 1, or Q6_K's 2, one per 8 / H steps (a constant at each call). */
-static inline __attribute__((always_inline)) void group_tile(int R, int H, const tile_args *a,
-                                                             float out[][16]) {
+static inline __attribute__((always_inline)) void group_tile(int R, int H, int N,
+                                                             const tile_args *a, float out[][16]) {
+    (void)N; /* vpdpbusd sums into int32 whatever the codes */
     const __m512i top = _mm512_set1_epi8((char)0x80);
     __m512 acc[ARGMAX_TILE];
     for (int i = 0; i < R; i++)
@@ -97,18 +101,22 @@ static inline __attribute__((always_inline)) void group_tile(int R, int H, const
 #include "q8_tiles_fallback.h"
 #endif
 
-/* H a constant at each call: Q8_0's one scale a block and Q6_K's two compile apart */
-#define RUN_TILE(R, H) group_tile(R, H, &a, out)
-#define TILE_CASES(H)                                                                     \
+/* H and N constants at each call: Q8_0's one scale a block, Q6_K's two and narrow codes
+ * compile apart */
+#define RUN_TILE(R, H, N) group_tile(R, H, N, &a, out)
+#define TILE_CASES(H, N)                                                                  \
     switch (take) { /* each a constant: the accumulators stay in registers */                \
-    case 1: RUN_TILE(1, H); break;                                                           \
-    TILE_2(case 2: RUN_TILE(2, H); break;)                                                   \
-    TILE_4(case 3: RUN_TILE(3, H); break; case 4: RUN_TILE(4, H); break;)                    \
-    TILE_8(case 5: RUN_TILE(5, H); break; case 6: RUN_TILE(6, H); break;                     \
-           case 7: RUN_TILE(7, H); break; case 8: RUN_TILE(8, H); break;)                    \
-    TILE_12(case 9: RUN_TILE(9, H); break; case 10: RUN_TILE(10, H); break;                  \
-            case 11: RUN_TILE(11, H); break; case 12: RUN_TILE(12, H); break;)               \
+    case 1: RUN_TILE(1, H, N); break;                                                        \
+    TILE_2(case 2: RUN_TILE(2, H, N); break;)                                                \
+    TILE_4(case 3: RUN_TILE(3, H, N); break; case 4: RUN_TILE(4, H, N); break;)              \
+    TILE_8(case 5: RUN_TILE(5, H, N); break; case 6: RUN_TILE(6, H, N); break;               \
+           case 7: RUN_TILE(7, H, N); break; case 8: RUN_TILE(8, H, N); break;)              \
+    TILE_12(case 9: RUN_TILE(9, H, N); break; case 10: RUN_TILE(10, H, N); break;            \
+            case 11: RUN_TILE(11, H, N); break; case 12: RUN_TILE(12, H, N); break;)         \
     }
+#ifndef NARROW_SUMS
+#define NARROW_SUMS 0 /* a build whose tiles do nothing else for narrow codes */
+#endif
 #ifndef ARGMAX_TILE
 #define ARGMAX_TILE TILE
 #endif
@@ -170,7 +178,7 @@ static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int tak
 }
 
 static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
-                    int halves, int n, const tile_sink *sink, int threads) {
+                    int halves, int narrow, int n, const tile_sink *sink, int threads) {
     int nb = k / GROUP;
     int8_t *x8;
     int32_t *x8_sums, *half_sums = NULL;
@@ -223,9 +231,11 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const voi
             a.sums = x8_sums + (size_t)r * nb * halves;
             a.ahead = r == 0 ? ahead : NULL; /* the first tile's steps fetch it */
             if (halves == 2)
-                TILE_CASES(2)
+                TILE_CASES(2, 0)
+            else if (NARROW_SUMS && narrow)
+                TILE_CASES(1, 1)
             else
-                TILE_CASES(1)
+                TILE_CASES(1, 0)
             sink_tile(sink, rows, n, g, r, take, out);
             r += take;
         }
@@ -236,19 +246,20 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const voi
 }
 
 /* y [rows, n] = x [rows, k] W^T for an 8-bit weight (codes qs, scales s, interleaved as
- * above, `halves` 1 (Q8_0) or 2 (Q6_K) scales a block; k a multiple of 32, n of 16).
- * Returns 0, or -1 if out of memory. */
+ * above, `halves` 1 (Q8_0) or 2 (Q6_K) scales a block, `narrow` as above; k a multiple of
+ * 32, n of 16). Returns 0, or -1 if out of memory. */
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
-              int halves, int n, float *y, int threads) {
+              int halves, int narrow, int n, float *y, int threads) {
     tile_sink sink = {y, NULL, NULL, n};
-    return q8_tiles(x, rows, k, qs, s, fp16, halves, n, &sink, threads);
+    return q8_tiles(x, rows, k, qs, s, fp16, halves, narrow, n, &sink, threads);
 }
 
 /* tokens [rows] = argmax over the first `valid` columns of x W^T (the first column of the
  * largest value), without writing the [rows, n] product: a greedy step's lm_head, whose
  * 262,144-column product (Gemma 3) is 1 MB a row to write and read back. Returns 0 or -1. */
 int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const void *s,
-                     int fp16, int halves, int n, int valid, int64_t *tokens, int threads) {
+                     int fp16, int halves, int narrow, int n, int valid, int64_t *tokens,
+                     int threads) {
     size_t slots = (size_t)threads * rows;
     int64_t *best = malloc(sizeof(int64_t) * slots);
     float *best_value = malloc(sizeof(float) * slots);
@@ -259,7 +270,7 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const vo
             best_value[i] = -INFINITY;
         }
         tile_sink sink = {NULL, best, best_value, valid};
-        status = q8_tiles(x, rows, k, qs, s, fp16, halves, n, &sink, threads);
+        status = q8_tiles(x, rows, k, qs, s, fp16, halves, narrow, n, &sink, threads);
         for (int r = 0; status == 0 && r < rows; r++) {
             int64_t token = -1;
             float top = -INFINITY;

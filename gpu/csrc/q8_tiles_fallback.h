@@ -11,12 +11,14 @@
  * 8, 1.29x at 8 rows and 1.10x at 32 (4: 1.20x and 1.12x). */
 #define TILE 4
 #define ARGMAX_TILE 8
+#define NARROW_SUMS 1
 /* H scales a block (q8_matmul.c): 1, or Q6_K's 2, one per 8 / H steps. Q6_K's codes are
  * within +-32, so a half's 4 steps of maddubs pairs add up to at most 4 x 2 x 32 x 127 =
- * 32,512: they are added in int16 and widened once a half (exact); Q8_0's full-range codes
- * widen every step. */
+ * 32,512, and narrow codes' (N: within +-16, Q5_0's) 8 steps as much: they are added in int16
+ * and widened once a half or block (exact); Q8_0's full-range codes widen every step. */
 static inline __attribute__((always_inline)) void group_tile(
-        int R, int H, const tile_args *a, float out[][16]) {
+        int R, int H, int N, const tile_args *a, float out[][16]) {
+    const int in16 = H == 2 || N;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ARGMAX_TILE][2];
     for (int i = 0; i < R; i++)
@@ -35,13 +37,13 @@ static inline __attribute__((always_inline)) void group_tile(
                     __m256i x = _mm256_set1_epi32(four_bytes(a->x8 + (size_t)i * a->k
                                                              + b * GROUP + 4 * j));
                     __m256i pairs = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(x, q));
-                    sums[i][h] = H == 2 ? _mm256_add_epi16(sums[i][h], pairs)
+                    sums[i][h] = in16 ? _mm256_add_epi16(sums[i][h], pairs)
                                         : _mm256_add_epi32(sums[i][h],
                                                            _mm256_madd_epi16(pairs, ones));
                 }
             }
         }
-        if (H == 2)
+        if (in16)
             for (int i = 0; i < R; i++)
                 for (int h = 0; h < 2; h++)
                     sums[i][h] = _mm256_madd_epi16(sums[i][h], ones);
@@ -60,7 +62,8 @@ static inline __attribute__((always_inline)) void group_tile(
 #else
 #define TILE 1
 /* H scales a block (q8_matmul.c): 1, or Q6_K's 2, one per 8 / H steps. */
-static void group_tile(int R, int H, const tile_args *a, float out[][16]) {
+static void group_tile(int R, int H, int N, const tile_args *a, float out[][16]) {
+    (void)N;
     for (int i = 0; i < R; i++)
         for (int l = 0; l < 16; l++) {
             float total = 0.f;

@@ -313,6 +313,44 @@ def test_every_build_sums_q6_k_s_largest_codes_exactly(isa):
     assert torch.equal(y, x @ codes_form.dequantize().t())  # integers under 2^24: exact
 
 
+def test_q5_0_codes_are_narrow_and_q8_0_or_q6_k_codes_are_not():
+    """`narrow` (every code within +-16) lets AVX2 sum a block in int16: a Q5_0 weight's codes
+    (-16..15) are, a Q8_0's (each block reaches +-127) and a Q6_K's (two scales) are not."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from gpu.loader.gguf_q4 import q5_as_q4_pair
+    from tests.gpu.kquant_models import T, random_blocks
+    raw = random_blocks(T.Q5_0, 32, 64, np.random.default_rng(4))
+    q5 = Q8Rows.from_pair(Int4Weight.from_parts(q5_as_q4_pair(raw, "Q5_0", 32, 64)))
+    assert q5.narrow
+    assert torch.equal(q5.dequantize(), torch.from_numpy(dequantize(raw, T.Q5_0).reshape(32, 64)))
+    raw, exact = quantized("Q8_0", rows=32, cols=64)
+    assert not Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape)).narrow
+    assert not Q8Rows.from_row_codes(torch.full((16, 64), -17, dtype=torch.int8),
+                                     torch.ones(16, 2)).narrow
+    assert not Q8Rows.from_row_codes(torch.zeros(16, 64, dtype=torch.int8),
+                                     torch.ones(16, 4)).narrow  # halves 2
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_every_build_sums_narrow_and_full_range_codes_exactly_at_their_largest(isa):
+    """Codes of -16 (narrow: AVX2 adds a block's 8 steps in int16, 8 x 2 x 16 x 127 = 32,512)
+    and of -128 (full range: one step's pair can reach 32,512, so they widen every step)
+    against inputs at +-127: the largest sums each can have, exact in every build."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    x = torch.full((3, 128), 127.0)  # each block's scale exactly 1, its codes 127
+    x[1] = -127
+    x[2, ::2] = -127
+    for low, narrow in ((-16, True), (-128, False)):
+        codes = torch.full((16, 128), low, dtype=torch.int8)
+        codes[8:, ::3] = -low - 1
+        form = Q8Rows.from_row_codes(codes, torch.ones(16, 128 // Q4_GROUP))
+        assert form.narrow == narrow
+        assert torch.equal(q8_matmul(x, form, isa), x @ form.dequantize().t()), low
+
+
 @pytest.mark.parametrize("isa", ["native", "avx2", "c"])
 def test_every_build_quantizes_the_input_to_the_same_bytes(isa):
     """The input's int8 codes and scales, the vector loops' and the plain C loop's, against the
