@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from gpu import cpu_q4_kernel
+from gpu.cpu_info import cpu_flag_list, cpu_model
 from gpu.cpu_load import OtherWork
 from gpu.cpu_q4_kernel import Q4Rows
-from gpu.cpu_info import cpu_flag_list, cpu_model
 from gpu.device import cpu_has_native_bf16
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
 from gpu.q4_linear import q4_kernel_available
