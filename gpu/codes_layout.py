@@ -166,8 +166,8 @@ class Q8Rows:
         scale = scale.float()
         if file_scales and _exact_in_half(scale):
             scale = scale.half()
-        narrow = (halves == 1 and int(codes.amax()) <= NARROW_CODE
-                  and int(codes.amin()) >= -NARROW_CODE)
+        low, high = torch.aminmax(codes)  # one pass over the codes at load
+        narrow = halves == 1 and int(high) <= NARROW_CODE and int(low) >= -NARROW_CODE
         return Q8Rows(in_huge_pages(steps.reshape(out + pad, width).contiguous()),
                       _interleave(scale).contiguous(), out, halves, narrow)
 
@@ -242,3 +242,9 @@ class Q8Rows:
         out, width = self.out, self.codes.shape[1]
         return (self.row_codes().float().view(out, -1, Q4_GROUP // self.halves)
                 * self.row_scale()[..., None]).view(out, width)
+
+
+def codes_rows(weight: Int4Weight) -> "Q4Rows | Q8Rows":
+    """The kernels' form of a weight: its int8 codes where they fit (Q8_0, Q5_0, Q6_K), else
+    its 4-bit ones."""
+    return Q8Rows.from_pair(weight) or Q8Rows.from_digits16(weight) or Q4Rows.from_weight(weight)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.codes_layout import GROUP_ROWS, Q4Rows, Q8Rows
+from gpu.codes_layout import GROUP_ROWS, Q4Rows, Q8Rows, codes_rows
 from gpu.cpu_info import cpu_flag_list, cpu_isa
 from gpu.huge_pages import codes_in_huge_pages
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
@@ -294,8 +294,7 @@ class CodesLinear(Q4Linear):
         self.bf16_gemm = bf16_gemm  # the wide forwards' GEMM in bf16 (scratch_matmul)
 
     def keep_codes(self, weights: list[Int4Weight]) -> None:
-        self.rows = [Q8Rows.from_pair(w) or Q8Rows.from_digits16(w) or Q4Rows.from_weight(w)
-                     for w in weights]
+        self.rows = [codes_rows(w) for w in weights]
 
     @property
     def weight(self) -> torch.Tensor:

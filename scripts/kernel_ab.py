@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpu import cpu_q4_kernel  # noqa: E402
-from gpu.codes_layout import Q4Rows, Q8Rows  # noqa: E402
+from gpu.codes_layout import Q4Rows, Q8Rows, codes_rows  # noqa: E402
 from gpu.loader.gguf_loader import int4_weight, open_gguf  # noqa: E402
 
 DEFAULT_TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight",
@@ -61,12 +61,8 @@ def checkout(rev: str, into: Path) -> Path:
 
 
 def codes_form(tensor) -> Q4Rows | Q8Rows:
-    shape = tuple(reversed([int(d) for d in tensor.shape]))
-    weight = int4_weight(tensor, *shape)
-    kind = tensor.tensor_type.name
-    if kind in ("Q4_K", "Q4_0", "Q4_1"):
-        return Q4Rows.from_weight(weight)
-    return Q8Rows.from_digits16(weight) if kind == "Q6_K" else Q8Rows.from_pair(weight)
+    """The tensor in the form the worker keeps it (gpu/cpu_q4_kernel.py CodesLinear)."""
+    return codes_rows(int4_weight(tensor, *reversed([int(d) for d in tensor.shape])))
 
 
 def call(lib, w, x: torch.Tensor, y: torch.Tensor, argmax: bool) -> int:
