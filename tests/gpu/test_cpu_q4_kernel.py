@@ -163,6 +163,36 @@ def test_the_8_bit_kernels_argmax_is_the_argmax_of_its_product(isa):
     assert tokens[0].item() == 3 and torch.equal(tokens, y.argmax(-1))
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "c"])
+def test_the_8_bit_kernels_argmax_skips_nan_columns_beside_the_largest(isa):
+    """A NaN column (a NaN scale) is never picked, and does not hide the larger value in its
+    own 16 columns: a vector max over a tile can carry the NaN on or drop a value beside it,
+    and the tile is then wrongly passed over for an earlier, smaller best. One thread, so the
+    earlier best is the same thread's."""
+    if cpu_q4_kernel.library(isa) is None:
+        pytest.skip(f"the {isa} build of the kernel does not compile here")
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 128, generator=gen)
+    w = torch.randn(64, 128, generator=gen) * 0.05
+    w[3], w[24] = x[0], 2 * x[0]  # row 0's best so far in group 0, its largest in group 1
+    blocks = w.view(64, 4, Q4_GROUP)
+    scale = blocks.abs().amax(-1) / 127
+    codes = (blocks / scale[..., None]).round().to(torch.int8).view(64, 128)
+    # group 1, lane 0: vmaxps(lanes 8-15, lanes 0-7), as a reduction starts, keeps the NaN of
+    # lane 0 and drops lane 8's largest value
+    scale[16] = float("nan")
+    codes = Q8Rows.from_row_codes(codes, scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        y = q8_matmul(x, codes, isa)
+        tokens = q8_matmul_argmax(x, codes, isa)
+    finally:
+        torch.set_num_threads(threads)
+    assert y[:, 16].isnan().all() and y[0].nan_to_num(-1e30).argmax() == 24
+    assert torch.equal(tokens, y.nan_to_num(nan=-float("inf")).argmax(-1))
+
+
 def test_other_pairs_of_4_bit_parts_stay_4_bit():
     gen = torch.Generator().manual_seed(2)
     parts = [Q4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=gen),
