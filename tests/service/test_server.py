@@ -96,8 +96,12 @@ def test_the_worker_serves_with_torchs_start_up_code_released(service, reference
     if not Path("/proc/self/smaps").exists():
         pytest.skip("no /proc/<pid>/smaps to read")
     assert_concurrent_streams_match(service.endpoint, reference)
-    resident = library_rss(service.worker_pid(), "/libtorch_cpu.so")
-    assert 0 < resident < 32 << 20, f"libtorch_cpu.so: {resident >> 20} MB resident"
+    pid = service.worker_pid()
+    resident = library_rss(pid, "/libtorch_cpu.so")
+    with Client(service.endpoint) as client:  # for the message: which decode step ran
+        decode = client.health().decode_compile
+    assert 0 < resident < 32 << 20, (f"libtorch_cpu.so: {resident >> 20} MB resident in worker "
+                                     f"{pid} (decode step: {decode})")
 
 
 def test_a_steps_replies_to_one_client_arrive_as_one_message_of_reply_frames(service,
