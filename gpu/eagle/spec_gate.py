@@ -62,6 +62,10 @@ SETTLED_STEPS = 64
 # head again so that a batch can draft and be measured (each such round costs the head's work
 # over a batch's worth of requests).
 HEADLESS_REPROBE = REPROBE_EVERY * FAR_BEHIND * 8
+# Each probe in a row that finds drafting still losing doubles that wait, up to 2 ** this
+# times: a probe's requests carry the head until a batch of them drafts, and at 8 streams on
+# 2 cores a wave holding one ran 0.83-0.93x its twin (docs/benchmarks.md).
+HEADLESS_BACKOFF = 3
 RESTORED_STEPS = 2 * TRIALS  # the weight of a class's measurements kept from an earlier run
 GPU_AUTO_LIMIT = 2  # what "auto" means on a GPU (the module docstring)
 
@@ -105,6 +109,7 @@ class SizeClass:
     # a plain step's deferred cost, added to the plain way's; 0 until one is measured. Per
     # class: one stream's catch-ups cover a token or two (~1.5 ms a token), a batch's many.
     catch_up_per_token: float = 0.0
+    lost_probes: int = 0  # probes of drafting in a row begun while it lost here
 
     def plain_cost(self) -> float:
         return self.plain.seconds_per_token + self.catch_up_per_token
@@ -146,6 +151,8 @@ class SpecGate:
         close = max(drafting, plain) <= CLOSE * min(drafting, plain)
         if c.since_probe >= (REPROBE_EVERY if close else REPROBE_EVERY * FAR_BEHIND):
             c.since_probe = 0  # the loser once more, then back to the winner
+            if self._loses(size_class(batch_size), c):
+                c.lost_probes += 1
             return not faster
         c.since_probe += 1
         return faster
@@ -160,8 +167,11 @@ class SpecGate:
         # Once its probe of drafting is due, the class admits requests with the head again,
         # so a batch of them can draft once more and the gate sees a change (it never could
         # while every batch held a headless request).
-        due = c is not None and c.since_probe >= HEADLESS_REPROBE
-        return (c is not None and self._loses(key, c) and not due) or self._loses_below(batch_size)
+        loses = c is not None and self._loses(key, c)
+        if c is not None and not loses:
+            c.lost_probes = 0  # drafting caught up: the next loss waits the least again
+        due = loses and c.since_probe >= HEADLESS_REPROBE << min(c.lost_probes, HEADLESS_BACKOFF)
+        return (loses and not due) or self._loses_below(batch_size)
 
     def _loses(self, key: int, c: SizeClass) -> bool:
         if c.drafting.steps < TRIALS or c.plain.steps < TRIALS or key < HEADLESS_FROM and min(

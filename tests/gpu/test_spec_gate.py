@@ -8,8 +8,8 @@ import torch
 
 from gpu.eagle import gate_memory
 from gpu.eagle.gate_memory import GateMemory
-from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, HEADLESS_REPROBE, REPROBE_EVERY,
-                                 RESTORED_STEPS, SETTLED_STEPS, TRIALS, SizeClass, SpecGate,
+from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, HEADLESS_BACKOFF, HEADLESS_REPROBE,
+                                 REPROBE_EVERY, RESTORED_STEPS, SETTLED_STEPS, TRIALS, SizeClass, SpecGate,
                                  size_class)
 from ipc.worker_config import ModelSettings, WorkerConfig
 
@@ -113,6 +113,28 @@ def test_a_probe_that_falls_due_among_headless_requests_waits_and_readmits_the_h
     assert not gate.admits_headless(4)  # the probe is due: admit with the head
     assert gate.drafts(4) is True  # the first batch that can draft probes
     assert gate.admits_headless(4) and gate.drafts(4) is False
+
+
+def test_each_probe_that_finds_drafting_still_losing_doubles_the_wait_for_the_next():
+    """A probe's requests carry the head until a batch of them drafts: where drafting keeps
+    losing, each probe waits twice as long as the one before, up to 2 ** HEADLESS_BACKOFF
+    times HEADLESS_REPROBE; once drafting catches up, the wait starts from the least again."""
+    gate = SpecGate("auto", measured=True)
+    run(gate, 4, 2 * TRIALS, draft_s=3.0, plain_s=1.0)  # drafting 1.5 a token against 1.0
+    waits = []
+    for _ in range(HEADLESS_BACKOFF + 2):
+        steps = 0
+        while gate.admits_headless(4):
+            gate.drafts(4, can_draft=False)
+            steps += 1
+        waits.append(steps)
+        assert gate.drafts(4) is True  # the probe, and it loses again
+        gate.record(4, True, 3.0, 8)
+    assert waits == [HEADLESS_REPROBE << min(i, HEADLESS_BACKOFF)
+                     for i in range(HEADLESS_BACKOFF + 2)]
+    c = gate.classes[4]
+    c.drafting.seconds, c.drafting.tokens = 0.5, 8.0  # drafting now 0.06 a token: it pays
+    assert not gate.admits_headless(4) and c.lost_probes == 0
 
 
 def test_one_or_two_streams_are_admitted_headless_only_once_both_ways_settle():
