@@ -52,17 +52,24 @@ class EventStream(StreamingResponse):
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
-    """Run `work`; cancel it if the client disconnects first (returns None then)."""
-    result = None
+    """Run `work`; cancel it if the client disconnects first (returns None then). What `work`
+    raises comes out as itself: from inside the task group it would leave wrapped in an
+    ExceptionGroup, which no handler of ApiError catches (a late Error reply became a 500)."""
+    result, error = None, None
     async with anyio.create_task_group() as tg:
         async def run() -> None:
-            nonlocal result
-            result = await work
+            nonlocal result, error
+            try:
+                result = await work
+            except Exception as exc:  # noqa: BLE001 - raised again below, unwrapped
+                error = exc
             tg.cancel_scope.cancel()
         tg.start_soon(run)
         while (await receive())["type"] != "http.disconnect":
             pass
         tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
     return result
 
 

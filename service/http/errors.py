@@ -11,13 +11,14 @@ STATUS_OF_CODE = {
     "invalid_params": 400, "invalid_prompt": 400, "prompt_too_long": 400, "duplicate_id": 400,
     "invalid_json": 400, "unsupported_parameter": 400,
     "invalid_api_key": 401, "model_not_found": 404, "not_found": 404,
-    "message_too_large": 413, "queue_full": 429,
+    "method_not_allowed": 405, "message_too_large": 413, "queue_full": 429,
     "worker_unavailable": 503, "worker_died": 503, "service_shutdown": 503,
     "shutting_down": 503,
     "worker_restarting": 503,
 }
 TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error",
-                  404: "invalid_request_error", 413: "invalid_request_error",
+                  404: "invalid_request_error", 405: "invalid_request_error",
+                  413: "invalid_request_error",
                   429: "rate_limit_error", 503: "service_unavailable"}
 
 

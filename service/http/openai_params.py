@@ -96,7 +96,9 @@ def sampling_params(req: SamplingFields, logprobs: int | None, max_tokens: int |
         params.validate(vocab_size)
     except ValueError as exc:
         field = str(exc).removeprefix("sampling parameter ").partition("=")[0]
-        name = OPENAI_NAME.get(field, field)
+        # a chat's logprobs are a flag; how many top ones it asks for is top_logprobs
+        name = ("top_logprobs" if field == "logprobs" and isinstance(req, ChatCompletionRequest)
+                else OPENAI_NAME.get(field, field))
         raise ApiError("invalid_params", str(exc).replace(field, name, 2), name) from None
     return params
 
@@ -105,10 +107,11 @@ def to_generates(req: ChatCompletionRequest | CompletionRequest, base_id: str,
                  default_max_tokens: int, vocab_size: int) -> list[Generate]:
     """The request's answers in choice-index order: prompt 0's n answers, then prompt 1's."""
     refuse_unsupported(req)
-    if req.n < 1 or req.seed is not None and not 0 <= req.seed < MAX_SEED:
-        bad = "n" if req.n < 1 else "seed"
-        raise ApiError("invalid_params", f"{bad}={getattr(req, bad)} is out of range: n must be "
-                       f">= 1 and seed in [0, 2**63)", bad)
+    if req.n < 1:
+        raise ApiError("invalid_params", f"n={req.n} is out of range: it must be >= 1", "n")
+    if req.seed is not None and not 0 <= req.seed < MAX_SEED:
+        raise ApiError("invalid_params", f"seed={req.seed} is out of range: it must be in "
+                       f"[0, 2**63)", "seed")
     if isinstance(req, ChatCompletionRequest):
         if not req.messages:
             raise ApiError("invalid_params", "messages is empty: give at least one message",

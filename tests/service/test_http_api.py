@@ -27,7 +27,7 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def service(model_path):
-    svc = ServiceProcess(model_path, "--api-key", KEY, "--set", "http.max_body_bytes=65536",
+    svc = ServiceProcess(model_path, "--api-key", KEY, "--set", "http.max_body_bytes=262144",
                          "--set", "scheduling.max_queued_requests=2",
                          "--set", "service.drain_timeout_s=0")  # the last test: no drain
     yield svc
@@ -141,9 +141,10 @@ def test_refusals_are_openai_errors_with_the_parameter_named(service, api, model
              dict(response_format={"type": "json_object"}), dict(temperature=-1),
              dict(max_tokens=0), dict(top_logprobs=3), dict(extra_body={"no_such_field": 1}),
              dict(messages=[{"role": "user", "content": [{"type": "image_url",
-                                                           "image_url": {"url": "x"}}]}])]
+                                                           "image_url": {"url": "x"}}]}]),
+             dict(logprobs=True, top_logprobs=50), dict(seed=2**64), dict(n=0)]
     params = ["tools", "response_format", "temperature", "max_tokens", "top_logprobs",
-              None, "messages[0].content"]
+              None, "messages[0].content", "top_logprobs", "seed", "n"]
     for case, param in zip(cases, params):
         kwargs = dict(model=model, messages=CHAT, max_tokens=4) | case
         with pytest.raises(openai.BadRequestError) as err:
@@ -153,6 +154,12 @@ def test_refusals_are_openai_errors_with_the_parameter_named(service, api, model
         assert body["type"] == "invalid_request_error" and body["message"], case
         if param:
             assert body["param"] == param, (case, body)
+    for case, sent in [(dict(logprobs=True, top_logprobs=50), "top_logprobs=50"),
+                       (dict(seed=2**64), f"seed={2**64}"), (dict(n=0), "n=0")]:
+        with pytest.raises(openai.BadRequestError) as err:  # the message names what was sent
+            api.chat.completions.create(model=model, messages=CHAT, max_tokens=4, **case)
+        message = err.value.body["message"]
+        assert sent in message and ("n must" not in message), message
     with pytest.raises(openai.NotFoundError) as err:
         api.chat.completions.create(model="no-such-model", messages=CHAT)
     assert err.value.body["code"] == "model_not_found" and model in err.value.body["message"]
@@ -161,6 +168,24 @@ def test_refusals_are_openai_errors_with_the_parameter_named(service, api, model
         wrong.models.list()
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model=model, messages=CHAT)
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_that_says_so(api, model):
+    """A text over 64 KB is tokenized off the event loop, so its length is found after
+    admission and comes back as the request's Error reply: a 400 naming the prompt's and the
+    context's lengths, not a 500 (the reply's error once left the disconnect watch's task group
+    wrapped in an ExceptionGroup)."""
+    text = "word " * 20_000  # 100 KB: tokenized on a thread (service/prompt_intake.py)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                    max_tokens=4)
+    body = err.value.body
+    assert body["code"] == "prompt_too_long" and "the context holds" in body["message"], body
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=model, prompt=text, max_tokens=4)
+    assert err.value.body["code"] == "prompt_too_long"
+    r = api.chat.completions.create(model=model, messages=CHAT, max_tokens=4)  # still serving
+    assert r.choices[0].message.content
 
 
 def test_malformed_bodies_unknown_paths_and_open_health(service, model):
@@ -173,10 +198,12 @@ def test_malformed_bodies_unknown_paths_and_open_health(service, model):
     r = httpx.post(url + "/v1/completions", headers=auth, json={"model": model, "prompt": [[]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = httpx.post(url + "/v1/completions", headers=auth,
-                   json={"model": "m", "prompt": "x" * 70000})
+                   json={"model": "m", "prompt": "x" * 270000})
     assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
     r = httpx.get(url + "/v1/nowhere", headers=auth)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(url + "/v1/chat/completions", headers=auth)  # the client's mistake, a 405
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.post(url + "/v1/chat/completions", json={}).status_code == 401  # key first
     health = httpx.get(url + "/health")  # open without a key
     assert health.status_code == 200 and health.json()["status"] == "ok"
