@@ -99,7 +99,10 @@ def sampling_params(req: SamplingFields, logprobs: int | None, max_tokens: int |
         # a chat's logprobs are a flag; how many top ones it asks for is top_logprobs
         name = ("top_logprobs" if field == "logprobs" and isinstance(req, ChatCompletionRequest)
                 else OPENAI_NAME.get(field, field))
-        raise ApiError("invalid_params", str(exc).replace(field, name, 2), name) from None
+        message = str(exc).replace(field, name, 2)
+        for ours, theirs in OPENAI_NAME.items():  # a limit named after another parameter
+            message = message.replace(ours, theirs)
+        raise ApiError("invalid_params", message, name) from None
     return params
 
 

@@ -155,11 +155,12 @@ def test_refusals_are_openai_errors_with_the_parameter_named(service, api, model
         if param:
             assert body["param"] == param, (case, body)
     for case, sent in [(dict(logprobs=True, top_logprobs=50), "top_logprobs=50"),
-                       (dict(seed=2**64), f"seed={2**64}"), (dict(n=0), "n=0")]:
+                       (dict(seed=2**64), f"seed={2**64}"), (dict(n=0), "n=0"),
+                       (dict(extra_body={"min_tokens": 10}), "max_tokens=4")]:
         with pytest.raises(openai.BadRequestError) as err:  # the message names what was sent
             api.chat.completions.create(model=model, messages=CHAT, max_tokens=4, **case)
         message = err.value.body["message"]
-        assert sent in message and ("n must" not in message), message
+        assert sent in message and "n must" not in message and "_new_" not in message, message
     with pytest.raises(openai.NotFoundError) as err:
         api.chat.completions.create(model="no-such-model", messages=CHAT)
     assert err.value.body["code"] == "model_not_found" and model in err.value.body["message"]
