@@ -154,8 +154,9 @@ class _Recorder:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_rounds_points_are_taken_concurrency_by_concurrency_on_the_cpu(monkeypatch, device):
-    """On the CPU a point's peers run seconds apart (all started first); on a GPU one peer at a
-    time, as its service sizes its KV cache by the free memory."""
+    """On the CPU a point's peers run seconds apart (all started first), every other round in
+    reverse; on a GPU one peer at a time, as its service sizes its KV cache by the free
+    memory."""
     from types import SimpleNamespace
 
     from fmserve.bench import peers
@@ -168,18 +169,19 @@ def test_a_rounds_points_are_taken_concurrency_by_concurrency_on_the_cpu(monkeyp
     cfg = SimpleNamespace(device=device, concurrency=[1, 8])
     progress = SimpleNamespace(advance=lambda *a, **k: None, update=lambda *a, **k: None)
     timings: list[dict] = []
-    peers.run_device(cfg, [[1, 2, 3]], active, results, 1, progress, None, timings)
+    peers.run_device(cfg, [[1, 2, 3]], active, results, 2, progress, None, timings)
     log = _Recorder.log
     keys = [p.key for p in active]
-    if device == "cpu":
-        assert log[:3] == [("start", k) for k in keys]
-        assert log[3:9] == [("measure", k, c) for c in (1, 8) for k in keys]
-        assert sorted(log[9:]) == sorted(("close", k) for k in keys)
+    if device == "cpu":  # the second round in reverse: which peer goes first evens out
+        for rnd, order in ((log[:12], keys), (log[12:], keys[::-1])):
+            assert rnd[:3] == [("start", k) for k in order]
+            assert rnd[3:9] == [("measure", k, c) for c in (1, 8) for k in order]
+            assert sorted(rnd[9:]) == sorted(("close", k) for k in keys)
     else:
-        assert log == [e for k in keys for e in
-                       (("start", k), ("measure", k, 1), ("measure", k, 8), ("close", k))]
-    assert all(len(results[k].points[c]) == 1 for k in keys for c in (1, 8))
-    assert [t["peers"] for t in timings] == keys
+        assert log == 2 * [e for k in keys for e in
+                           (("start", k), ("measure", k, 1), ("measure", k, 8), ("close", k))]
+    assert all(len(results[k].points[c]) == 2 for k in keys for c in (1, 8))
+    assert [t["peers"] for t in timings] == (keys + keys[::-1] if device == "cpu" else 2 * keys)
 
 
 def test_overlap_pairs_are_each_rounds_ratio_to_the_twin_and_their_median():
