@@ -261,8 +261,9 @@ def run_device(cfg: PeerConfig, prompts, active: list[Peer], results: dict[str, 
     together = cfg.device == "cpu"
     for rnd in range(rounds):
         where = f"{cfg.device} round {rnd + 1}/{rounds}"
-        # Every other round in reverse, started and taken: which peer goes first at a point
-        # (a service started first measured 1-2% faster side by side) evens out over rounds.
+        # Every other round in reverse, started and taken: whatever going first is worth at a
+        # point evens out over rounds (two services side by side: the first started read 1-2%
+        # faster in both orders, within noise, but a fixed order biases every round alike).
         flip = together and rnd % 2 == 1
         batches = ([units(active)[::-1] if flip else units(active)] if together
                    else [[u] for u in units(active)])
