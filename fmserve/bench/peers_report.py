@@ -247,8 +247,8 @@ def render(meta: dict, all_results: dict, plots: dict) -> str:
               f"exactly {meta['max_new_tokens']} new tokens (eos ignored)",
               f"- {meta['repetitions']} round(s), round robin over the peers (on the CPU all of "
               "a round's peers are started first and each concurrency is taken peer after "
-              "peer, every other round in reverse order); at C = 1 each prompt runs once per round; at C > 1, whole waves of C "
-              "requests (prompts cycled)",
+              "peer, every other round in reverse order); at C = 1 each prompt runs once per "
+              "round; at C > 1, whole waves of C requests (prompts cycled)",
               (f"- every peer runs {meta['threads']} torch thread(s) (--threads)"
                if meta["threads"] else
                "- threads: in-process peers use torch's default; fmserve served peers the "
