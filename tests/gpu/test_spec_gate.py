@@ -9,8 +9,8 @@ import torch
 from gpu.eagle import gate_memory
 from gpu.eagle.gate_memory import GateMemory
 from gpu.eagle.spec_gate import (FAR_BEHIND, GPU_AUTO_LIMIT, HEADLESS_BACKOFF, HEADLESS_REPROBE,
-                                 REPROBE_EVERY, RESTORED_STEPS, SETTLED_STEPS, TRIALS, SizeClass, SpecGate,
-                                 size_class)
+                                 REPROBE_EVERY, RESTORED_STEPS, SETTLED_STEPS, TRIALS, SizeClass,
+                                 SpecGate, size_class)
 from ipc.worker_config import ModelSettings, WorkerConfig
 
 
