@@ -17,7 +17,6 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -94,12 +93,10 @@ class OpenAIApp:
         return exc.response()
 
     async def _no_route(self, request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 404)
-        code = "not_found" if status == 404 else "method_not_allowed"
-        err = ApiError(code, f"{request.method} {request.url.path} is not an endpoint of this "
-                       f"API: use POST /v1/chat/completions, POST /v1/completions, GET "
-                       f"/v1/models, GET /health or GET /metrics")
-        return Response(msgspec.json.encode(err.body()), status, media_type="application/json")
+        code = "method_not_allowed" if getattr(exc, "status_code", 404) == 405 else "not_found"
+        return ApiError(code, f"{request.method} {request.url.path} is not an endpoint of this "
+                        f"API: use POST /v1/chat/completions, POST /v1/completions, GET "
+                        f"/v1/models, GET /health or GET /metrics").response()
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         log.exception("the HTTP API failed on %s %s", request.method, request.url.path)
