@@ -141,16 +141,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     off.add_argument("--prompt-len", type=positive_int, default=128)
     off.add_argument("--decode-len", type=positive_int, default=64)
     off.add_argument("--no-baseline", action="store_true", help="skip transformers")
-    off.add_argument("--overlap", default="off", choices=["off", "on", "off,on"],
+    ON_OFF = ["off", "on", "off,on"]  # "off,on": both, and their ratio
+    off.add_argument("--overlap", default="off", choices=ON_OFF, metavar="off|on|off,on",
                      help="the engine's overlap (plan k+1 launched before step k finishes); "
                           "off,on measures both and prints their ratio")
-    off.add_argument("--q4", default="on", choices=["off", "on", "off,on"],
+    off.add_argument("--q4", default="on", choices=ON_OFF, metavar="off|on|off,on",
                      help="small forwards on the GGUF's own 4-bit weights (bf16 on a CPU; "
                           "runtime.q4_max_tokens); off,on measures both and prints their ratio")
     off.add_argument("--q4-max-tokens", type=int, default=12,  # DEFAULT_Q4_MAX_TOKENS
                      help="forwards of at most this many tokens use the 4-bit weights when "
                           "--q4 is on (also for --spec runs)")
-    off.add_argument("--cuda-graphs", default="off", choices=["off", "on", "off,on"],
+    off.add_argument("--cuda-graphs", default="off", choices=ON_OFF, metavar="off|on|off,on",
                      help="decode batches replay CUDA graphs (runtime.cuda_graph_max_batch; "
                           "CUDA and --attention-backend triton only); off,on measures both "
                           "and prints their ratio")

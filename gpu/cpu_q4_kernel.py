@@ -40,9 +40,10 @@ from ipc.cache_dirs import model_cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-# The kernel and the decode step built on it (gpu/cpu_decode_step.py), one library.
+# The kernel, the decode step built on it (gpu/cpu_decode_step.py) and the sampler's noise
+# (gpu/cpu_sampling.py), one library.
 SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c",
-           CSRC / "head_step.c")
+           CSRC / "head_step.c", CSRC / "gumbel.c")
 HEADERS = (CSRC / "q4_matmul.h", CSRC / "step_ops.h", CSRC / "attention_ops.h",
            CSRC / "vector_math.h", CSRC / "q8_tiles_fallback.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")

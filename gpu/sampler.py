@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from gpu import cpu_sampling
 from gpu.sampling_state import (F_LOG_MIN_P, F_TEMP, F_TOP_P, I_GREEDY, I_SEED, I_TOP_K,
                                 BatchFlags, DraftedBefore, SampleOutput, SamplingState,
                                 apply_min_tokens, apply_penalties)
@@ -49,6 +50,7 @@ class Sampler:
     def __init__(self, state: SamplingState):
         self.state = state
         self._all_terms: torch.Tensor | None = None  # token_terms(arange(vocab)), cached
+        self._c_noise = cpu_sampling.available(state.device)  # gpu/cpu_sampling.py
         self._arange: torch.Tensor | None = None
 
     def batch_flags(self, slots: torch.Tensor, slots_host=None) -> BatchFlags:
@@ -90,6 +92,9 @@ class Sampler:
             return self._with_logprobs(logits.argmax(-1), logits, flags.max_logprobs)
         st = self.state
         fp, ip = st.float_params[slots], st.int_params[slots]
+        if flags.noise_only and self._c_noise and logits.dtype == torch.float32:
+            return SampleOutput(cpu_sampling.gumbel_argmax(
+                logits, fp[:, F_TEMP], row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY]))
         scaled = logits / fp[:, F_TEMP, None]  # greedy rows hold T = 1
         tokens = self._draw(scaled, fp, ip, positions, flags)
         if flags.any_greedy:
@@ -170,8 +175,12 @@ class Sampler:
             row_max = scaled.amax(-1) if ids is None else vals[:, 0]
             floor = row_max + fp[:, F_LOG_MIN_P]
             threshold = floor if threshold is None else torch.maximum(threshold, floor)
-        terms = self._vocab_terms(scaled.shape[1]) if ids is None else token_terms(ids)
-        scores = gumbel_(uniform_from_terms(keys, terms))
+        if self._c_noise:  # the same noise as gumbel_argmax's, one pass
+            scores = cpu_sampling.gumbel_noise(keys, ids, scaled.shape[1] if ids is None
+                                               else ids.shape[1])
+        else:
+            terms = self._vocab_terms(scaled.shape[1]) if ids is None else token_terms(ids)
+            scores = gumbel_(uniform_from_terms(keys, terms))
         if threshold is not None:
             vals = vals.masked_fill(vals < threshold[:, None], -math.inf)
         choice = scores.add_(vals).argmax(-1, keepdim=True)

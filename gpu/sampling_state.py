@@ -52,6 +52,14 @@ class BatchFlags:
         return (self.all_greedy and not (self.any_penalty or self.any_min_tokens)
                 and self.max_logprobs < 0)
 
+    @property
+    def noise_only(self) -> bool:
+        """Every row takes argmax(logit / T + noise) (greedy rows: the argmax) and nothing
+        else: no top-k, top-p or min-p cut, no penalties, bans or logprobs (gpu/cpu_sampling.py
+        then draws in one pass)."""
+        return not (self.any_top_k or self.any_top_p or self.any_min_p or self.any_penalty
+                    or self.any_min_tokens or self.max_logprobs >= 0)
+
 
 @dataclass(frozen=True)
 class DraftedBefore:

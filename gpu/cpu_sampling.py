@@ -1,0 +1,71 @@
+"""The sampler's Gumbel noise and draw in C on a CPU (gpu/csrc/gumbel.c).
+
+torch computes a draw's noise (gpu/seeded_random.py: a hash of seed, position and token id,
+a uniform, -log(-log u)) as ~20 passes over [rows, vocab]; at 32 rows of SmolLM2's 49,152
+tokens that is ~4 ms a decode step. The C library does it in one pass, and for a batch that only
+scales by temperature (`BatchFlags.noise_only`) draws argmax(logit / T + noise) without
+writing the noise. On a CPU the sampler takes all its noise from here, so every path of a batch
+draws the same tokens for a seeded request; elsewhere (a GPU, no C compiler) it stays torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from gpu.cpu_q4_kernel import library
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = library()
+    if lib is None:
+        return None
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.gumbel_noise.restype = None
+    lib.gumbel_noise.argtypes = [P, I, P, I, P, I]
+    lib.gumbel_argmax.restype = None
+    lib.gumbel_argmax.argtypes = [P, I, I, P, P, P, P, I]
+    return lib
+
+
+def available(device: torch.device) -> bool:
+    """Whether the sampler takes its noise from C: on a CPU with the library built."""
+    return device.type == "cpu" and _library() is not None
+
+
+def gumbel_noise(keys: torch.Tensor, ids: torch.Tensor | None, n: int) -> torch.Tensor:
+    """float32 [rows, n]: the noise of row r's draw (keys [rows] int64, from
+    `seeded_random.row_keys`) for token ids[r, j], or for token j where ids is None; the values
+    of `seeded_random.gumbel_(uniform_from_terms(keys, token_terms(ids)))` to ~1 ulp."""
+    keys = keys.to(torch.int64).contiguous()
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(keys.shape[0], n, dtype=torch.float32)
+    _library().gumbel_noise(keys.data_ptr(), keys.shape[0],
+                            None if ids is None else ids.data_ptr(), n, out.data_ptr(),
+                            torch.get_num_threads())
+    return out
+
+
+def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+                  greedy: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: argmax(logits / T + gumbel_noise(keys, None, vocab)) per row, or the
+    logits' argmax where `greedy`, from float32 logits [rows, vocab]; the noise is never
+    written."""
+    logits = logits.contiguous()
+    if logits.dtype != torch.float32:
+        raise TypeError(f"gumbel_argmax takes float32 logits, not {logits.dtype}")
+    rows, vocab = logits.shape
+    temperatures = temperatures.to(torch.float32).contiguous()
+    keys = keys.to(torch.int64).contiguous()
+    greedy = greedy.to(torch.uint8).contiguous()
+    tokens = torch.empty(rows, dtype=torch.int64)
+    _library().gumbel_argmax(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
+                             keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
+                             torch.get_num_threads())
+    if rows and int(tokens.min()) < 0:
+        raise MemoryError(f"the C sampler could not allocate for {rows} rows")
+    return tokens

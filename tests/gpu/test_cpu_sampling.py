@@ -1,0 +1,108 @@
+"""The sampler's noise and draw in C (gpu/cpu_sampling.py, gpu/csrc/gumbel.c), against torch's
+formulas in gpu/seeded_random.py (the documented hash, a uniform, -log(-log u)) and a plain
+argmax written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu import cpu_sampling
+from gpu.sampler import Sampler
+from gpu.sampling_state import SamplingState
+from gpu.seeded_random import gumbel_, row_keys, token_terms, uniform_from_terms
+from ipc.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_sampling.available(torch.device("cpu")),
+                                reason="no C compiler: the sampler keeps torch's noise")
+
+
+def keys_of(rows: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen)
+    seeds[0] = 2**63 - 1  # the largest seed: int64 wrap-around in the key
+    return row_keys(seeds, torch.randint(0, 10**6, (rows,), generator=gen))
+
+
+def torch_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """gpu/seeded_random.py's noise, from the key (seeded_uniform without its key step)."""
+    return gumbel_(uniform_from_terms(keys, token_terms(ids)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_noise_is_torchs_to_a_few_ulps_for_every_token_and_for_candidate_ids(threads):
+    keys, vocab = keys_of(5), 20_000  # three of the C loop's 8,192-token chunks
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = cpu_sampling.gumbel_noise(keys, None, vocab)
+        ids = torch.randint(0, 300_000, (5, 77), generator=torch.Generator().manual_seed(1))
+        picked = cpu_sampling.gumbel_noise(keys, ids, 77)
+    finally:
+        torch.set_num_threads(before)
+    want = torch_noise(keys, torch.arange(vocab))
+    # The hash and the uniform are exact; only the two logs may differ, by an ulp or so.
+    assert (whole - want).abs().max() <= 4e-6
+    assert (whole == want).float().mean() > 0.8
+    assert (picked - torch_noise(keys, ids)).abs().max() <= 4e-6
+    assert torch.equal(cpu_sampling.gumbel_noise(keys, ids[:, :1], 1), picked[:, :1])
+    # -log(-log u) for u in [2^-24, 1 - 2^-24]: finite, within [-2.8, 16.7].
+    assert whole.min() > -2.9 and whole.max() < 16.7 and torch.isfinite(whole).all()
+
+
+def test_the_c_noise_has_the_gumbel_distribution():
+    noise = cpu_sampling.gumbel_noise(keys_of(4, seed=3), None, 50_000).double().flatten()
+    assert noise.mean().item() == pytest.approx(0.5772, abs=0.01)  # Euler-Mascheroni
+    assert noise.var().item() == pytest.approx(torch.pi**2 / 6, rel=0.02)
+    # its CDF, exp(-exp(-x)), at a few points
+    for x in (-1.0, 0.0, 1.0, 3.0):
+        share = (noise <= x).double().mean().item()
+        assert share == pytest.approx(torch.exp(-torch.exp(torch.tensor(-x))).item(), abs=0.005)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_draw_is_the_argmax_of_the_scaled_logits_plus_the_noise(threads):
+    rows, vocab = 7, 20_000
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[3, [17, 9000, 19_999]] = 50.0  # equal largest across chunks: the first one
+    temperatures = torch.tensor([0.3, 0.7, 1.0, 1.0, 1.5, 2.0, 1.0])
+    greedy = torch.tensor([False, False, True, True, False, False, False])
+    keys = keys_of(rows, seed=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_sampling.gumbel_argmax(logits, temperatures, keys, greedy)
+    finally:
+        torch.set_num_threads(before)
+    noise = cpu_sampling.gumbel_noise(keys, None, vocab)
+    want = [int((noise[r] + logits[r] / temperatures[r]).argmax()) if not greedy[r]
+            else int(logits[r].argmax()) for r in range(rows)]
+    assert got.tolist() == want
+    assert int(got[3]) == 17
+    with pytest.raises(TypeError, match="float32"):
+        cpu_sampling.gumbel_argmax(logits.bfloat16(), temperatures, keys, greedy)
+
+
+def test_a_temperature_only_batch_draws_what_the_torch_path_draws_for_each_row():
+    """The one-pass draw (every row temperature-only) against the same rows drawn through
+    Sampler._draw (a row with top_k in the batch sends it there): the same tokens."""
+    vocab, steps = 3000, 20
+    state = SamplingState(8, vocab, "cpu")
+    sampler = Sampler(state)
+    params = [SamplingParams(seed=10 + s, temperature=t)
+              for s, t in enumerate((0.6, 1.0, 1.3, 0.0))]
+    for slot, p in enumerate(params, start=1):
+        state.set_request(slot, p)
+    state.set_request(6, SamplingParams(seed=99, top_k=50))  # its own cut: torch's path
+    gen = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        logits = torch.randn(5, vocab, generator=gen) * 2
+        positions = torch.full((5,), 40 + step)
+        alone = sampler.sample(logits[:4], torch.tensor([1, 2, 3, 4]), positions[:4])
+        mixed = sampler.sample(logits, torch.tensor([1, 2, 3, 4, 6]), positions)
+        assert alone.token_ids.tolist() == mixed.token_ids[:4].tolist(), step
+        assert int(alone.token_ids[3]) == int(logits[3].argmax())  # the greedy row
+    flags = state.batch_flags(torch.tensor([1, 2, 3, 4]).numpy())
+    assert flags.noise_only and not state.batch_flags(torch.tensor([1, 6]).numpy()).noise_only
+    assert not state.batch_flags(torch.tensor([1]).numpy()).all_greedy
