@@ -26,7 +26,7 @@ def _library() -> ctypes.CDLL | None:
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.gumbel_noise.restype = None
     lib.gumbel_noise.argtypes = [P, I, P, I, P, I]
-    lib.gumbel_argmax.restype = None
+    lib.gumbel_argmax.restype = ctypes.c_int
     lib.gumbel_argmax.argtypes = [P, I, I, P, P, P, P, I]
     return lib
 
@@ -63,9 +63,8 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.
     keys = keys.to(torch.int64).contiguous()
     greedy = greedy.to(torch.uint8).contiguous()
     tokens = torch.empty(rows, dtype=torch.int64)
-    _library().gumbel_argmax(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
-                             keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
-                             torch.get_num_threads())
-    if rows and int(tokens.min()) < 0:
+    if _library().gumbel_argmax(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
+                                keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
+                                torch.get_num_threads()) != 0:
         raise MemoryError(f"the C sampler could not allocate for {rows} rows")
     return tokens

@@ -77,18 +77,17 @@ void gumbel_noise(const int64_t *keys, int rows, const int64_t *ids, int n, floa
 }
 
 /* tokens[r]: argmax_j logits[r, j] / temps[r] + noise(keys[r], j), or argmax_j logits[r, j]
- * where greedy[r]; the first of equal largest, NaNs passed over (as q8_matmul_argmax). */
-void gumbel_argmax(const float *logits, int rows, int n, const float *temps,
+ * where greedy[r]; the first of equal largest, NaNs passed over (as q8_matmul_argmax).
+ * Returns 0, or -1 if out of memory. */
+int gumbel_argmax(const float *logits, int rows, int n, const float *temps,
                    const int64_t *keys, const uint8_t *greedy, int64_t *tokens, int threads) {
     int chunks = (n + CHUNK - 1) / CHUNK;
     float *best = malloc(sizeof(float) * (size_t)rows * chunks);
     int *where = malloc(sizeof(int) * (size_t)rows * chunks);
-    if (!best || !where) { /* too small to fail in practice; say so rather than guess */
+    if (!best || !where) {
         free(best);
         free(where);
-        for (int r = 0; r < rows; r++)
-            tokens[r] = -1;
-        return;
+        return -1;
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < rows * chunks; task++) {
@@ -123,4 +122,5 @@ void gumbel_argmax(const float *logits, int rows, int n, const float *temps,
     }
     free(best);
     free(where);
+    return 0;
 }
