@@ -45,7 +45,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c",
            CSRC / "head_step.c", CSRC / "gumbel.c")
 HEADERS = (CSRC / "q4_matmul.h", CSRC / "step_ops.h", CSRC / "attention_ops.h",
-           CSRC / "vector_math.h", CSRC / "q8_tiles_fallback.h")
+           CSRC / "vector_math.h", CSRC / "q8_tiles_fallback.h", CSRC / "gumbel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The library for this CPU ("native"), or without AVX-512 ("avx2": the AVX2 dot-product loop
 # an AVX2-only CPU runs, built on a newer one to compare the two).

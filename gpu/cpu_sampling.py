@@ -4,8 +4,11 @@ torch computes a draw's noise (gpu/seeded_random.py: a hash of seed, position an
 a uniform, -log(-log u)) as ~20 passes over [rows, vocab]; at 32 rows of SmolLM2's 49,152
 tokens that is ~4 ms a decode step. The C library does it in one pass, and for a batch that only
 scales by temperature (`BatchFlags.noise_only`) draws argmax(logit / T + noise) without
-writing the noise. On a CPU the sampler takes all its noise from here, so every path of a batch
-draws the same tokens for a seeded request; elsewhere (a GPU, no C compiler) it stays torch's.
+writing the noise; where the lm_head is 8-bit codes, without writing the logits either
+(`lm_head_draw`: the lm_head's tiles draw as they go, and skip the noise of a tile whose largest
+logit is further below the row's best score than any noise reaches). On a CPU the sampler takes
+all its noise from here, so every path of a batch draws the same tokens for a seeded request;
+elsewhere (a GPU, no C compiler) it stays torch's.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from functools import cache
 
 import torch
 
+from gpu.codes_layout import Q8Rows
 from gpu.cpu_q4_kernel import library
 
 
@@ -28,6 +32,8 @@ def _library() -> ctypes.CDLL | None:
     lib.gumbel_noise.argtypes = [P, I, P, I, P, I]
     lib.gumbel_argmax.restype = ctypes.c_int
     lib.gumbel_argmax.argtypes = [P, I, I, P, P, P, P, I]
+    lib.q8_matmul_draw.restype = ctypes.c_int
+    lib.q8_matmul_draw.argtypes = [P, I, I, P, P] + [I] * 5 + [P] * 4 + [I]
     return lib
 
 
@@ -67,4 +73,25 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.
                                 keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
                                 torch.get_num_threads()) != 0:
         raise MemoryError(f"the C sampler could not allocate for {rows} rows")
+    return tokens
+
+
+def lm_head_draw(x: torch.Tensor, w: Q8Rows, draw: tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]) -> torch.Tensor:
+    """int64 [rows]: gumbel_argmax(x @ w^T, *draw) for draw = (temperatures, keys, greedy),
+    the same tokens, from fp32 x [rows, width], without writing the product."""
+    x = x.float().contiguous()
+    rows, width = x.shape
+    if width != w.codes.shape[1]:
+        raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
+    temperatures, keys, greedy = (draw[0].to(torch.float32).contiguous(),
+                                  draw[1].to(torch.int64).contiguous(),
+                                  draw[2].to(torch.uint8).contiguous())
+    tokens = torch.empty(rows, dtype=torch.int64)
+    if _library().q8_matmul_draw(
+            x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(), w.fp16,
+            w.halves, w.narrow, w.codes.shape[0], w.out, temperatures.data_ptr(),
+            keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
+            torch.get_num_threads()) != 0:
+        raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
     return tokens

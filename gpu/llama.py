@@ -26,6 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from gpu import cpu_sampling
 from gpu.attention.base import AttentionBackend
 from gpu.cpu_kernels import Fp32Split
 from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, codes_linear_ok, q8_matmul_argmax
@@ -288,13 +289,16 @@ class LlamaModel:
             logits = torch.tanh(logits.div_(cap)).mul_(cap)
         return logits
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def lm_head_tokens(self, hidden: torch.Tensor, draw=None) -> torch.Tensor | None:
         """logits(hidden).argmax(-1), the same tokens, where the lm_head is one matrix of
         8-bit codes on the C kernel: its product is never written (at 32 rows a 262,144-token
-        vocabulary is 32 MB of logits to write and read back). None where it is not."""
+        vocabulary is 32 MB of logits to write and read back). None where it is not. With
+        `draw` (Sampler.c_draw), the tokens the sampler would draw from the logits."""
         head = self.lm_head
         if (self.config.final_logit_softcap is not None or not isinstance(head, CodesLinear)
                 or len(head.rows) != 1 or not isinstance(head.rows[0], Q8Rows)
                 or hidden.shape[0] > head.max_tokens or hidden.dtype != torch.float32):
             return None  # (bf16 hidden states: logits rounded to bf16 may tie where fp32 does not)
+        if draw is not None:
+            return cpu_sampling.lm_head_draw(hidden, head.rows[0], draw)
         return q8_matmul_argmax(hidden, head.rows[0])

@@ -64,6 +64,16 @@ class Sampler:
         """Whether `sample` would return the logits' argmax and nothing else (BatchFlags)."""
         return self.batch_flags(slots, slots_host).argmax_only
 
+    def c_draw(self, slots: torch.Tensor, positions: torch.Tensor, flags: BatchFlags
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(temperatures, keys, greedy) per row where `sample` would draw
+        argmax(logit / T + noise) in C (a CPU, `flags.noise_only`), for
+        cpu_sampling.lm_head_draw / gumbel_argmax; None elsewhere."""
+        if not (self._c_noise and flags.noise_only) or flags.all_greedy:
+            return None
+        fp, ip = self.state.float_params[slots], self.state.int_params[slots]
+        return fp[:, F_TEMP], row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY]
+
     def process_logits(self, logits: torch.Tensor, slots: torch.Tensor, flags: BatchFlags,
                        drafted: DraftedBefore | None = None) -> torch.Tensor:
         """Penalties and min-token bans. Returns `logits` itself (any dtype) when neither
@@ -90,11 +100,11 @@ class Sampler:
         logits = self.process_logits(logits, slots, flags)
         if flags.all_greedy:
             return self._with_logprobs(logits.argmax(-1), logits, flags.max_logprobs)
+        draw = self.c_draw(slots, positions, flags)
+        if draw is not None and logits.dtype == torch.float32:
+            return SampleOutput(cpu_sampling.gumbel_argmax(logits, *draw))
         st = self.state
         fp, ip = st.float_params[slots], st.int_params[slots]
-        if flags.noise_only and self._c_noise and logits.dtype == torch.float32:
-            return SampleOutput(cpu_sampling.gumbel_argmax(
-                logits, fp[:, F_TEMP], row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY]))
         scaled = logits / fp[:, F_TEMP, None]  # greedy rows hold T = 1
         tokens = self._draw(scaled, fp, ip, positions, flags)
         if flags.any_greedy:

@@ -48,7 +48,7 @@ class BatchFlags:
     def argmax_only(self) -> bool:
         """Every row takes the logits' argmax and nothing else: greedy, no penalties, no
         min-token bans, no logprobs (the caller may then skip the logits,
-        LlamaModel.greedy_tokens)."""
+        LlamaModel.lm_head_tokens)."""
         return (self.all_greedy and not (self.any_penalty or self.any_min_tokens)
                 and self.max_logprobs < 0)
 

@@ -186,11 +186,13 @@ class WorkerState:
     def sample(self, hidden: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
                slots_host: np.ndarray) -> SampleOutput:
         """The next token of each row of `hidden` (one per slot): the lm_head's argmax in C
-        without writing the logits where the batch only wants that (LlamaModel.greedy_tokens),
+        without writing the logits where the batch only wants that (LlamaModel.lm_head_tokens),
         else the logits through the sampler. Both steps sample so: the EAGLE step's plain
         decodes had written the logits first, ~8% of its worker's time at 8 streams."""
-        if self.sampler.argmax_only(slots, slots_host):
-            tokens = self.model.greedy_tokens(hidden)
+        flags = self.sampler.batch_flags(slots, slots_host)
+        draw = None if flags.argmax_only else self.sampler.c_draw(slots, seq_lens, flags)
+        if flags.argmax_only or draw is not None:  # a temperature draw: in the lm_head too
+            tokens = self.model.lm_head_tokens(hidden, draw)
             if tokens is not None:
                 return SampleOutput(tokens)
         return self.sampler.sample(self.model.logits(hidden), slots, seq_lens,

@@ -3,56 +3,16 @@
  * ~4 ms a step), and the draw argmax(logit / T + noise) without writing the noise at all.
  *
  * Every value is the same on every build (AVX-512, AVX2, plain C) and whether a loop is
- * vectorised or not: the hash is integer arithmetic, and the log is written with explicit fmaf
- * and no other multiply feeding an add, so no compiler can contract it differently. The torch
- * path of gpu/sampler.py takes its noise from here on a CPU too, so a seeded request draws the
- * same tokens whichever path its batch takes. */
+ * vectorised or not (gumbel.h). The torch path of gpu/sampler.py takes its noise from here on
+ * a CPU too, so a seeded request draws the same tokens whichever path its batch takes. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "gumbel.h"
+
 #define CHUNK 8192 /* tokens a task: a row is split so one row still uses every thread */
-
-/* ln x for a positive normal x: Cephes' logf (~1 ulp), its reduction to [sqrt(1/2), sqrt(2)). */
-static inline float log_positive(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    int32_t e = (int32_t)(bits >> 23) - 126;
-    bits = (bits & 0x007FFFFFu) | 0x3F000000u; /* the mantissa in [0.5, 1) */
-    float m;
-    memcpy(&m, &bits, sizeof m);
-    int below = m < 0.70710678f;
-    e -= below;
-    m = below ? (m + m) - 1.0f : m - 1.0f;
-    float fe = (float)e, z = m * m;
-    float p = 7.0376836292e-2f;
-    p = fmaf(p, m, -1.1514610310e-1f);
-    p = fmaf(p, m, 1.1676998740e-1f);
-    p = fmaf(p, m, -1.2420140846e-1f);
-    p = fmaf(p, m, 1.4249322787e-1f);
-    p = fmaf(p, m, -1.6668057665e-1f);
-    p = fmaf(p, m, 2.0000714765e-1f);
-    p = fmaf(p, m, -2.4999993993e-1f);
-    p = fmaf(p, m, 3.3333331174e-1f);
-    float y = (p * m) * z;
-    y = fmaf(fe, -2.12194440e-4f, y);
-    y = fmaf(z, -0.5f, y);
-    return fmaf(fe, 0.693359375f, m + y);
-}
-
-/* The noise of token `id` for a draw whose key has these low 32 bits: murmur3's fmix32 of the
- * token's term, the top 23 bits as a uniform in [2^-24, 1 - 2^-24], then -log(-log u). */
-static inline float gumbel_of(uint32_t key, int64_t id) {
-    uint32_t h = ((uint32_t)(id + 1) * 0x9E3779B9u) ^ key;
-    h ^= h >> 16;
-    h *= 0x85EBCA6Bu;
-    h ^= h >> 13;
-    h *= 0xC2B2AE35u;
-    h ^= h >> 16;
-    float u = ((float)((int32_t)h >> 9) + 4194304.5f) * 0x1p-23f;
-    return -log_positive(-log_positive(u));
-}
 
 /* out [rows, n]: the noise of row r's draw (keys[r], its low 32 bits) for token ids[r, j], or
  * for token j where ids is NULL. */

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gumbel.h"
 #include "q4_matmul.h"
 
 #define GROUP 32
@@ -142,12 +143,16 @@ static inline __attribute__((always_inline)) void group_tile(int R, int H, int N
 #endif
 
 /* Each tile's outputs go to y, or (y NULL) into each row's best column so far: the first
- * of the largest among the `valid` columns, as torch's argmax over y would pick it. */
+ * of the largest among the `valid` columns, as torch's argmax over y would pick it; with
+ * `keys`, of the largest y / temps[r] + noise (gumbel.h) in the rows not `greedy`. */
 typedef struct {
     float *y;
     int64_t *best;     /* [threads][rows]: each thread's best column of a row, -1 for none */
-    float *best_value; /* [threads][rows]: its value */
+    float *best_value; /* [threads][rows]: its value (score) */
     int valid;
+    const float *temps;   /* [rows], or NULL: every row greedy */
+    const int64_t *keys;  /* [rows]: each draw's key (gpu/seeded_random.py row_keys) */
+    const uint8_t *greedy; /* [rows] */
 } tile_sink;
 
 /* Larger, or as large and an earlier column (whatever order the threads took them in). */
@@ -181,12 +186,22 @@ static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int tak
     }
     size_t slot = (size_t)omp_get_thread_num() * rows + r;
     for (int i = 0; i < take; i++) {
-        float top = top_of_16(out[i]); /* a max first: most tiles beat nothing */
-        if (!(top >= o->best_value[slot + i]) && o->best[slot + i] >= 0)
+        float top = top_of_16(out[i]), *score = out[i]; /* a max first: most tiles beat nothing */
+        float drawn[16];
+        if (o->temps && !o->greedy[r + i]) { /* a draw: the tile can win only within the noise */
+            float t = o->temps[r + i];
+            if (!(GUMBEL_MAX + top / t >= o->best_value[slot + i]) && o->best[slot + i] >= 0)
+                continue;
+            uint32_t key = (uint32_t)o->keys[r + i];
+            for (int c = 0; c < 16; c++)
+                drawn[c] = gumbel_of(key, g * 16 + c) + out[i][c] / t;
+            score = drawn;
+        } else if (!(top >= o->best_value[slot + i]) && o->best[slot + i] >= 0) {
             continue;
+        }
         for (int c = 0; c < 16 && g * 16 + c < o->valid; c++)
-            if (better(out[i][c], g * 16 + c, o->best_value[slot + i], o->best[slot + i])) {
-                o->best_value[slot + i] = out[i][c];
+            if (better(score[c], g * 16 + c, o->best_value[slot + i], o->best[slot + i])) {
+                o->best_value[slot + i] = score[c];
                 o->best[slot + i] = g * 16 + c;
             }
     }
@@ -265,16 +280,18 @@ static int q8_tiles(const float *x, int rows, int k, const int8_t *qs, const voi
  * 32, n of 16). Returns 0, or -1 if out of memory. */
 int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
               int halves, int narrow, int n, float *y, int threads) {
-    tile_sink sink = {y, NULL, NULL, n};
+    tile_sink sink = {y, NULL, NULL, n, NULL, NULL, NULL};
     return q8_tiles(x, rows, k, qs, s, fp16, halves, narrow, n, &sink, threads);
 }
 
 /* tokens [rows] = argmax over the first `valid` columns of x W^T (the first column of the
  * largest value), without writing the [rows, n] product: a greedy step's lm_head, whose
- * 262,144-column product (Gemma 3) is 1 MB a row to write and read back. Returns 0 or -1. */
-int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const void *s,
-                     int fp16, int halves, int narrow, int n, int valid, int64_t *tokens,
-                     int threads) {
+ * 262,144-column product (Gemma 3) is 1 MB a row to write and read back. With temps (else
+ * NULL), row r not greedy[r] draws argmax(x W^T / temps[r] + noise(keys[r])) instead: the
+ * token gumbel_argmax (gumbel.c) draws from the written product. Returns 0 or -1. */
+int q8_matmul_draw(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
+                   int halves, int narrow, int n, int valid, const float *temps,
+                   const int64_t *keys, const uint8_t *greedy, int64_t *tokens, int threads) {
     size_t slots = (size_t)threads * rows;
     int64_t *best = malloc(sizeof(int64_t) * slots);
     float *best_value = malloc(sizeof(float) * slots);
@@ -284,7 +301,7 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const vo
             best[i] = -1;
             best_value[i] = -INFINITY;
         }
-        tile_sink sink = {NULL, best, best_value, valid};
+        tile_sink sink = {NULL, best, best_value, valid, temps, keys, greedy};
         status = q8_tiles(x, rows, k, qs, s, fp16, halves, narrow, n, &sink, threads);
         for (int r = 0; status == 0 && r < rows; r++) {
             int64_t token = -1;
@@ -302,6 +319,13 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const vo
     free(best);
     free(best_value);
     return status;
+}
+
+int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const void *s,
+                     int fp16, int halves, int narrow, int n, int valid, int64_t *tokens,
+                     int threads) {
+    return q8_matmul_draw(x, rows, k, qs, s, fp16, halves, narrow, n, valid, NULL, NULL, NULL,
+                          tokens, threads);
 }
 
 /* Output rows [o0, o0 + count) of an 8-bit weight as fp32 (w = q s), dst [count, k]. */

@@ -337,7 +337,7 @@ class EagleStep:
             tree.mask if s.topk > 1 else None)  # a chain is the ordinary causal extend
         hidden, feats = self._target(batch)
         # Each node's argmax in C where that is all the batch wants (as WorkerState.sample).
-        greedy = (st.model.greedy_tokens(hidden) if slots_host is not None
+        greedy = (st.model.lm_head_tokens(hidden) if slots_host is not None
                   and flags.argmax_only else None)
         if greedy is not None:
             logits, result = None, accept_greedy(tree, greedy.view(bs, T))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 import torch
 
@@ -292,14 +293,15 @@ def test_other_families_decode_in_c_as_their_torch_decoder_does(family, kind, tm
 
 
 def test_a_greedy_batch_takes_the_lm_heads_argmax_without_its_logits(codes_engine, monkeypatch):
-    """Greedy rows asking nothing else: the lm_head's argmax in C (LlamaModel.greedy_tokens),
+    """Greedy rows asking nothing else: the lm_head's argmax in C (LlamaModel.lm_head_tokens),
     never its [rows, vocab] logits, with the tokens the logits' argmax gives; a row asking
     for logprobs takes the logits. (The fixture's kernels take at most 2 rows.)"""
     model = codes_engine.worker.state.model
     prompts = dev_prompts(codes_engine, 2)
     calls = []
-    fused = model.greedy_tokens
-    monkeypatch.setattr(model, "greedy_tokens", lambda h: calls.append(h.shape[0]) or fused(h))
+    fused = model.lm_head_tokens
+    monkeypatch.setattr(model, "lm_head_tokens",
+                        lambda h, draw=None: calls.append(h.shape[0]) or fused(h, draw))
     logits_rows = []
     full = model.logits
     monkeypatch.setattr(model, "logits", lambda h: logits_rows.append(h.shape[0]) or full(h))
@@ -307,13 +309,36 @@ def test_a_greedy_batch_takes_the_lm_heads_argmax_without_its_logits(codes_engin
     assert len(calls) >= 10 and max(calls) == 2 and not logits_rows
     hidden = torch.randn(2, model.config.hidden_size) * 3
     assert torch.equal(fused(hidden), full(hidden).argmax(-1))
-    monkeypatch.setattr(model, "greedy_tokens", lambda h: None)  # the logits' way, same tokens
+    monkeypatch.setattr(model, "lm_head_tokens", lambda h, draw=None: None)  # the logits' way
     assert greedy(codes_engine, prompts, 10) == tokens and logits_rows
     logits_rows.clear()
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True, logprobs=0)
-    monkeypatch.setattr(model, "greedy_tokens", fused)
+    monkeypatch.setattr(model, "lm_head_tokens", fused)
     out = codes_engine.generate(prompts[:1], params)[0]
     assert out.token_ids == tokens[0][:4] and len(logits_rows) >= 4
+
+
+def test_a_temperature_batch_draws_in_the_lm_head_without_its_logits(codes_engine, monkeypatch):
+    """Seeded rows sampled at a temperature and nothing else: the 8-bit lm_head draws in C
+    (cpu_sampling.lm_head_draw), never writing its logits, and gives the tokens the sampler
+    draws from the written logits, in one pass (gumbel_argmax) or through torch's filters
+    (a row asking for logprobs)."""
+    model = codes_engine.worker.state.model
+    prompts = dev_prompts(codes_engine, 2)
+    calls, logits_rows = [], []
+    fused, full = model.lm_head_tokens, model.logits
+    monkeypatch.setattr(model, "lm_head_tokens",
+                        lambda h, draw=None: calls.append(draw is not None) or fused(h, draw))
+    monkeypatch.setattr(model, "logits", lambda h: logits_rows.append(h.shape[0]) or full(h))
+    params = SamplingParams(temperature=0.9, seed=7, max_new_tokens=10, ignore_eos=True)
+    drawn = [o.token_ids for o in codes_engine.generate(prompts, params)]
+    assert sum(calls) >= 10 and not logits_rows
+    assert drawn != greedy(codes_engine, prompts, 10)  # sampled, not the argmax
+    monkeypatch.setattr(model, "lm_head_tokens", lambda h, draw=None: None)
+    assert [o.token_ids for o in codes_engine.generate(prompts, params)] == drawn
+    assert logits_rows
+    with_logprobs = msgspec.structs.replace(params, logprobs=0)
+    assert [o.token_ids for o in codes_engine.generate(prompts, with_logprobs)] == drawn
 
 
 def test_a_step_of_headless_requests_runs_as_the_plain_step(model_path, codes_engine,

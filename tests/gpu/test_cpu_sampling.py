@@ -106,3 +106,28 @@ def test_a_temperature_only_batch_draws_what_the_torch_path_draws_for_each_row()
     flags = state.batch_flags(torch.tensor([1, 2, 3, 4]).numpy())
     assert flags.noise_only and not state.batch_flags(torch.tensor([1, 6]).numpy()).noise_only
     assert not state.batch_flags(torch.tensor([1]).numpy()).all_greedy
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_the_lm_heads_draw_is_the_draw_from_its_written_logits(rows):
+    """cpu_sampling.lm_head_draw (the 8-bit lm_head drawing tile by tile, skipping the noise of
+    tiles that cannot win) against gumbel_argmax over the product q8_matmul writes."""
+    from gpu.codes_layout import Q8Rows
+    from gpu.cpu_q4_kernel import q8_matmul
+    gen = torch.Generator().manual_seed(rows)
+    vocab, width = 5000, 128  # 5,000 rows: the last group of 16 padded
+    weight = torch.randn(vocab, width, generator=gen)
+    weight[:40] *= 4  # a few tokens far ahead, as a language model's are: most tiles skipped
+    head = Q8Rows.quantize(weight)
+    x = torch.randn(rows, width, generator=gen) * 0.3  # logits ~N(0, 3.4), the 40 ~N(0, 14)
+    temperatures = torch.tensor([0.05, 0.7, 1.0, 3.0, 1.0] * 7)[:rows]
+    greedy = (torch.arange(rows) % 5 == 4) if rows > 1 else torch.tensor([False])
+    keys = keys_of(rows, seed=rows)
+    drawn = cpu_sampling.lm_head_draw(x, head, (temperatures, keys, greedy))
+    logits = q8_matmul(x, head)
+    assert logits.shape == (rows, vocab)
+    assert drawn.tolist() == cpu_sampling.gumbel_argmax(logits, temperatures, keys,
+                                                        greedy).tolist()
+    assert (drawn < vocab).all()
+    if rows == 32:  # drawn, not the argmax
+        assert not torch.equal(drawn[~greedy], logits.argmax(-1)[~greedy])

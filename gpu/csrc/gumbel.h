@@ -1,0 +1,55 @@
+/* The sampler's Gumbel noise for one token (gpu/seeded_random.py's formula), shared by the
+ * one-pass draw of gumbel.c and the lm_head's draw of q8_matmul.c, so both give the same
+ * values: the hash is integer arithmetic, and the log is written with explicit fmaf and no
+ * other multiply feeding an add, so no build or vectorisation can round it differently. */
+#ifndef FMSERVE_GUMBEL_H
+#define FMSERVE_GUMBEL_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Above any noise: u <= 1 - 2^-24, so -log(-log u) <= 16.6356 (to the log's ~1 ulp). A token
+ * whose scaled logit is this far below a row's best score so far cannot win the draw. */
+#define GUMBEL_MAX 16.7f
+
+/* ln x for a positive normal x: Cephes' logf (~1 ulp), its reduction to [sqrt(1/2), sqrt(2)). */
+static inline float log_positive(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int32_t e = (int32_t)(bits >> 23) - 126;
+    bits = (bits & 0x007FFFFFu) | 0x3F000000u; /* the mantissa in [0.5, 1) */
+    float m;
+    memcpy(&m, &bits, sizeof m);
+    int below = m < 0.70710678f;
+    e -= below;
+    m = below ? (m + m) - 1.0f : m - 1.0f;
+    float fe = (float)e, z = m * m;
+    float p = 7.0376836292e-2f;
+    p = fmaf(p, m, -1.1514610310e-1f);
+    p = fmaf(p, m, 1.1676998740e-1f);
+    p = fmaf(p, m, -1.2420140846e-1f);
+    p = fmaf(p, m, 1.4249322787e-1f);
+    p = fmaf(p, m, -1.6668057665e-1f);
+    p = fmaf(p, m, 2.0000714765e-1f);
+    p = fmaf(p, m, -2.4999993993e-1f);
+    p = fmaf(p, m, 3.3333331174e-1f);
+    float y = (p * m) * z;
+    y = fmaf(fe, -2.12194440e-4f, y);
+    y = fmaf(z, -0.5f, y);
+    return fmaf(fe, 0.693359375f, m + y);
+}
+
+/* The noise of token `id` for a draw whose key has these low 32 bits: murmur3's fmix32 of the
+ * token's term, the top 23 bits as a uniform in [2^-24, 1 - 2^-24], then -log(-log u). */
+static inline float gumbel_of(uint32_t key, int64_t id) {
+    uint32_t h = ((uint32_t)(id + 1) * 0x9E3779B9u) ^ key;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    float u = ((float)((int32_t)h >> 9) + 4194304.5f) * 0x1p-23f;
+    return -log_positive(-log_positive(u));
+}
+
+#endif
