@@ -39,17 +39,33 @@ static inline float log_positive(float x) {
     return fmaf(fe, 0.693359375f, m + y);
 }
 
-/* The noise of token `id` for a draw whose key has these low 32 bits: murmur3's fmix32 of the
- * token's term, the top 23 bits as a uniform in [2^-24, 1 - 2^-24], then -log(-log u). */
-static inline float gumbel_of(uint32_t key, int64_t id) {
+/* The uniform of token `id` for a draw whose key has these low 32 bits: murmur3's fmix32 of
+ * the token's term, its top 23 bits as a uniform in [2^-24, 1 - 2^-24]. */
+static inline float uniform_of(uint32_t key, int64_t id) {
     uint32_t h = ((uint32_t)(id + 1) * 0x9E3779B9u) ^ key;
     h ^= h >> 16;
     h *= 0x85EBCA6Bu;
     h ^= h >> 13;
     h *= 0xC2B2AE35u;
     h ^= h >> 16;
-    float u = ((float)((int32_t)h >> 9) + 4194304.5f) * 0x1p-23f;
-    return -log_positive(-log_positive(u));
+    return ((float)((int32_t)h >> 9) + 4194304.5f) * 0x1p-23f;
+}
+
+/* Its noise, -log(-log u). */
+static inline float gumbel_of(uint32_t key, int64_t id) {
+    return -log_positive(-log_positive(uniform_of(key, id)));
+}
+
+/* Whether no uniform below u_top can give a noise that reaches `gap` (> 0): -log(-log u) <
+ * gap - 1e-3 for every u < 1 - 2^-k with k = floor((gap - 1e-3) log2 e), since -log(1 - x) >=
+ * x; the 1e-3 covers the logs' few ulps and the sum's rounding. A bound without a log: a
+ * tile whose uniforms all stay below it cannot win, and skips its noise. */
+static inline int noise_cannot_reach(float u_top, float gap) {
+    float bits = (gap - 1e-3f) * 1.44269504f;
+    if (!(bits >= 1.0f))
+        return 0;
+    int k = bits >= 24.0f ? 24 : (int)bits;
+    return u_top < 1.0f - ldexpf(1.0f, -k);
 }
 
 #endif

@@ -122,12 +122,13 @@ def test_the_lm_heads_draw_is_the_draw_from_its_written_logits(rows):
     x = torch.randn(rows, width, generator=gen) * 0.3  # logits ~N(0, 3.4), the 40 ~N(0, 14)
     temperatures = torch.tensor([0.05, 0.7, 1.0, 3.0, 1.0] * 7)[:rows]
     greedy = (torch.arange(rows) % 5 == 4) if rows > 1 else torch.tensor([False])
-    keys = keys_of(rows, seed=rows)
-    drawn = cpu_sampling.lm_head_draw(x, head, (temperatures, keys, greedy))
     logits = q8_matmul(x, head)
     assert logits.shape == (rows, vocab)
-    assert drawn.tolist() == cpu_sampling.gumbel_argmax(logits, temperatures, keys,
-                                                        greedy).tolist()
-    assert (drawn < vocab).all()
-    if rows == 32:  # drawn, not the argmax
-        assert not torch.equal(drawn[~greedy], logits.argmax(-1)[~greedy])
+    for draw in range(16):  # 16 draws a row: a wrongly skipped tile wins one of them
+        keys = keys_of(rows, seed=100 * rows + draw)
+        drawn = cpu_sampling.lm_head_draw(x, head, (temperatures, keys, greedy))
+        assert drawn.tolist() == cpu_sampling.gumbel_argmax(logits, temperatures, keys,
+                                                            greedy).tolist(), draw
+        assert (drawn < vocab).all()
+        if rows == 32:  # drawn, not the argmax
+            assert not torch.equal(drawn[~greedy], logits.argmax(-1)[~greedy])
