@@ -82,6 +82,8 @@ class PeerConfig:
     # --dtype as given: fmserve's peers take "auto" as such (on an AVX2-only CPU it keeps the
     # 4-bit codes, where an explicit fp32 is dense); `dtype` is what it resolves to
     fmserve_dtype: str = "auto"
+    # 0: greedy; else every peer samples at this temperature with no top-k, top-p or min-p cut
+    temperature: float = 0.0
 
 
 @dataclass

@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fmserve.arg_types import add_runtime_args, non_negative_int, positive_int, positive_int_list
+from fmserve.arg_types import (add_runtime_args, non_negative_float, non_negative_int, positive_int,
+                               positive_int_list)
 from fmserve.bench import DEV_PROMPTS
 from fmserve.bench.peer_types import (BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL,
                                      NOT_APPLICABLE, PEERS, QUICK_LEAVES_OUT, Peer, PeerConfig,
@@ -69,6 +70,9 @@ def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="cut each prompt's text to this many tokens before the chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=None)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="0 (the default): greedy; else every peer samples at this temperature, "
+                        "with no top-k, top-p or min-p cut (llama.cpp's default cuts off)")
     p.add_argument("--concurrency", type=positive_int_list, default=None,
                    help="concurrent streams, e.g. 1,8,32")
     p.add_argument("--repetitions", type=positive_int, default=None, help="round-robin rounds")
@@ -186,7 +190,7 @@ def peer_config(args, model_path: Path, device: str, prompts: list[list[int]]) -
                       prompt_lookup_tokens=args.prompt_lookup_tokens,
                       assistant_model=args.assistant_model,
                       llama_server=find_llama_server(args.llama_server),
-                      fmserve_dtype=args.dtype)
+                      fmserve_dtype=args.dtype, temperature=args.temperature)
 
 
 # --- running ------------------------------------------------------------------------------
@@ -349,7 +353,8 @@ def run_bench_peers(args: argparse.Namespace) -> int:
         machine=machine_description(), quick=args.quick, note=args.note,
         prompts=args.prompts, num_prompts=args.num_prompts,
         prompt_tokens=[len(p) for p in prompts], max_prompt_tokens=args.max_prompt_tokens,
-        max_new_tokens=args.max_new_tokens, repetitions=args.repetitions, threads=args.threads,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        repetitions=args.repetitions, threads=args.threads,
         configs={d: vars(c) for d, c in configs.items()}, cuda_available=cuda,
         model=str(model_path), timings=timings)
     path = write_report(Path(args.out_dir), meta, all_results)

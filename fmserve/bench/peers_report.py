@@ -102,6 +102,11 @@ def machine_description() -> dict:
 # --- markdown -----------------------------------------------------------------------------
 
 
+def sampling_words(temperature: float) -> str:
+    return ("greedy" if not temperature else
+            f"sampled at temperature {temperature:g} (no top-k, top-p or min-p cut)")
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [*markdown_table(header, rows), ""]
 
@@ -243,8 +248,9 @@ def render(meta: dict, all_results: dict, plots: dict) -> str:
               f"- model: `{Path(meta['model']).name}` (every peer loads this GGUF)",
               f"- prompts: {meta['num_prompts']} from `{Path(meta['prompts']).name}`, cut to "
               f"{meta['max_prompt_tokens']} text tokens, chat template applied: "
-              f"{min(meta['prompt_tokens'])}-{max(meta['prompt_tokens'])} prompt tokens; greedy, "
-              f"exactly {meta['max_new_tokens']} new tokens (eos ignored)",
+              f"{min(meta['prompt_tokens'])}-{max(meta['prompt_tokens'])} prompt tokens; "
+              f"{sampling_words(meta.get('temperature', 0.0))}, exactly "
+              f"{meta['max_new_tokens']} new tokens (eos ignored)",
               f"- {meta['repetitions']} round(s), round robin over the peers (on the CPU all of "
               "a round's peers are started first and each concurrency is taken peer after "
               "peer, every other round in reverse order); at C = 1 each prompt runs once per "

@@ -63,7 +63,8 @@ class ServedPeer:
         if not self.compiled_waited:
             self._wait_for_the_compiled_step(requests[0])
             self.compiled_waited = True
-        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
+        params = SamplingParams(temperature=self.cfg.temperature,
+                                max_new_tokens=self.cfg.max_new_tokens,
                                 ignore_eos=True)
         with RssSampler(lambda: tree_pids(self.proc.pid)) as rss:
             run = asyncio.run(run_closed_loop(self.endpoint, requests, concurrency, params))

@@ -78,8 +78,8 @@ class HFGroup:
         self.forwards = 0
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new,
-                                min_new_tokens=max_new, do_sample=False, pad_token_id=0,
-                                streamer=streamer, **extra)
+                                min_new_tokens=max_new, pad_token_id=0, streamer=streamer,
+                                **self._sampling(), **extra)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         e2e = time.perf_counter() - streamer.start
@@ -88,6 +88,11 @@ class HFGroup:
             tokens = sum(streamer.sizes)
             spec = dict(spec_steps=self.forwards, spec_accepted=max(tokens - self.forwards, 0))
         return [req_from_stamps(streamer.stamps, streamer.sizes, e2e, **spec) for _ in batch], e2e
+
+    def _sampling(self) -> dict:
+        t = self.cfg.temperature
+        return (dict(do_sample=True, temperature=t, top_k=0, top_p=1.0) if t > 0
+                else dict(do_sample=False))
 
     def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
         extra = {}
@@ -126,9 +131,11 @@ class LlamaCppGroup:
     def one(self, prompt: list[int], max_new: int) -> Req:
         start = time.perf_counter()
         stamps, sizes = [], []
-        for _ in self.llm.create_completion(prompt=prompt, max_tokens=max_new, temperature=0.0,
-                                            top_k=1, stream=True,
-                                            logit_bias={self.eos: -1e9}):
+        t = self.cfg.temperature
+        sampling = (dict(temperature=t, top_k=0, top_p=1.0, min_p=0.0) if t > 0
+                    else dict(temperature=0.0, top_k=1))
+        for _ in self.llm.create_completion(prompt=prompt, max_tokens=max_new, stream=True,
+                                            logit_bias={self.eos: -1e9}, **sampling):
             stamps.append(time.perf_counter() - start)
             sizes.append(1)
         return req_from_stamps(stamps, sizes, time.perf_counter() - start)
@@ -160,7 +167,8 @@ class OfflineGroup:
         engine = self.engine
         engine.overlap = "overlap" in peer
         engine.generate([requests[0][:8]], SamplingParams(max_new_tokens=2))  # warm-up
-        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
+        params = SamplingParams(temperature=self.cfg.temperature,
+                                max_new_tokens=self.cfg.max_new_tokens,
                                 ignore_eos=True)
         pending = list(requests)
         began: dict[str, float] = {}

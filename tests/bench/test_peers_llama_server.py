@@ -77,6 +77,23 @@ def test_the_ram_prompt_cache_is_off_where_the_binary_has_it(fake_server, monkey
     assert json.loads(stats.read_text())["cache_ram"] == (0 if has_flag else None)
 
 
+@pytest.mark.parametrize("temperature, sampling", [
+    (0.0, {"temperature": 0.0, "top_k": 1}),
+    (0.8, {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
+])
+def test_a_sampled_run_asks_for_the_temperature_without_llama_cpps_default_cuts(
+        fake_server, temperature, sampling):
+    wrapper, stats = fake_server
+    cfg = config(str(wrapper))
+    cfg.temperature = temperature
+    peer = LlamaServerPeer(cfg)
+    try:
+        peer.measure("llama-server", 1, [[1, 2, 3]] * 2)
+    finally:
+        peer.close()
+    assert json.loads(stats.read_text())["sampling"] == sampling
+
+
 def test_held_back_tokens_are_counted(fake_server, monkeypatch):
     wrapper, _ = fake_server
     monkeypatch.setenv("FAKE_LLAMA_HOLD", "1")

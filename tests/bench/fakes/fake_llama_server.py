@@ -42,6 +42,8 @@ class Handler(BaseHTTPRequestHandler):
             stats["in_flight"] += 1
             stats["requests"] += 1
             stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+            stats["sampling"] = {k: body[k] for k in ("temperature", "top_k", "top_p", "min_p")
+                                 if k in body}
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
