@@ -40,7 +40,7 @@ void gumbel_noise(const int64_t *keys, int rows, const int64_t *ids, int n, floa
  * where greedy[r]; the first of equal largest, NaNs passed over (as q8_matmul_argmax).
  * Returns 0, or -1 if out of memory. */
 int gumbel_argmax(const float *logits, int rows, int n, const float *temps,
-                   const int64_t *keys, const uint8_t *greedy, int64_t *tokens, int threads) {
+                  const int64_t *keys, const uint8_t *greedy, int64_t *tokens, int threads) {
     int chunks = (n + CHUNK - 1) / CHUNK;
     float *best = malloc(sizeof(float) * (size_t)rows * chunks);
     int *where = malloc(sizeof(int) * (size_t)rows * chunks);
