@@ -49,11 +49,23 @@ def gumbel_noise(keys: torch.Tensor, ids: torch.Tensor | None, n: int) -> torch.
     keys = keys.to(torch.int64).contiguous()
     if ids is not None:
         ids = ids.to(torch.int64).contiguous()
+        if ids.shape != (keys.shape[0], n):  # the C loop reads rows x n ids
+            raise ValueError(f"ids of shape {tuple(ids.shape)} for {keys.shape[0]} keys and "
+                             f"n={n}: give [keys, n] token ids")
     out = torch.empty(keys.shape[0], n, dtype=torch.float32)
     _library().gumbel_noise(keys.data_ptr(), keys.shape[0],
                             None if ids is None else ids.data_ptr(), n, out.data_ptr(),
                             torch.get_num_threads())
     return out
+
+
+def _per_row(rows: int, draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperatures, keys, greedy) as the C functions read them, one of each per row."""
+    if any(t.shape != (rows,) for t in draw):
+        raise ValueError(f"a draw wants one temperature, key and greedy flag per row ({rows}); "
+                         f"got shapes {[tuple(t.shape) for t in draw]}")
+    return (draw[0].to(torch.float32).contiguous(), draw[1].to(torch.int64).contiguous(),
+            draw[2].to(torch.uint8).contiguous())
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
@@ -65,9 +77,7 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.
     if logits.dtype != torch.float32:
         raise TypeError(f"gumbel_argmax takes float32 logits, not {logits.dtype}")
     rows, vocab = logits.shape
-    temperatures = temperatures.to(torch.float32).contiguous()
-    keys = keys.to(torch.int64).contiguous()
-    greedy = greedy.to(torch.uint8).contiguous()
+    temperatures, keys, greedy = _per_row(rows, (temperatures, keys, greedy))
     tokens = torch.empty(rows, dtype=torch.int64)
     if _library().gumbel_argmax(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
                                 keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
@@ -84,9 +94,7 @@ def lm_head_draw(x: torch.Tensor, w: Q8Rows, draw: tuple[torch.Tensor, torch.Ten
     rows, width = x.shape
     if width != w.codes.shape[1]:
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
-    temperatures, keys, greedy = (draw[0].to(torch.float32).contiguous(),
-                                  draw[1].to(torch.int64).contiguous(),
-                                  draw[2].to(torch.uint8).contiguous())
+    temperatures, keys, greedy = _per_row(rows, draw)
     tokens = torch.empty(rows, dtype=torch.int64)
     if _library().q8_matmul_draw(
             x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(), w.fp16,

@@ -289,7 +289,8 @@ class LlamaModel:
             logits = torch.tanh(logits.div_(cap)).mul_(cap)
         return logits
 
-    def lm_head_tokens(self, hidden: torch.Tensor, draw=None) -> torch.Tensor | None:
+    def lm_head_tokens(self, hidden: torch.Tensor,
+                       draw: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
         """logits(hidden).argmax(-1), the same tokens, where the lm_head is one matrix of
         8-bit codes on the C kernel: its product is never written (at 32 rows a 262,144-token
         vocabulary is 32 MB of logits to write and read back). None where it is not. With

@@ -187,7 +187,8 @@ class WorkerState:
                slots_host: np.ndarray) -> SampleOutput:
         """The next token of each row of `hidden` (one per slot): the lm_head's argmax in C
         without writing the logits where the batch only wants that (LlamaModel.lm_head_tokens),
-        else the logits through the sampler. Both steps sample so: the EAGLE step's plain
+        or its temperature draw the same way (Sampler.c_draw), else the logits through the
+        sampler. Both steps sample so: the EAGLE step's plain
         decodes had written the logits first, ~8% of its worker's time at 8 streams."""
         flags = self.sampler.batch_flags(slots, slots_host)
         draw = None if flags.argmax_only else self.sampler.c_draw(slots, seq_lens, flags)

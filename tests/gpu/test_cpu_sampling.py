@@ -82,6 +82,10 @@ def test_the_c_draw_is_the_argmax_of_the_scaled_logits_plus_the_noise(threads):
     assert int(got[3]) == 17
     with pytest.raises(TypeError, match="float32"):
         cpu_sampling.gumbel_argmax(logits.bfloat16(), temperatures, keys, greedy)
+    with pytest.raises(ValueError, match="per row"):  # the C loop would read past them
+        cpu_sampling.gumbel_argmax(logits, temperatures[:3], keys, greedy)
+    with pytest.raises(ValueError, match="token ids"):
+        cpu_sampling.gumbel_noise(keys, torch.zeros(rows, 3, dtype=torch.long), 5)
 
 
 def test_a_temperature_only_batch_draws_what_the_torch_path_draws_for_each_row():
