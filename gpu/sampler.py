@@ -50,7 +50,8 @@ class Sampler:
     def __init__(self, state: SamplingState):
         self.state = state
         self._all_terms: torch.Tensor | None = None  # token_terms(arange(vocab)), cached
-        self._c_noise = cpu_sampling.available(state.device)  # gpu/cpu_sampling.py
+        self._c_noise: bool | None = None  # noise from C (gpu/cpu_sampling.py); decided at
+        # the first draw, so a process that only ever takes argmaxes never loads the library
         self._arange: torch.Tensor | None = None
 
     def batch_flags(self, slots: torch.Tensor, slots_host=None) -> BatchFlags:
@@ -69,10 +70,15 @@ class Sampler:
         """(temperatures, keys, greedy) per row where `sample` would draw
         argmax(logit / T + noise) in C (a CPU, `flags.noise_only`), for
         cpu_sampling.lm_head_draw / gumbel_argmax; None elsewhere."""
-        if not (self._c_noise and flags.noise_only) or flags.all_greedy:
+        if not (flags.noise_only and self._noise_in_c()) or flags.all_greedy:
             return None
         fp, ip = self.state.float_params[slots], self.state.int_params[slots]
         return fp[:, F_TEMP], row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY]
+
+    def _noise_in_c(self) -> bool:
+        if self._c_noise is None:
+            self._c_noise = cpu_sampling.available(self.state.device)
+        return self._c_noise
 
     def process_logits(self, logits: torch.Tensor, slots: torch.Tensor, flags: BatchFlags,
                        drafted: DraftedBefore | None = None) -> torch.Tensor:
@@ -185,7 +191,7 @@ class Sampler:
             row_max = scaled.amax(-1) if ids is None else vals[:, 0]
             floor = row_max + fp[:, F_LOG_MIN_P]
             threshold = floor if threshold is None else torch.maximum(threshold, floor)
-        if self._c_noise:  # the same noise as gumbel_argmax's, one pass
+        if self._noise_in_c():  # the same noise as gumbel_argmax's, one pass
             scores = cpu_sampling.gumbel_noise(keys, ids, scaled.shape[1] if ids is None
                                                else ids.shape[1])
         else:
