@@ -86,6 +86,15 @@ class PeerConfig:
     temperature: float = 0.0
 
 
+def llama_cpp_sampling(temperature: float) -> dict:
+    """llama.cpp's request fields for a peer run (llama-server and the Python API take the
+    same): greedy, or the temperature alone, its default cuts (top-k 40, top-p 0.95, min-p
+    0.05) turned off, as the other peers make none."""
+    if temperature > 0:
+        return dict(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+    return dict(temperature=0.0, top_k=1)
+
+
 @dataclass
 class PeerResult:
     peer: Peer

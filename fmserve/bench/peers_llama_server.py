@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from fmserve.bench.peak_rss import RssSampler
-from fmserve.bench.peer_types import PointResult, Req, req_from_stamps
+from fmserve.bench.peer_types import PointResult, Req, llama_cpp_sampling, req_from_stamps
 
 START_TIMEOUT_S = 180.0
 
@@ -101,11 +101,8 @@ class LlamaServerPeer:
     def one(self, prompt: list[int], max_new: int) -> Req:
         """One streamed completion: exactly max_new greedy (or sampled: cfg.temperature)
         tokens, no prompt cache reuse (the prompts repeat across waves; fmserve and
-        transformers reuse nothing either). Sampled, llama.cpp's default cuts (top-k 40,
-        top-p 0.95, min-p 0.05) are turned off, as the other peers make none."""
-        t = self.cfg.temperature
-        sampling = (dict(temperature=t, top_k=0, top_p=1.0, min_p=0.0) if t > 0
-                    else dict(temperature=0.0, top_k=1))
+        transformers reuse nothing either)."""
+        sampling = llama_cpp_sampling(self.cfg.temperature)
         body = json.dumps(dict(prompt=prompt, n_predict=max_new, **sampling, ignore_eos=True,
                                cache_prompt=False, stream=True, return_tokens=True))
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)

@@ -19,7 +19,7 @@ import time
 import traceback
 
 from fmserve.bench.peak_rss import RssSampler
-from fmserve.bench.peer_types import PointResult, Req, req_from_stamps
+from fmserve.bench.peer_types import PointResult, Req, llama_cpp_sampling, req_from_stamps
 
 
 # --- transformers -------------------------------------------------------------------------
@@ -131,9 +131,7 @@ class LlamaCppGroup:
     def one(self, prompt: list[int], max_new: int) -> Req:
         start = time.perf_counter()
         stamps, sizes = [], []
-        t = self.cfg.temperature
-        sampling = (dict(temperature=t, top_k=0, top_p=1.0, min_p=0.0) if t > 0
-                    else dict(temperature=0.0, top_k=1))
+        sampling = llama_cpp_sampling(self.cfg.temperature)
         for _ in self.llm.create_completion(prompt=prompt, max_tokens=max_new, stream=True,
                                             logit_bias={self.eos: -1e9}, **sampling):
             stamps.append(time.perf_counter() - start)
