@@ -43,7 +43,7 @@ CSRC = Path(__file__).with_name("csrc")
 # The kernel, the decode step built on it (gpu/cpu_decode_step.py) and the sampler's noise
 # (gpu/cpu_sampling.py), one library.
 SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c",
-           CSRC / "head_step.c", CSRC / "gumbel.c")
+           CSRC / "head_step.c", CSRC / "gumbel.c", CSRC / "sample_cut.c")
 HEADERS = (CSRC / "q4_matmul.h", CSRC / "step_ops.h", CSRC / "attention_ops.h",
            CSRC / "vector_math.h", CSRC / "q8_tiles_fallback.h", CSRC / "gumbel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")

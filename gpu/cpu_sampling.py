@@ -1,4 +1,4 @@
-"""The sampler's Gumbel noise and draw in C on a CPU (gpu/csrc/gumbel.c).
+"""The sampler's Gumbel noise and draws in C on a CPU (gpu/csrc/gumbel.c, sample_cut.c).
 
 torch computes a draw's noise (gpu/seeded_random.py: a hash of seed, position and token id,
 a uniform, -log(-log u)) as ~20 passes over [rows, vocab]; at 32 rows of SmolLM2's 49,152
@@ -6,7 +6,8 @@ tokens that is ~4 ms a decode step. The C library does it in one pass, and for a
 scales by temperature (`BatchFlags.noise_only`) draws argmax(logit / T + noise) without
 writing the noise; where the lm_head is 8-bit codes, without writing the logits either
 (`lm_head_draw`: the lm_head's tiles draw as they go, and skip the noise of a tile whose largest
-logit is further below the row's best score than any noise reaches). On a CPU the sampler takes
+logit is further below the row's best score than any noise reaches). A batch with top-k, top-p
+or min-p cuts draws in C too (`cut_draw`: each row sorts only the tokens near its best). On a CPU the sampler takes
 all its noise from here, so every path of a batch draws the same tokens for a seeded request;
 elsewhere (a GPU, no C compiler) it stays torch's.
 """
@@ -32,6 +33,8 @@ def _library() -> ctypes.CDLL | None:
     lib.gumbel_noise.argtypes = [P, I, P, I, P, I]
     lib.gumbel_argmax.restype = ctypes.c_int
     lib.gumbel_argmax.argtypes = [P, I, I, P, P, P, P, I]
+    lib.cut_draw.restype = ctypes.c_int
+    lib.cut_draw.argtypes = [P, I, I] + [P] * 7 + [I]
     lib.q8_matmul_draw.restype = ctypes.c_int
     lib.q8_matmul_draw.argtypes = [P, I, I, P, P] + [I] * 5 + [P] * 4 + [I]
     return lib
@@ -83,6 +86,30 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.
                                 keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
                                 torch.get_num_threads()) != 0:
         raise MemoryError(f"the C sampler could not allocate for {rows} rows")
+    return tokens
+
+
+def cut_draw(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
+             top_p: torch.Tensor, log_min_p: torch.Tensor, keys: torch.Tensor,
+             greedy: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: each row's draw under its top-k / top-p / min-p cut (gpu/csrc/sample_cut.c;
+    the sampler's rules and noise), from float32 logits [rows, vocab]. Per row: top_k <= 0,
+    top_p = inf and log_min_p = -inf mean no such cut; greedy rows take the argmax."""
+    logits = logits.contiguous()
+    if logits.dtype != torch.float32:
+        raise TypeError(f"cut_draw takes float32 logits, not {logits.dtype}")
+    rows, vocab = logits.shape
+    temperatures, keys, greedy = _per_row(rows, (temperatures, keys, greedy))
+    cuts = (top_k.to(torch.int32).contiguous(), top_p.to(torch.float32).contiguous(),
+            log_min_p.to(torch.float32).contiguous())
+    if any(t.shape != (rows,) for t in cuts):
+        raise ValueError(f"a cut wants one top_k, top_p and log_min_p per row ({rows}); got "
+                         f"shapes {[tuple(t.shape) for t in cuts]}")
+    tokens = torch.empty(rows, dtype=torch.int64)
+    if _library().cut_draw(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
+                           *(t.data_ptr() for t in cuts), keys.data_ptr(), greedy.data_ptr(),
+                           tokens.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError(f"the C sampler could not allocate for a row of {vocab} tokens")
     return tokens
 
 

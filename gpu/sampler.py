@@ -12,6 +12,8 @@ touching the device, and nothing loops over the batch in Python:
 - top_p without top_k everywhere     -> full sort on GPUs; on CPUs (where sorting 32 x 49152
   takes over 100 ms) ``topk(256)``, then ``topk(4096)``, then a sort, until the top-p cut falls
   inside the candidates
+- a CPU with the C library, float32 logits -> every draw in C (gpu/cpu_sampling.py): the
+  temperature-only draw in one pass, the cuts sorting only the tokens near each row's best
 
 All filters keep the tokens whose scaled logit is >= a per-row threshold (order: top-k, top-p
 over the survivors, min-p relative to the max, as HF and SGLang), so ties at a cut are kept.
@@ -111,8 +113,15 @@ class Sampler:
             return SampleOutput(cpu_sampling.gumbel_argmax(logits, *draw))
         st = self.state
         fp, ip = st.float_params[slots], st.int_params[slots]
+        if logits.dtype == torch.float32 and self._noise_in_c():  # the cuts in C, one pass
+            tokens = cpu_sampling.cut_draw(  # (greedy rows: the argmax)
+                logits, fp[:, F_TEMP], ip[:, I_TOP_K], fp[:, F_TOP_P], fp[:, F_LOG_MIN_P],
+                row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY])
+            if flags.max_logprobs < 0:
+                return SampleOutput(tokens)
+            return self._with_logprobs(tokens, logits / fp[:, F_TEMP, None], flags.max_logprobs)
         scaled = logits / fp[:, F_TEMP, None]  # greedy rows hold T = 1
-        tokens = self._draw(scaled, fp, ip, positions, flags)
+        tokens = self.torch_draw(scaled, fp, ip, positions, flags)
         if flags.any_greedy:
             tokens = torch.where(ip[:, I_GREEDY].bool(), logits.argmax(-1), tokens)
         return self._with_logprobs(tokens, scaled, flags.max_logprobs)
@@ -175,9 +184,10 @@ class Sampler:
             probs = torch.where(ip[:, I_GREEDY].bool()[:, None], one_hot, probs)
         return probs
 
-    def _draw(self, scaled: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor,
-              positions: torch.Tensor, flags: BatchFlags) -> torch.Tensor:
-        """Gumbel-max over the tokens that top-k, top-p and min-p leave in each row.
+    def torch_draw(self, scaled: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor,
+                   positions: torch.Tensor, flags: BatchFlags) -> torch.Tensor:
+        """Gumbel-max over the tokens that top-k, top-p and min-p leave in each row, in torch
+        (a GPU; a CPU without the C library or with bf16 logits; cpu_sampling.cut_draw's peer).
 
         Every filter keeps the tokens whose scaled logit is >= a per-row threshold, so the
         filters only have to find that threshold; the draw then runs either over a candidate

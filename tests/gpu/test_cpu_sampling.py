@@ -9,7 +9,7 @@ import torch
 
 from gpu import cpu_sampling
 from gpu.sampler import Sampler
-from gpu.sampling_state import SamplingState
+from gpu.sampling_state import F_TEMP, I_GREEDY, SamplingState
 from gpu.seeded_random import gumbel_, row_keys, token_terms, uniform_from_terms
 from ipc.sampling import SamplingParams
 
@@ -89,8 +89,8 @@ def test_the_c_draw_is_the_argmax_of_the_scaled_logits_plus_the_noise(threads):
 
 
 def test_a_temperature_only_batch_draws_what_the_torch_path_draws_for_each_row():
-    """The one-pass draw (every row temperature-only) against the same rows drawn through
-    Sampler._draw (a row with top_k in the batch sends it there): the same tokens."""
+    """The one-pass draw (every row temperature-only) against the same rows drawn by the cuts'
+    draw (a row with top_k in the batch sends it there): the same tokens."""
     vocab, steps = 3000, 20
     state = SamplingState(8, vocab, "cpu")
     sampler = Sampler(state)
@@ -98,7 +98,7 @@ def test_a_temperature_only_batch_draws_what_the_torch_path_draws_for_each_row()
               for s, t in enumerate((0.6, 1.0, 1.3, 0.0))]
     for slot, p in enumerate(params, start=1):
         state.set_request(slot, p)
-    state.set_request(6, SamplingParams(seed=99, top_k=50))  # its own cut: torch's path
+    state.set_request(6, SamplingParams(seed=99, top_k=50))  # its own cut: cut_draw
     gen = torch.Generator().manual_seed(5)
     for step in range(steps):
         logits = torch.randn(5, vocab, generator=gen) * 2
@@ -110,6 +110,53 @@ def test_a_temperature_only_batch_draws_what_the_torch_path_draws_for_each_row()
     flags = state.batch_flags(torch.tensor([1, 2, 3, 4]).numpy())
     assert flags.noise_only and not state.batch_flags(torch.tensor([1, 6]).numpy()).noise_only
     assert not state.batch_flags(torch.tensor([1]).numpy()).all_greedy
+
+
+CUTS = {
+    "top_k": [dict(top_k=k) for k in (1, 2, 40, 700)],
+    "top_p": [dict(top_p=p) for p in (0.05, 0.5, 0.9, 0.99)],
+    "top_k_and_top_p": [dict(top_k=40, top_p=0.9), dict(top_k=3, top_p=0.99),
+                        dict(top_k=500, top_p=0.6), dict(top_k=40, top_p=0.01)],
+    "min_p": [dict(min_p=m) for m in (0.01, 0.05, 0.3, 0.9)],
+    "all_three": [dict(top_k=40, top_p=0.95, min_p=0.05), dict(top_k=100, top_p=0.8, min_p=0.2),
+                  dict(top_p=0.9, min_p=0.1), dict(top_k=20, min_p=0.05)],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CUTS))
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])
+def test_the_c_cuts_draw_what_the_torch_cuts_draw(kind, spread):
+    """cut_draw (what Sampler.sample runs on a CPU) against Sampler.torch_draw (the GPU's
+    topk / sort / logsumexp path) on the same rows: the same token in every row and step. The
+    batch also holds a greedy row and a temperature-only row; `spread` moves the cut from the
+    whole vocabulary (flat rows) to a few tokens, and makes the C pass widen its gap."""
+    vocab, steps = 6000, 12
+    state = SamplingState(8, vocab, "cpu")
+    sampler = Sampler(state)
+    for slot, cut in enumerate(CUTS[kind], start=1):
+        state.set_request(slot, SamplingParams(seed=slot, temperature=0.6 + 0.2 * slot, **cut))
+    state.set_request(5, SamplingParams(temperature=0.0))
+    state.set_request(6, SamplingParams(seed=7, temperature=1.1))
+    slots = torch.arange(1, 7)
+    flags = state.batch_flags(slots.numpy())
+    fp, ip = state.float_params[slots], state.int_params[slots]
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    for step in range(steps):
+        logits = torch.randn(6, vocab, generator=gen) * spread
+        positions = torch.arange(6) + 100 * step
+        got = sampler.sample(logits, slots, positions).token_ids
+        scaled = logits / fp[:, F_TEMP, None]
+        want = sampler.torch_draw(scaled, fp, ip, positions, flags)
+        want = torch.where(ip[:, I_GREEDY].bool(), logits.argmax(-1), want)  # top_k 1 too
+        assert got.tolist() == want.tolist(), step
+
+
+def test_the_c_cuts_refuse_rows_of_the_wrong_shape():
+    logits, one = torch.zeros(3, 10), torch.ones(3)
+    with pytest.raises(ValueError, match="one top_k, top_p and log_min_p per row"):
+        cpu_sampling.cut_draw(logits, one, torch.zeros(2), one, one, one.long(), one)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_sampling.cut_draw(logits.double(), one, one, one, one, one.long(), one)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
