@@ -54,6 +54,17 @@ def non_negative_float(text: str) -> float:
                                          f"above 0") from None
 
 
+def fraction(text: str) -> float:
+    """A number from 0 to 1 (a probability: top-p, min-p)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number from 0 to 1")
+    return value
+
+
 def positive_int_list(text: str) -> str:
     """Comma-separated positive integers ("1,8,32"), handed on as the text: the commands split it
     themselves (and the reports print it as given)."""

@@ -82,16 +82,26 @@ class PeerConfig:
     # --dtype as given: fmserve's peers take "auto" as such (on an AVX2-only CPU it keeps the
     # 4-bit codes, where an explicit fp32 is dense); `dtype` is what it resolves to
     fmserve_dtype: str = "auto"
-    # 0: greedy; else every peer samples at this temperature with no top-k, top-p or min-p cut
+    # 0: greedy; else every peer samples at this temperature, with these cuts (0, 1, 0: none)
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def sampling_fields(self) -> dict:
+        """fmserve's SamplingParams fields (and transformers' generate's) for the run."""
+        if self.temperature > 0:
+            return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                        min_p=self.min_p)
+        return dict(temperature=0.0)
 
 
-def llama_cpp_sampling(temperature: float) -> dict:
+def llama_cpp_sampling(cfg: PeerConfig) -> dict:
     """llama.cpp's request fields for a peer run (llama-server and the Python API take the
-    same): greedy, or the temperature alone, its default cuts (top-k 40, top-p 0.95, min-p
-    0.05) turned off, as the other peers make none."""
-    if temperature > 0:
-        return dict(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+    same): greedy, or the run's temperature and cuts, llama.cpp's own default cuts (top-k 40,
+    top-p 0.95, min-p 0.05) replaced by the run's, so every peer cuts alike."""
+    if cfg.temperature > 0:
+        return cfg.sampling_fields()
     return dict(temperature=0.0, top_k=1)
 
 

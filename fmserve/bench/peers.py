@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fmserve.arg_types import (add_runtime_args, non_negative_float, non_negative_int, positive_int,
-                               positive_int_list)
+from fmserve.arg_types import (add_runtime_args, fraction, non_negative_float, non_negative_int,
+                               positive_int, positive_int_list)
 from fmserve.bench import DEV_PROMPTS
 from fmserve.bench.peer_types import (BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL,
                                      NOT_APPLICABLE, PEERS, QUICK_LEAVES_OUT, Peer, PeerConfig,
@@ -72,7 +72,14 @@ def add_bench_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=None)
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 (the default): greedy; else every peer samples at this temperature, "
-                        "with no top-k, top-p or min-p cut (llama.cpp's default cuts off)")
+                        "with the cuts below (llama.cpp's own defaults replaced by them)")
+    p.add_argument("--top-k", type=non_negative_int, default=0,
+                   help="with --temperature: every peer's top-k cut (0, the default: none; "
+                        "llama.cpp's own default is 40)")
+    p.add_argument("--top-p", type=fraction, default=1.0,
+                   help="with --temperature: top-p (1, the default: none; llama.cpp's 0.95)")
+    p.add_argument("--min-p", type=fraction, default=0.0,
+                   help="with --temperature: min-p (0, the default: none; llama.cpp's 0.05)")
     p.add_argument("--concurrency", type=positive_int_list, default=None,
                    help="concurrent streams, e.g. 1,8,32")
     p.add_argument("--repetitions", type=positive_int, default=None, help="round-robin rounds")
@@ -190,7 +197,8 @@ def peer_config(args, model_path: Path, device: str, prompts: list[list[int]]) -
                       prompt_lookup_tokens=args.prompt_lookup_tokens,
                       assistant_model=args.assistant_model,
                       llama_server=find_llama_server(args.llama_server),
-                      fmserve_dtype=args.dtype, temperature=args.temperature)
+                      fmserve_dtype=args.dtype, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, min_p=args.min_p)
 
 
 # --- running ------------------------------------------------------------------------------
@@ -306,6 +314,11 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if not args.temperature and (args.top_k, args.top_p, args.min_p) != (0, 1.0, 0.0):
+        raise ValueError("--top-k, --top-p and --min-p cut a sampled draw: give --temperature "
+                         "above 0 with them (a greedy run takes the argmax, uncut)")
+    if args.temperature and args.top_p == 0.0:
+        raise ValueError("--top-p 0 keeps no token: give a number above 0 (1: no cut)")
     reasons = selected_peers(args)  # a bad --peers before minutes of set-up
     if args.draft_model and not any(p.spec in ("chain", "tree") and not reasons[p.key]
                                     for p in PEERS):
@@ -354,6 +367,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
         prompts=args.prompts, num_prompts=args.num_prompts,
         prompt_tokens=[len(p) for p in prompts], max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        cuts=dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
         repetitions=args.repetitions, threads=args.threads,
         configs={d: vars(c) for d, c in configs.items()}, cuda_available=cuda,
         model=str(model_path), timings=timings)

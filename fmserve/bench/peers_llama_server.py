@@ -99,10 +99,10 @@ class LlamaServerPeer:
                            f"{self._log_tail()}")
 
     def one(self, prompt: list[int], max_new: int) -> Req:
-        """One streamed completion: exactly max_new greedy (or sampled: cfg.temperature)
+        """One streamed completion: exactly max_new greedy (or sampled: cfg.sampling_fields)
         tokens, no prompt cache reuse (the prompts repeat across waves; fmserve and
         transformers reuse nothing either)."""
-        sampling = llama_cpp_sampling(self.cfg.temperature)
+        sampling = llama_cpp_sampling(self.cfg)
         body = json.dumps(dict(prompt=prompt, n_predict=max_new, **sampling, ignore_eos=True,
                                cache_prompt=False, stream=True, return_tokens=True))
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)

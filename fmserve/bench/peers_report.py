@@ -102,9 +102,12 @@ def machine_description() -> dict:
 # --- markdown -----------------------------------------------------------------------------
 
 
-def sampling_words(temperature: float) -> str:
-    return ("greedy" if not temperature else
-            f"sampled at temperature {temperature:g} (no top-k, top-p or min-p cut)")
+def sampling_words(temperature: float, cuts: dict | None = None) -> str:
+    """How a run sampled: greedy, or its temperature and cuts (`cuts`: top_k, top_p, min_p)."""
+    named = [f"{k.replace('_', '-')} {v:g}" for k, v in (cuts or {}).items()
+             if v != {"top_k": 0, "top_p": 1.0, "min_p": 0.0}[k]]
+    return "greedy" if not temperature else f"sampled at temperature {temperature:g}, " + (
+        ", ".join(named) or "no top-k, top-p or min-p cut")
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -249,7 +252,7 @@ def render(meta: dict, all_results: dict, plots: dict) -> str:
               f"- prompts: {meta['num_prompts']} from `{Path(meta['prompts']).name}`, cut to "
               f"{meta['max_prompt_tokens']} text tokens, chat template applied: "
               f"{min(meta['prompt_tokens'])}-{max(meta['prompt_tokens'])} prompt tokens; "
-              f"{sampling_words(meta.get('temperature', 0.0))}, exactly "
+              f"{sampling_words(meta.get('temperature', 0.0), meta.get('cuts'))}, exactly "
               f"{meta['max_new_tokens']} new tokens (eos ignored)",
               f"- {meta['repetitions']} round(s), round robin over the peers (on the CPU all of "
               "a round's peers are started first and each concurrency is taken peer after "

@@ -63,7 +63,7 @@ class ServedPeer:
         if not self.compiled_waited:
             self._wait_for_the_compiled_step(requests[0])
             self.compiled_waited = True
-        params = SamplingParams(temperature=self.cfg.temperature,
+        params = SamplingParams(**self.cfg.sampling_fields(),
                                 max_new_tokens=self.cfg.max_new_tokens,
                                 ignore_eos=True)
         with RssSampler(lambda: tree_pids(self.proc.pid)) as rss:

@@ -90,9 +90,9 @@ class HFGroup:
         return [req_from_stamps(streamer.stamps, streamer.sizes, e2e, **spec) for _ in batch], e2e
 
     def _sampling(self) -> dict:
-        t = self.cfg.temperature
-        return (dict(do_sample=True, temperature=t, top_k=0, top_p=1.0) if t > 0
-                else dict(do_sample=False))
+        fields = self.cfg.sampling_fields()
+        return dict(do_sample=True, **fields) if self.cfg.temperature > 0 else dict(
+            do_sample=False)
 
     def measure(self, peer: str, concurrency: int, requests: list[list[int]]) -> PointResult:
         extra = {}
@@ -131,7 +131,7 @@ class LlamaCppGroup:
     def one(self, prompt: list[int], max_new: int) -> Req:
         start = time.perf_counter()
         stamps, sizes = [], []
-        sampling = llama_cpp_sampling(self.cfg.temperature)
+        sampling = llama_cpp_sampling(self.cfg)
         for _ in self.llm.create_completion(prompt=prompt, max_tokens=max_new, stream=True,
                                             logit_bias={self.eos: -1e9}, **sampling):
             stamps.append(time.perf_counter() - start)
@@ -165,7 +165,7 @@ class OfflineGroup:
         engine = self.engine
         engine.overlap = "overlap" in peer
         engine.generate([requests[0][:8]], SamplingParams(max_new_tokens=2))  # warm-up
-        params = SamplingParams(temperature=self.cfg.temperature,
+        params = SamplingParams(**self.cfg.sampling_fields(),
                                 max_new_tokens=self.cfg.max_new_tokens,
                                 ignore_eos=True)
         pending = list(requests)

@@ -122,7 +122,30 @@ def test_unknown_peer_names_are_refused_before_any_work(tmp_path, capsys):
 # ----- impossible counts refused before running -----
 # `bench peers` refuses impossible counts before it runs anything.
 
-@pytest.mark.parametrize("flag, value", [("--threads", "-1"), ("--prompt-lookup-tokens", "0")])
+def test_cuts_without_a_temperature_are_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "bench"
+    for extra, what in ((["--top-k", "40"], "give --temperature"),
+                        (["--temperature", "0.8", "--top-p", "0"], "--top-p 0 keeps no token")):
+        assert main(["bench", "peers", "--quick", "--model", str(tmp_path / "none.gguf"),
+                     "--out-dir", str(out), *extra]) == 2
+        assert what in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_report_says_how_a_run_sampled():
+    from fmserve.bench.peers_report import sampling_words
+    assert sampling_words(0.0, dict(top_k=40, top_p=1.0, min_p=0.0)) == "greedy"
+    assert sampling_words(0.8, dict(top_k=0, top_p=1.0, min_p=0.0)) == (
+        "sampled at temperature 0.8, no top-k, top-p or min-p cut")
+    assert sampling_words(0.8, None).endswith("no top-k, top-p or min-p cut")  # older reports
+    assert sampling_words(0.7, dict(top_k=40, top_p=0.95, min_p=0.05)) == (
+        "sampled at temperature 0.7, top-k 40, top-p 0.95, min-p 0.05")
+    assert sampling_words(1.0, dict(top_k=0, top_p=0.9, min_p=0.0)).endswith(", top-p 0.9")
+
+
+@pytest.mark.parametrize("flag, value", [("--threads", "-1"), ("--prompt-lookup-tokens", "0"),
+                                         ("--top-p", "1.5"), ("--min-p", "-0.1"),
+                                         ("--top-k", "-3")])
 def test_bench_peers_refuses_impossible_counts_before_running(flag, value):
     # Both ran a whole benchmark with them before (torch given -1 threads, a lookup of 0).
     import subprocess

@@ -77,15 +77,19 @@ def test_the_ram_prompt_cache_is_off_where_the_binary_has_it(fake_server, monkey
     assert json.loads(stats.read_text())["cache_ram"] == (0 if has_flag else None)
 
 
-@pytest.mark.parametrize("temperature, sampling", [
-    (0.0, {"temperature": 0.0, "top_k": 1}),
-    (0.8, {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
+@pytest.mark.parametrize("temperature, cuts, sampling", [
+    (0.0, {}, {"temperature": 0.0, "top_k": 1}),
+    (0.8, {}, {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
+    (0.7, dict(top_k=40, top_p=0.95, min_p=0.05),
+     {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05}),
 ])
-def test_a_sampled_run_asks_for_the_temperature_without_llama_cpps_default_cuts(
-        fake_server, temperature, sampling):
+def test_a_sampled_run_asks_for_its_own_cuts_not_llama_cpps_defaults(
+        fake_server, temperature, cuts, sampling):
     wrapper, stats = fake_server
     cfg = config(str(wrapper))
     cfg.temperature = temperature
+    for name, value in cuts.items():
+        setattr(cfg, name, value)
     peer = LlamaServerPeer(cfg)
     try:
         peer.measure("llama-server", 1, [[1, 2, 3]] * 2)
