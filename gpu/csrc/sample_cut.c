@@ -2,8 +2,9 @@
  *
  * torch found a cut with topk and sort over [rows, vocab] and a logsumexp of the whole row: at
  * 32 rows of Gemma 3's 262,144 tokens, top_p cost a decode step ~30% of its time. Here a row's
- * cut needs only the tokens near its best: a pass collects those within `gap` of the row's
- * largest scaled logit (the gap widened until they decide the cut), and only they are sorted.
+ * cut and draw need only the tokens near its best: a vectorised pass gathers those within `gap`
+ * of the row's largest scaled logit (widened until they decide the cut; for the draw alone,
+ * as far as any noise reaches), and only they are scaled, binned and, in the cut's bin, sorted.
  *
  * The rules are the sampler's: a row keeps the tokens whose scaled logit (logit / T) is >= a
  * threshold: top-k's k-th largest value; then top-p over those k (over the whole row without
@@ -41,22 +42,59 @@ static int by_score(const void *a, const void *b) {
     return (x->id > y->id) - (x->id < y->id);
 }
 
-/* The sum of e^(s[j] - best), j < n, in double over blocks of float lanes. */
-static double exp_sum(const float *s, int n, float best) {
+/* The sum of e^((l[j] - top) / t), j < n, in double over blocks of float lanes. */
+static double exp_sum(const float *l, int n, float top, float t) {
     double total = 0.0;
     int j = 0;
+#ifdef __AVX512F__
+    __m512 shift16 = _mm512_set1_ps(top), inverse16 = _mm512_set1_ps(1.0f / t);
+    while (j + 16 <= n) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int end = j + 1024 < n ? j + 1024 : n; j + 16 <= end; j += 16)
+            acc = _mm512_add_ps(acc, exp16(_mm512_mul_ps(
+                                         _mm512_sub_ps(_mm512_loadu_ps(l + j), shift16), inverse16)));
+        total += _mm512_reduce_add_ps(acc);
+    }
+#endif
 #ifdef __AVX2__
-    __m256 shift = _mm256_set1_ps(best);
+    __m256 shift = _mm256_set1_ps(top), inverse = _mm256_set1_ps(1.0f / t);
     while (j + 8 <= n) {
         __m256 acc = _mm256_setzero_ps();
         for (int end = j + 1024 < n ? j + 1024 : n; j + 8 <= end; j += 8)
-            acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)));
+            acc = _mm256_add_ps(acc, exp8(_mm256_mul_ps(
+                                         _mm256_sub_ps(_mm256_loadu_ps(l + j), shift), inverse)));
         total += hsum(acc);
     }
 #endif
     for (; j < n; j++)
-        total += expf(s[j] - best);
+        total += expf((l[j] - top) / t);
     return total;
+}
+
+/* The ids of the logits >= floor, in order (out: room for n); their count. */
+static int gather_ids(const float *l, int n, float floor, int *out) {
+    int count = 0, j = 0;
+#ifdef __AVX512F__
+    __m512 f = _mm512_set1_ps(floor);
+    __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j + 16 <= n; j += 16, ids = _mm512_add_epi32(ids, _mm512_set1_epi32(16))) {
+        __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(l + j), f, _CMP_GE_OQ);
+        if (m) {
+            _mm512_mask_compressstoreu_epi32(out + count, m, ids);
+            count += __builtin_popcount(m);
+        }
+    }
+#elif defined(__AVX2__)
+    __m256 f = _mm256_set1_ps(floor);
+    for (; j + 8 <= n; j += 8)
+        for (int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(l + j), f, _CMP_GE_OQ));
+             m; m &= m - 1)
+            out[count++] = j + __builtin_ctz(m);
+#endif
+    for (; j < n; j++)
+        if (l[j] >= floor)
+            out[count++] = j;
+    return count;
 }
 
 static inline int bucket_of(float score, float best, float per_unit) {
@@ -64,26 +102,27 @@ static inline int bucket_of(float score, float best, float per_unit) {
     return d < (float)(BUCKETS - 1) ? (int)d : BUCKETS - 1;
 }
 
-/* The tokens whose score is >= best - gap, widening gap until they decide the cut: at least k
- * of them for top-k (k > 0), else mass >= top_p * z (top-p over the row); their histogram
- * in h (bucket width gap / BUCKETS, *per_unit its inverse). Unsorted, in token order. */
-static int collect(const float *s, int n, float best, int k, float top_p, double z,
-                   candidate *out, histogram *h, float *per_unit) {
+/* The tokens of logits l whose score l / t is about >= best - gap, widening gap until they
+ * decide the cut: at least k of them for top-k (k > 0), else mass >= top_p * z (top-p over the
+ * row); their histogram in h (bucket width gap / BUCKETS, *per_unit its inverse). Unsorted,
+ * in token order; ids is scratch of n. */
+static int collect(const float *l, int n, float t, float best, int k, float top_p, double z,
+                   candidate *out, int *ids, histogram *h, float *per_unit) {
     for (float gap = 8.0f;; gap *= 2.0f) {
-        float floor = gap > 256.0f ? -INFINITY : best - gap; /* then: every token */
+        float floor = gap > 256.0f ? -INFINITY : (best - gap) * t; /* then: every token */
         *per_unit = (float)BUCKETS / (gap > 256.0f ? 512.0f : gap);
         memset(h, 0, sizeof *h);
-        int count = 0;
+        int count = gather_ids(l, n, floor, ids);
         double mass = 0.0;
-        for (int j = 0; j < n; j++)
-            if (s[j] >= floor) {
-                int b = bucket_of(s[j], best, *per_unit);
-                double e = expf(s[j] - best);
-                out[count++] = (candidate){s[j], j};
-                h->count[b]++;
-                h->mass[b] += e;
-                mass += e;
-            }
+        for (int i = 0; i < count; i++) {
+            float score = l[ids[i]] / t; /* a division, as torch's: the same scores */
+            int b = bucket_of(score, best, *per_unit);
+            double e = expf(score - best);
+            out[i] = (candidate){score, ids[i]};
+            h->count[b]++;
+            h->mass[b] += e;
+            mass += e;
+        }
         if (floor == -INFINITY || (k > 0 ? count >= k : mass >= (double)top_p * z))
             return count;
     }
@@ -146,19 +185,22 @@ static float top_p_score(candidate *c, int count, double target, const histogram
     return c[at].score;
 }
 
-/* One sampled row's token; s and pool are scratch of n each. */
+/* How far below a row's best scaled logit a token can still win the draw: the best token's
+ * noise is at least -log(-log 2^-24) = -2.81, any token's at most GUMBEL_MAX. */
+#define DRAW_REACH (GUMBEL_MAX + 2.82f + 0.5f)
+
+/* One sampled row's token; pool and ids are scratch of n each. */
 static int64_t draw_row(const float *logits, int n, float t, int k, float top_p,
-                        float log_min_p, uint32_t key, float *s, candidate *pool,
+                        float log_min_p, uint32_t key, candidate *pool, int *ids,
                         histogram *h) {
-    for (int j = 0; j < n; j++)
-        s[j] = logits[j] / t; /* a division, as torch's: the same scores to the bit */
-    float best = max_of(s, n), threshold = -INFINITY, per_unit;
-    int count = 0; /* candidates in pool: the kept tokens are among them */
+    float top_logit = max_of(logits, n);
+    if (!(top_logit > -INFINITY)) /* every logit NaN or -inf: nothing to draw from */
+        return 0;
+    float best = top_logit / t, threshold = -INFINITY, per_unit;
+    int count; /* candidates in pool: the kept tokens, and every one that can win, among them */
     if (k > 0 || top_p < INFINITY) {
-        double z = k > 0 ? 0.0 : exp_sum(s, n, best);
-        count = collect(s, n, best, k, top_p, z, pool, h, &per_unit);
-        if (count == 0) /* every score NaN or -inf: nothing to draw from */
-            return 0;
+        double z = k > 0 ? 0.0 : exp_sum(logits, n, top_logit, t);
+        count = collect(logits, n, t, best, k, top_p, z, pool, ids, h, &per_unit);
         if (k > 0) {
             int kept;
             threshold = kth_score(pool, count, k < count ? k : count, h, best, per_unit, &kept);
@@ -176,31 +218,30 @@ static int64_t draw_row(const float *logits, int n, float t, int k, float top_p,
         } else {
             threshold = top_p_score(pool, count, (double)top_p * z, h, best, per_unit);
         }
+    } else { /* min-p alone, or no cut: the kept tokens the noise can lift to the top */
+        float floor = best - DRAW_REACH;
+        if (log_min_p > -DRAW_REACH) /* min-p's own floor (exactly: the threshold, below) */
+            floor = best + log_min_p - 0.5f;
+        count = gather_ids(logits, n, floor * t, ids);
+        for (int i = 0; i < count; i++)
+            pool[i] = (candidate){logits[ids[i]] / t, ids[i]};
     }
     if (log_min_p > -INFINITY && best + log_min_p > threshold)
         threshold = best + log_min_p;
     float top = -INFINITY;
-    int64_t at = -1;
-    if (count > 0) { /* the kept tokens are among the candidates */
-        for (int i = 0; i < count; i++)
-            if (pool[i].score >= threshold && pool[i].score + GUMBEL_MAX > top) {
-                float score = pool[i].score + gumbel_of(key, pool[i].id);
-                if (score > top || (score == top && pool[i].id < at)) {
-                    top = score;
-                    at = pool[i].id;
-                }
-            }
-        return at;
-    }
-    for (int j = 0; j < n; j++) /* min-p alone, or no cut: the whole row */
-        if (s[j] >= threshold && s[j] + GUMBEL_MAX > top) {
-            float score = s[j] + gumbel_of(key, j);
-            if (score > top) {
+    int64_t at = 0;
+    for (int i = 0; i < count; i++)
+        if (pool[i].score >= threshold && pool[i].score + GUMBEL_MAX > top) {
+            if (pool[i].score < top && noise_cannot_reach(uniform_of(key, pool[i].id),
+                                                          top - pool[i].score))
+                continue; /* its uniform alone says it cannot win: no logs */
+            float score = pool[i].score + gumbel_of(key, pool[i].id);
+            if (score > top || (score == top && pool[i].id < at)) {
                 top = score;
-                at = j;
+                at = pool[i].id;
             }
         }
-    return at < 0 ? 0 : at;
+    return at;
 }
 
 /* tokens[r]: row r's draw under its cut (top_k[r] <= 0: none; top_p[r] = inf: none; log_min_p
@@ -212,10 +253,10 @@ int cut_draw(const float *logits, int rows, int n, const float *temps, const int
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *s = malloc(sizeof(float) * (size_t)n);
+        int *ids = malloc(sizeof(int) * (size_t)n);
         candidate *pool = malloc(sizeof(candidate) * (size_t)n);
         histogram *h = malloc(sizeof(histogram));
-        if (!s || !pool || !h)
+        if (!ids || !pool || !h)
             failed = 1;
 #pragma omp for schedule(dynamic)
         for (int r = 0; r < rows; r++) {
@@ -229,12 +270,12 @@ int cut_draw(const float *logits, int rows, int n, const float *temps, const int
                         at = j;
                     }
                 tokens[r] = at;
-            } else if (s && pool && h) {
+            } else if (ids && pool && h) {
                 tokens[r] = draw_row(row, n, temps[r], top_k[r], top_p[r], log_min_p[r],
-                                     (uint32_t)keys[r], s, pool, h);
+                                     (uint32_t)keys[r], pool, ids, h);
             }
         }
-        free(s);
+        free(ids);
         free(pool);
         free(h);
     }
