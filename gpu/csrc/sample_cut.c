@@ -46,16 +46,6 @@ static int by_score(const void *a, const void *b) {
 static double exp_sum(const float *l, int n, float top, float t) {
     double total = 0.0;
     int j = 0;
-#ifdef __AVX512F__
-    __m512 shift16 = _mm512_set1_ps(top), inverse16 = _mm512_set1_ps(1.0f / t);
-    while (j + 16 <= n) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int end = j + 1024 < n ? j + 1024 : n; j + 16 <= end; j += 16)
-            acc = _mm512_add_ps(acc, exp16(_mm512_mul_ps(
-                                         _mm512_sub_ps(_mm512_loadu_ps(l + j), shift16), inverse16)));
-        total += _mm512_reduce_add_ps(acc);
-    }
-#endif
 #ifdef __AVX2__
     __m256 shift = _mm256_set1_ps(top), inverse = _mm256_set1_ps(1.0f / t);
     while (j + 8 <= n) {

@@ -1,5 +1,5 @@
 /* Vector math of the C step ops (step_ops.h, attention_ops.h) and the sampler's cuts
- * (sample_cut.c): e^x of 8 (16) floats and the shifted exponentials of a softmax. */
+ * (sample_cut.c): e^x of 8 floats and the shifted exponentials of a softmax. */
 #ifndef FMSERVE_VECTOR_MATH_H
 #define FMSERVE_VECTOR_MATH_H
 #include <math.h>
@@ -27,28 +27,6 @@ static inline __m256 exp8(__m256 x) {
     __m256i scale = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
-}
-#endif
-
-#ifdef __AVX512F__
-/* exp8's polynomial in sixteen lanes. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln 2 in two parts */
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-    __m512i scale = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
 }
 #endif
 
