@@ -158,14 +158,21 @@ def q4_matmul(x: torch.Tensor, w: Q4Rows, isa: str = "native") -> torch.Tensor:
     return y
 
 
-def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.Tensor:
-    """x [rows, width] fp32 @ w^T -> [rows, out] fp32."""
+def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native",
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, width] fp32 @ w^T -> [rows, out] fp32; written into `out` (contiguous fp32
+    [rows, out]) where given and the weight has no padding rows, else a new tensor."""
     x = x.float().contiguous()
     rows, width = x.shape
     padded = w.codes.shape[0]
     if width != w.codes.shape[1]:
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
-    y = torch.empty(rows, padded, dtype=torch.float32)
+    if out is not None and (out.shape != (rows, w.out) or out.dtype != torch.float32
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 [{rows}, {w.out}] tensor, not "
+                         f"{out.dtype} {tuple(out.shape)}")
+    y = out if out is not None and padded == w.out else torch.empty(rows, padded,
+                                                                    dtype=torch.float32)
     if _library(isa).q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
                                w.fp16, w.halves, w.narrow, padded, y.data_ptr(),
                                torch.get_num_threads()) != 0:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from gpu import cpu_sampling
 from gpu.attention.base import AttentionBackend
 from gpu.cpu_kernels import Fp32Split
-from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, codes_linear_ok, q8_matmul_argmax
+from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, codes_linear_ok, q8_matmul, q8_matmul_argmax
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import (GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, fused_ops_for,
                         head_rms_norm, rms_norm, swiglu)
@@ -77,6 +77,7 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         self.weight_quant = weight_quant
+        self._logits_buffer: torch.Tensor | None = None  # logits(reuse=True)
 
         q4 = q4 or {}
 
@@ -282,9 +283,20 @@ class LlamaModel:
     def _fused_rope_applies(self) -> bool:
         return self.fused.rope_applies(self.config.head_dim, self.ropes[0].cos)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Contiguous rows: the sampler's row-wise argmax/softmax are slow on a transposed product.
-        logits = self.lm_head(hidden).float().contiguous()
+    def logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        """float32 [rows, vocab], contiguous (the sampler's row-wise passes are slow on a
+        transposed product). `reuse`: where the lm_head is one matrix of 8-bit codes, written
+        into a buffer the model keeps, valid until the next such call: a worker's large buffers
+        are mappings of their own (gpu/heap.py), and at 32 rows of Gemma 3's vocabulary the
+        page faults of a fresh 33 MB a step cost a sampled step ~15%."""
+        head = self._codes_head(hidden) if reuse else None
+        if head is not None:
+            rows = hidden.shape[0]
+            if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
+                self._logits_buffer = torch.empty(rows, head.out)  # grown, never shrunk
+            logits = q8_matmul(hidden, head, out=self._logits_buffer[:rows])
+        else:
+            logits = self.lm_head(hidden).float().contiguous()
         if (cap := self.config.final_logit_softcap) is not None:
             logits = torch.tanh(logits.div_(cap)).mul_(cap)
         return logits
@@ -295,11 +307,20 @@ class LlamaModel:
         8-bit codes on the C kernel: its product is never written (at 32 rows a 262,144-token
         vocabulary is 32 MB of logits to write and read back). None where it is not. With
         `draw` (Sampler.c_draw), the tokens the sampler would draw from the logits."""
+        head = self._codes_head(hidden)
+        if head is None:
+            return None
+        if draw is not None:
+            return cpu_sampling.lm_head_draw(hidden, head, draw)
+        return q8_matmul_argmax(hidden, head)
+
+    def _codes_head(self, hidden: torch.Tensor) -> Q8Rows | None:
+        """The lm_head's 8-bit codes where the C kernel takes these rows whole: one matrix of
+        them, no softcap, fp32 rows (bf16 ones: logits rounded to bf16 may tie where fp32
+        ones do not), at most its max_tokens."""
         head = self.lm_head
         if (self.config.final_logit_softcap is not None or not isinstance(head, CodesLinear)
                 or len(head.rows) != 1 or not isinstance(head.rows[0], Q8Rows)
                 or hidden.shape[0] > head.max_tokens or hidden.dtype != torch.float32):
-            return None  # (bf16 hidden states: logits rounded to bf16 may tie where fp32 does not)
-        if draw is not None:
-            return cpu_sampling.lm_head_draw(hidden, head.rows[0], draw)
-        return q8_matmul_argmax(hidden, head.rows[0])
+            return None
+        return head.rows[0]

@@ -196,7 +196,7 @@ class WorkerState:
             tokens = self.model.lm_head_tokens(hidden, draw)
             if tokens is not None:
                 return SampleOutput(tokens)
-        return self.sampler.sample(self.model.logits(hidden), slots, seq_lens,
+        return self.sampler.sample(self.model.logits(hidden, reuse=True), slots, seq_lens,
                                    slots_host=slots_host)
 
     def commit(self, slots: torch.Tensor, next_tokens: torch.Tensor,

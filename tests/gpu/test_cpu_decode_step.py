@@ -304,7 +304,8 @@ def test_a_greedy_batch_takes_the_lm_heads_argmax_without_its_logits(codes_engin
                         lambda h, draw=None: calls.append(h.shape[0]) or fused(h, draw))
     logits_rows = []
     full = model.logits
-    monkeypatch.setattr(model, "logits", lambda h: logits_rows.append(h.shape[0]) or full(h))
+    monkeypatch.setattr(model, "logits",
+                        lambda h, reuse=False: logits_rows.append(h.shape[0]) or full(h, reuse))
     tokens = greedy(codes_engine, prompts, 10)
     assert len(calls) >= 10 and max(calls) == 2 and not logits_rows
     hidden = torch.randn(2, model.config.hidden_size) * 3
@@ -329,7 +330,8 @@ def test_a_temperature_batch_draws_in_the_lm_head_without_its_logits(codes_engin
     fused, full = model.lm_head_tokens, model.logits
     monkeypatch.setattr(model, "lm_head_tokens",
                         lambda h, draw=None: calls.append(draw is not None) or fused(h, draw))
-    monkeypatch.setattr(model, "logits", lambda h: logits_rows.append(h.shape[0]) or full(h))
+    monkeypatch.setattr(model, "logits",
+                        lambda h, reuse=False: logits_rows.append(h.shape[0]) or full(h, reuse))
     params = SamplingParams(temperature=0.9, seed=7, max_new_tokens=10, ignore_eos=True)
     drawn = [o.token_ids for o in codes_engine.generate(prompts, params)]
     assert sum(calls) >= 10 and not logits_rows
@@ -339,6 +341,21 @@ def test_a_temperature_batch_draws_in_the_lm_head_without_its_logits(codes_engin
     assert logits_rows
     with_logprobs = msgspec.structs.replace(params, logprobs=0)
     assert [o.token_ids for o in codes_engine.generate(prompts, with_logprobs)] == drawn
+
+
+def test_the_workers_logits_are_written_into_one_buffer_kept_between_steps(codes_engine):
+    """logits(reuse=True), what a worker's sampled step takes: the same numbers as a fresh
+    product, written into a buffer the model keeps (grown for more rows, never shrunk), so
+    a step maps no new [rows, vocab] tensor (gpu/heap.py)."""
+    model = codes_engine.worker.state.model
+    hidden = torch.randn(2, model.config.hidden_size) * 3
+    fresh = model.logits(hidden)
+    kept = model.logits(hidden, reuse=True)
+    assert torch.equal(kept, fresh) and kept.is_contiguous()
+    again = model.logits(hidden[:1] * 2, reuse=True)
+    assert again.data_ptr() == kept.data_ptr()  # the same memory, rewritten
+    assert torch.equal(again, model.logits(hidden[:1] * 2))
+    assert model.logits(hidden).data_ptr() != kept.data_ptr()  # without reuse: a new tensor
 
 
 def test_a_step_of_headless_requests_runs_as_the_plain_step(model_path, codes_engine,
