@@ -2,19 +2,21 @@
 
 torch computes a draw's noise (gpu/seeded_random.py: a hash of seed, position and token id,
 a uniform, -log(-log u)) as ~20 passes over [rows, vocab]; at 32 rows of SmolLM2's 49,152
-tokens that is ~4 ms a decode step. The C library does it in one pass, and for a batch that only
-scales by temperature (`BatchFlags.noise_only`) draws argmax(logit / T + noise) without
-writing the noise; where the lm_head is 8-bit codes, without writing the logits either
-(`lm_head_draw`: the lm_head's tiles draw as they go, and skip the noise of a tile whose largest
-logit is further below the row's best score than any noise reaches). A batch with top-k, top-p
-or min-p cuts draws in C too (`cut_draw`: each row sorts only the tokens near its best). On a CPU the sampler takes
-all its noise from here, so every path of a batch draws the same tokens for a seeded request;
-elsewhere (a GPU, no C compiler) it stays torch's.
+tokens that is ~4 ms a decode step. Here the noise is one pass (`gumbel_noise`), and a draw
+writes none of it: `cut_draw` gathers the tokens near each row's best (those its top-k, top-p
+or min-p keep, or any noise can lift to the top), and draws argmax(logit / T + noise) over
+them. Where the lm_head is 8-bit codes, a batch that only scales by temperature
+(`BatchFlags.noise_only`) is drawn without writing the logits either (`lm_head_draw`: the
+lm_head's tiles draw as they go, and skip the noise of a tile whose largest logit is further
+below the row's best score than any noise reaches). On a CPU the sampler takes all its noise
+from here, so every path of a batch draws the same tokens for a seeded request; elsewhere (a
+GPU, no C compiler) it stays torch's.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import cache
 
 import torch
@@ -31,8 +33,6 @@ def _library() -> ctypes.CDLL | None:
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.gumbel_noise.restype = None
     lib.gumbel_noise.argtypes = [P, I, P, I, P, I]
-    lib.gumbel_argmax.restype = ctypes.c_int
-    lib.gumbel_argmax.argtypes = [P, I, I, P, P, P, P, I]
     lib.cut_draw.restype = ctypes.c_int
     lib.cut_draw.argtypes = [P, I, I] + [P] * 7 + [I]
     lib.q8_matmul_draw.restype = ctypes.c_int
@@ -71,40 +71,27 @@ def _per_row(rows: int, draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
             draw[2].to(torch.uint8).contiguous())
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
-                  greedy: torch.Tensor) -> torch.Tensor:
-    """int64 [rows]: argmax(logits / T + gumbel_noise(keys, None, vocab)) per row, or the
-    logits' argmax where `greedy`, from float32 logits [rows, vocab]; the noise is never
-    written."""
-    logits = logits.contiguous()
-    if logits.dtype != torch.float32:
-        raise TypeError(f"gumbel_argmax takes float32 logits, not {logits.dtype}")
-    rows, vocab = logits.shape
-    temperatures, keys, greedy = _per_row(rows, (temperatures, keys, greedy))
-    tokens = torch.empty(rows, dtype=torch.int64)
-    if _library().gumbel_argmax(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
-                                keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),
-                                torch.get_num_threads()) != 0:
-        raise MemoryError(f"the C sampler could not allocate for {rows} rows")
-    return tokens
-
-
-def cut_draw(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
-             top_p: torch.Tensor, log_min_p: torch.Tensor, keys: torch.Tensor,
-             greedy: torch.Tensor) -> torch.Tensor:
-    """int64 [rows]: each row's draw under its top-k / top-p / min-p cut (gpu/csrc/sample_cut.c;
-    the sampler's rules and noise), from float32 logits [rows, vocab]. Per row: top_k <= 0,
-    top_p = inf and log_min_p = -inf mean no such cut; greedy rows take the argmax."""
+def cut_draw(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+             greedy: torch.Tensor, cuts: tuple[torch.Tensor, ...] | None = None
+             ) -> torch.Tensor:
+    """int64 [rows]: each row's draw, argmax(logits / T + gumbel_noise(keys, None, vocab)) over
+    the tokens its cuts keep (gpu/csrc/sample_cut.c; the sampler's rules), or the logits'
+    argmax where `greedy`, from float32 logits [rows, vocab]; neither the noise nor a scaled
+    copy is written. `cuts`: (top_k, top_p, log_min_p) per row, where top_k <= 0, top_p = inf
+    and log_min_p = -inf mean no such cut; None: no row cuts."""
     logits = logits.contiguous()
     if logits.dtype != torch.float32:
         raise TypeError(f"cut_draw takes float32 logits, not {logits.dtype}")
     rows, vocab = logits.shape
     temperatures, keys, greedy = _per_row(rows, (temperatures, keys, greedy))
-    cuts = (top_k.to(torch.int32).contiguous(), top_p.to(torch.float32).contiguous(),
-            log_min_p.to(torch.float32).contiguous())
+    if cuts is None:
+        cuts = (torch.zeros(rows), torch.full((rows,), math.inf),
+                torch.full((rows,), -math.inf))
     if any(t.shape != (rows,) for t in cuts):
         raise ValueError(f"a cut wants one top_k, top_p and log_min_p per row ({rows}); got "
                          f"shapes {[tuple(t.shape) for t in cuts]}")
+    cuts = (cuts[0].to(torch.int32).contiguous(), cuts[1].to(torch.float32).contiguous(),
+            cuts[2].to(torch.float32).contiguous())
     tokens = torch.empty(rows, dtype=torch.int64)
     if _library().cut_draw(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
                            *(t.data_ptr() for t in cuts), keys.data_ptr(), greedy.data_ptr(),
@@ -115,7 +102,7 @@ def cut_draw(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tens
 
 def lm_head_draw(x: torch.Tensor, w: Q8Rows, draw: tuple[torch.Tensor, torch.Tensor,
                                                         torch.Tensor]) -> torch.Tensor:
-    """int64 [rows]: gumbel_argmax(x @ w^T, *draw) for draw = (temperatures, keys, greedy),
+    """int64 [rows]: cut_draw(x @ w^T, *draw) for draw = (temperatures, keys, greedy),
     the same tokens, from fp32 x [rows, width], without writing the product."""
     x = x.float().contiguous()
     rows, width = x.shape

@@ -12,8 +12,8 @@ touching the device, and nothing loops over the batch in Python:
 - top_p without top_k everywhere     -> full sort on GPUs; on CPUs (where sorting 32 x 49152
   takes over 100 ms) ``topk(256)``, then ``topk(4096)``, then a sort, until the top-p cut falls
   inside the candidates
-- a CPU with the C library, float32 logits -> every draw in C (gpu/cpu_sampling.py): the
-  temperature-only draw in one pass, the cuts sorting only the tokens near each row's best
+- a CPU with the C library, float32 logits -> every draw in C (gpu/cpu_sampling.py), over
+  the tokens near each row's best; the cuts sort only those
 
 All filters keep the tokens whose scaled logit is >= a per-row threshold (order: top-k, top-p
 over the survivors, min-p relative to the max, as HF and SGLang), so ties at a cut are kept.
@@ -71,7 +71,7 @@ class Sampler:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(temperatures, keys, greedy) per row where `sample` would draw
         argmax(logit / T + noise) in C (a CPU, `flags.noise_only`), for
-        cpu_sampling.lm_head_draw / gumbel_argmax; None elsewhere."""
+        cpu_sampling.lm_head_draw / cut_draw; None elsewhere."""
         if not (flags.noise_only and self._noise_in_c()) or flags.all_greedy:
             return None
         fp, ip = self.state.float_params[slots], self.state.int_params[slots]
@@ -108,15 +108,13 @@ class Sampler:
         logits = self.process_logits(logits, slots, flags)
         if flags.all_greedy:
             return self._with_logprobs(logits.argmax(-1), logits, flags.max_logprobs)
-        draw = self.c_draw(slots, positions, flags)
-        if draw is not None and logits.dtype == torch.float32:
-            return SampleOutput(cpu_sampling.gumbel_argmax(logits, *draw))
         st = self.state
         fp, ip = st.float_params[slots], st.int_params[slots]
-        if logits.dtype == torch.float32 and self._noise_in_c():  # the cuts in C, one pass
+        if logits.dtype == torch.float32 and self._noise_in_c():  # every draw in C
             tokens = cpu_sampling.cut_draw(  # (greedy rows: the argmax)
-                logits, fp[:, F_TEMP], ip[:, I_TOP_K], fp[:, F_TOP_P], fp[:, F_LOG_MIN_P],
-                row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY])
+                logits, fp[:, F_TEMP], row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY],
+                cuts=None if flags.noise_only else (ip[:, I_TOP_K], fp[:, F_TOP_P],
+                                                    fp[:, F_LOG_MIN_P]))
             if flags.max_logprobs < 0:
                 return SampleOutput(tokens)
             return self._with_logprobs(tokens, logits / fp[:, F_TEMP, None], flags.max_logprobs)
@@ -201,7 +199,7 @@ class Sampler:
             row_max = scaled.amax(-1) if ids is None else vals[:, 0]
             floor = row_max + fp[:, F_LOG_MIN_P]
             threshold = floor if threshold is None else torch.maximum(threshold, floor)
-        if self._noise_in_c():  # the same noise as gumbel_argmax's, one pass
+        if self._noise_in_c():  # the same noise as cut_draw's, one pass
             scores = cpu_sampling.gumbel_noise(keys, ids, scaled.shape[1] if ids is None
                                                else ids.shape[1])
         else:

@@ -297,7 +297,7 @@ int q8_matmul(const float *x, int rows, int k, const int8_t *qs, const void *s, 
  * largest value), without writing the [rows, n] product: a greedy step's lm_head, whose
  * 262,144-column product (Gemma 3) is 1 MB a row to write and read back. With temps (else
  * NULL), row r not greedy[r] draws argmax(x W^T / temps[r] + noise(keys[r])) instead: the
- * token gumbel_argmax (gumbel.c) draws from the written product. Returns 0 or -1. */
+ * token cut_draw (sample_cut.c) draws from the written product without cuts. Returns 0 or -1. */
 int q8_matmul_draw(const float *x, int rows, int k, const int8_t *qs, const void *s, int fp16,
                    int halves, int narrow, int n, int valid, const float *temps,
                    const int64_t *keys, const uint8_t *greedy, int64_t *tokens, int threads) {

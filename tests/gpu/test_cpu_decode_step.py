@@ -322,8 +322,7 @@ def test_a_greedy_batch_takes_the_lm_heads_argmax_without_its_logits(codes_engin
 def test_a_temperature_batch_draws_in_the_lm_head_without_its_logits(codes_engine, monkeypatch):
     """Seeded rows sampled at a temperature and nothing else: the 8-bit lm_head draws in C
     (cpu_sampling.lm_head_draw), never writing its logits, and gives the tokens the sampler
-    draws from the written logits, in one pass (gumbel_argmax) or through torch's filters
-    (a row asking for logprobs)."""
+    draws from the written logits (cut_draw), also where a row asks for logprobs."""
     model = codes_engine.worker.state.model
     prompts = dev_prompts(codes_engine, 2)
     calls, logits_rows = [], []

@@ -61,7 +61,7 @@ def test_the_c_noise_has_the_gumbel_distribution():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_c_draw_is_the_argmax_of_the_scaled_logits_plus_the_noise(threads):
+def test_the_c_draw_without_cuts_is_the_argmax_of_the_scaled_logits_plus_the_noise(threads):
     rows, vocab = 7, 20_000
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(rows, vocab, generator=gen) * 3
@@ -72,7 +72,7 @@ def test_the_c_draw_is_the_argmax_of_the_scaled_logits_plus_the_noise(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_sampling.gumbel_argmax(logits, temperatures, keys, greedy)
+        got = cpu_sampling.cut_draw(logits, temperatures, keys, greedy)
     finally:
         torch.set_num_threads(before)
     noise = cpu_sampling.gumbel_noise(keys, None, vocab)
@@ -81,9 +81,9 @@ def test_the_c_draw_is_the_argmax_of_the_scaled_logits_plus_the_noise(threads):
     assert got.tolist() == want
     assert int(got[3]) == 17
     with pytest.raises(TypeError, match="float32"):
-        cpu_sampling.gumbel_argmax(logits.bfloat16(), temperatures, keys, greedy)
+        cpu_sampling.cut_draw(logits.bfloat16(), temperatures, keys, greedy)
     with pytest.raises(ValueError, match="per row"):  # the C loop would read past them
-        cpu_sampling.gumbel_argmax(logits, temperatures[:3], keys, greedy)
+        cpu_sampling.cut_draw(logits, temperatures[:3], keys, greedy)
     with pytest.raises(ValueError, match="token ids"):
         cpu_sampling.gumbel_noise(keys, torch.zeros(rows, 3, dtype=torch.long), 5)
 
@@ -154,15 +154,15 @@ def test_the_c_cuts_draw_what_the_torch_cuts_draw(kind, spread):
 def test_the_c_cuts_refuse_rows_of_the_wrong_shape():
     logits, one = torch.zeros(3, 10), torch.ones(3)
     with pytest.raises(ValueError, match="one top_k, top_p and log_min_p per row"):
-        cpu_sampling.cut_draw(logits, one, torch.zeros(2), one, one, one.long(), one)
+        cpu_sampling.cut_draw(logits, one, one.long(), one, cuts=(torch.zeros(2), one, one))
     with pytest.raises(TypeError, match="float32"):
-        cpu_sampling.cut_draw(logits.double(), one, one, one, one, one.long(), one)
+        cpu_sampling.cut_draw(logits.double(), one, one.long(), one)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_the_lm_heads_draw_is_the_draw_from_its_written_logits(rows):
     """cpu_sampling.lm_head_draw (the 8-bit lm_head drawing tile by tile, skipping the noise of
-    tiles that cannot win) against gumbel_argmax over the product q8_matmul writes."""
+    tiles that cannot win) against cut_draw over the product q8_matmul writes."""
     from gpu.codes_layout import Q8Rows
     from gpu.cpu_q4_kernel import q8_matmul
     gen = torch.Generator().manual_seed(rows)
@@ -178,8 +178,8 @@ def test_the_lm_heads_draw_is_the_draw_from_its_written_logits(rows):
     for draw in range(16):  # 16 draws a row: a wrongly skipped tile wins one of them
         keys = keys_of(rows, seed=100 * rows + draw)
         drawn = cpu_sampling.lm_head_draw(x, head, (temperatures, keys, greedy))
-        assert drawn.tolist() == cpu_sampling.gumbel_argmax(logits, temperatures, keys,
-                                                            greedy).tolist(), draw
+        assert drawn.tolist() == cpu_sampling.cut_draw(logits, temperatures, keys,
+                                                       greedy).tolist(), draw
         assert (drawn < vocab).all()
         if rows == 32:  # drawn, not the argmax
             assert not torch.equal(drawn[~greedy], logits.argmax(-1)[~greedy])
