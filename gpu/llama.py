@@ -293,7 +293,7 @@ class LlamaModel:
         if head is not None:
             rows = hidden.shape[0]
             if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
-                self._logits_buffer = torch.empty(rows, head.out)  # grown, never shrunk
+                self._logits_buffer = torch.empty(rows, head.out, dtype=torch.float32)  # grown
             logits = q8_matmul(hidden, head, out=self._logits_buffer[:rows])
         else:
             logits = self.lm_head(hidden).float().contiguous()

@@ -77,6 +77,11 @@ class Sampler:
         fp, ip = self.state.float_params[slots], self.state.int_params[slots]
         return fp[:, F_TEMP], row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY]
 
+    def _draws_in_c(self, logits: torch.Tensor) -> bool:
+        """Whether `sample` draws from these (processed) logits in C, cpu_sampling.cut_draw:
+        float32 ones on a CPU with the library."""
+        return logits.dtype == torch.float32 and self._noise_in_c()
+
     def _noise_in_c(self) -> bool:
         if self._c_noise is None:
             self._c_noise = cpu_sampling.available(self.state.device)
@@ -110,7 +115,7 @@ class Sampler:
             return self._with_logprobs(logits.argmax(-1), logits, flags.max_logprobs)
         st = self.state
         fp, ip = st.float_params[slots], st.int_params[slots]
-        if logits.dtype == torch.float32 and self._noise_in_c():  # every draw in C
+        if self._draws_in_c(logits):
             tokens = cpu_sampling.cut_draw(  # (greedy rows: the argmax)
                 logits, fp[:, F_TEMP], row_keys(ip[:, I_SEED], positions), ip[:, I_GREEDY],
                 cuts=None if flags.noise_only else (ip[:, I_TOP_K], fp[:, F_TOP_P],
@@ -173,7 +178,7 @@ class Sampler:
             threshold = floor if threshold is None else torch.maximum(threshold, floor)
         if threshold is None:
             probs = torch.softmax(scaled, dim=-1)
-        elif ids is None:
+        elif ids is None or self._draws_in_c(logits):  # (C keeps every tie at the threshold)
             probs = torch.softmax(scaled.masked_fill(scaled < threshold[:, None], -math.inf), -1)
         else:  # the draw runs over the candidate list: exactly its allowed members
             kept = vals.masked_fill(vals < threshold[:, None], -math.inf)
