@@ -26,8 +26,10 @@ from gpu.cpu_q4_kernel import library
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    lib = library()
+def _library(isa: str = "native") -> ctypes.CDLL | None:
+    """The library, its sampling functions typed; `isa` as gpu/cpu_q4_kernel.py's (the tests
+    run the AVX2 and plain-C builds too)."""
+    lib = library(isa)
     if lib is None:
         return None
     P, I = ctypes.c_void_p, ctypes.c_int
@@ -72,8 +74,8 @@ def _per_row(rows: int, draw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def cut_draw(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
-             greedy: torch.Tensor, cuts: tuple[torch.Tensor, ...] | None = None
-             ) -> torch.Tensor:
+             greedy: torch.Tensor, cuts: tuple[torch.Tensor, ...] | None = None,
+             isa: str = "native") -> torch.Tensor:
     """int64 [rows]: each row's draw, argmax(logits / T + gumbel_noise(keys, None, vocab)) over
     the tokens its cuts keep (gpu/csrc/sample_cut.c; the sampler's rules), or the logits'
     argmax where `greedy`, from float32 logits [rows, vocab]; neither the noise nor a scaled
@@ -93,15 +95,16 @@ def cut_draw(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tenso
     cuts = (cuts[0].to(torch.int32).contiguous(), cuts[1].to(torch.float32).contiguous(),
             cuts[2].to(torch.float32).contiguous())
     tokens = torch.empty(rows, dtype=torch.int64)
-    if _library().cut_draw(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
+    if _library(isa).cut_draw(logits.data_ptr(), rows, vocab, temperatures.data_ptr(),
                            *(t.data_ptr() for t in cuts), keys.data_ptr(), greedy.data_ptr(),
                            tokens.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"the C sampler could not allocate for a row of {vocab} tokens")
     return tokens
 
 
-def lm_head_draw(x: torch.Tensor, w: Q8Rows, draw: tuple[torch.Tensor, torch.Tensor,
-                                                        torch.Tensor]) -> torch.Tensor:
+def lm_head_draw(x: torch.Tensor, w: Q8Rows,
+                 draw: tuple[torch.Tensor, torch.Tensor, torch.Tensor], isa: str = "native"
+                 ) -> torch.Tensor:
     """int64 [rows]: cut_draw(x @ w^T, *draw) for draw = (temperatures, keys, greedy),
     the same tokens, from fp32 x [rows, width], without writing the product."""
     x = x.float().contiguous()
@@ -110,7 +113,7 @@ def lm_head_draw(x: torch.Tensor, w: Q8Rows, draw: tuple[torch.Tensor, torch.Ten
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
     temperatures, keys, greedy = _per_row(rows, draw)
     tokens = torch.empty(rows, dtype=torch.int64)
-    if _library().q8_matmul_draw(
+    if _library(isa).q8_matmul_draw(
             x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(), w.fp16,
             w.halves, w.narrow, w.codes.shape[0], w.out, temperatures.data_ptr(),
             keys.data_ptr(), greedy.data_ptr(), tokens.data_ptr(),

@@ -189,20 +189,15 @@ static void sink_tile(const tile_sink *o, int rows, int n, int g, int r, int tak
         float top = top_of_16(out[i]), *score = out[i]; /* a max first: most tiles beat nothing */
         float drawn[16];
         if (o->temps && !o->greedy[r + i]) { /* a draw: the tile can win only within the noise */
-            float t = o->temps[r + i], at_best = o->best_value[slot + i], gap;
+            float t = o->temps[r + i], at_best = o->best_value[slot + i];
             if (o->best[slot + i] >= 0 && !(GUMBEL_MAX + top / t >= at_best))
                 continue;
             uint32_t key = (uint32_t)o->keys[r + i];
-            float u[16], u_top = 0.0f;
-            for (int c = 0; c < 16; c++) {
-                u[c] = uniform_of(key, g * 16 + c);
-                u_top = u[c] > u_top ? u[c] : u_top;
-            }
-            gap = at_best - top / t; /* the uniforms first: most tiles end here, without a log */
-            if (o->best[slot + i] >= 0 && noise_cannot_reach(u_top, gap))
+            /* the uniforms first: most tiles end here, without a log */
+            if (o->best[slot + i] >= 0 && !tile_noise_may_reach(key, g * 16, at_best - top / t))
                 continue;
             for (int c = 0; c < 16; c++)
-                drawn[c] = -log_positive(-log_positive(u[c])) + out[i][c] / t;
+                drawn[c] = gumbel_of(key, g * 16 + c) + out[i][c] / t;
             score = drawn;
             top = top_of_16(drawn);
         }

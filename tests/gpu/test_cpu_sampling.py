@@ -151,6 +151,29 @@ def test_the_c_cuts_draw_what_the_torch_cuts_draw(kind, spread):
         assert got.tolist() == want.tolist(), step
 
 
+@pytest.mark.parametrize("isa", ["avx2", "c"])
+def test_the_c_cuts_draw_alike_in_every_build(isa):
+    """cut_draw's AVX2 and plain-C gathers (the tests above run this CPU's own build) draw the
+    same tokens as the native build, for every cut of CUTS over flat and peaked rows."""
+    rows, vocab = 20, 3000
+    gen = torch.Generator().manual_seed(3)
+    settings = [c for kind in sorted(CUTS) for c in CUTS[kind]]
+    top_k = torch.tensor([c.get("top_k", 0) for c in settings])
+    top_p = torch.tensor([c.get("top_p", float("inf")) for c in settings])
+    log_min_p = torch.tensor([c.get("min_p", 0.0) for c in settings]).log()
+    temperatures = torch.linspace(0.3, 2.0, rows)
+    greedy = torch.zeros(rows, dtype=torch.bool)
+    for spread in (0.5, 3.0, 12.0):
+        logits = torch.randn(rows, vocab, generator=gen) * spread
+        for draw in range(4):
+            keys = keys_of(rows, seed=draw)
+            cuts = (top_k, top_p, log_min_p)
+            assert cpu_sampling.cut_draw(logits, temperatures, keys, greedy, cuts, isa=isa).tolist() \
+                == cpu_sampling.cut_draw(logits, temperatures, keys, greedy, cuts).tolist()
+            assert cpu_sampling.cut_draw(logits, temperatures, keys, greedy, isa=isa).tolist() \
+                == cpu_sampling.cut_draw(logits, temperatures, keys, greedy).tolist()
+
+
 def test_the_c_cuts_refuse_rows_of_the_wrong_shape():
     logits, one = torch.zeros(3, 10), torch.ones(3)
     with pytest.raises(ValueError, match="one top_k, top_p and log_min_p per row"):
@@ -159,10 +182,12 @@ def test_the_c_cuts_refuse_rows_of_the_wrong_shape():
         cpu_sampling.cut_draw(logits.double(), one, one.long(), one)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 32])
-def test_the_lm_heads_draw_is_the_draw_from_its_written_logits(rows):
+@pytest.mark.parametrize("rows,isa", [(1, "native"), (5, "native"), (32, "native"),
+                                      (5, "avx2"), (32, "avx2"), (32, "c")])
+def test_the_lm_heads_draw_is_the_draw_from_its_written_logits(rows, isa):
     """cpu_sampling.lm_head_draw (the 8-bit lm_head drawing tile by tile, skipping the noise of
-    tiles that cannot win) against cut_draw over the product q8_matmul writes."""
+    tiles whose hashed uniforms cannot lift them to the best) against cut_draw over the product
+    q8_matmul writes, in each build (AVX-512, AVX2 and plain C test the hashes apart)."""
     from gpu.codes_layout import Q8Rows
     from gpu.cpu_q4_kernel import q8_matmul
     gen = torch.Generator().manual_seed(rows)
@@ -177,7 +202,7 @@ def test_the_lm_heads_draw_is_the_draw_from_its_written_logits(rows):
     assert logits.shape == (rows, vocab)
     for draw in range(16):  # 16 draws a row: a wrongly skipped tile wins one of them
         keys = keys_of(rows, seed=100 * rows + draw)
-        drawn = cpu_sampling.lm_head_draw(x, head, (temperatures, keys, greedy))
+        drawn = cpu_sampling.lm_head_draw(x, head, (temperatures, keys, greedy), isa=isa)
         assert drawn.tolist() == cpu_sampling.cut_draw(logits, temperatures, keys,
                                                        greedy).tolist(), draw
         assert (drawn < vocab).all()
