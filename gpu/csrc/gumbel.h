@@ -68,7 +68,10 @@ static inline int noise_cannot_reach(float u_top, float gap) {
     if (!(bits >= 1.0f))
         return 0;
     int k = bits >= 24.0f ? 24 : (int)bits;
-    return u_top < 1.0f - ldexpf(1.0f, -k);
+    uint32_t power = (uint32_t)(127 - k) << 23; /* 2^-k's bits: ldexpf was a call a token */
+    float below_one;
+    memcpy(&below_one, &power, sizeof below_one);
+    return u_top < 1.0f - below_one;
 }
 
 /* Whether a token of first .. first + 15 can gain `gap` from its noise: !noise_cannot_reach
