@@ -4,6 +4,7 @@ uniform, so a seeded request draws the same tokens alone or in any batch (see gp
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # ---------------------------------------------------------------------------------------------
@@ -47,11 +48,34 @@ def _fmix32_(h: torch.Tensor) -> torch.Tensor:
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """One int64 key per draw. `stream` separates independent uses of the same (seed,
-    position): token sampling is stream 0; speculative acceptance can use stream 1."""
+    position): token sampling is stream 0; speculative acceptance can use stream 1. On the CPU
+    in numpy's uint64, which wraps as the hash wants: the same keys as torch's ~15 int64 ops,
+    in a third of the time (57 us of a sampled one-stream step, ~1% of SmolLM2's)."""
+    if seeds.device.type == "cpu" and positions.device.type == "cpu":
+        return torch.from_numpy(_row_keys_host(seeds.numpy(), positions.numpy(), stream))
+    return _row_keys_device(seeds, positions, stream)
+
+
+def _row_keys_device(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     z = seeds.long() + _wrap((stream + 1) * 0x9E3779B97F4A7C15, 64)
     _mix64_(z)
     z += (positions.long() + 1) * _GOLDEN64
     return _mix64_(z)
+
+
+def _mix64_host(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _row_keys_host(seeds: np.ndarray, positions: np.ndarray, stream: int) -> np.ndarray:
+    z = seeds.astype(np.int64).view(np.uint64) + np.uint64((stream + 1) * 0x9E3779B97F4A7C15
+                                                            & (2**64 - 1))
+    z = _mix64_host(z)
+    z += (positions.astype(np.int64).view(np.uint64) + np.uint64(1)) * np.uint64(
+        0x9E3779B97F4A7C15)
+    return _mix64_host(z).view(np.int64)
 
 
 def token_terms(token_ids: torch.Tensor) -> torch.Tensor:
