@@ -74,10 +74,23 @@ static inline int noise_cannot_reach(float u_top, float gap) {
     return u_top < 1.0f - below_one;
 }
 
+/* uniform_of's hash in vector lanes, h holding each token's id + 1 (P: _mm512 or _mm256, S:
+ * si512 or si256), for tile_noise_may_reach below. */
+#define FMIX_LANES(P, S, h, key)                                                          \
+    do {                                                                                  \
+        h = P##_xor_##S(P##_mullo_epi32(h, P##_set1_epi32((int32_t)0x9E3779B9u)),         \
+                        P##_set1_epi32((int32_t)(key)));                                  \
+        h = P##_xor_##S(h, P##_srli_epi32(h, 16));                                        \
+        h = P##_mullo_epi32(h, P##_set1_epi32((int32_t)0x85EBCA6Bu));                     \
+        h = P##_xor_##S(h, P##_srli_epi32(h, 13));                                        \
+        h = P##_mullo_epi32(h, P##_set1_epi32((int32_t)0xC2B2AE35u));                     \
+        h = P##_xor_##S(h, P##_srli_epi32(h, 16));                                        \
+    } while (0)
+
 /* Whether a token of first .. first + 15 can gain `gap` from its noise: !noise_cannot_reach
  * (its uniform, gap) for one of them, the same answer, tested on the hashes' integer bits
- * (u >= 1 - 2^-k where the top 23 bits of h >= v_min, i.e. h >= v_min * 512) 8 lanes at a
- * time. The lm_head's draw asks it of ~45% of a sampled row's tiles (Gemma 3 at T = 0.8):
+ * (u >= 1 - 2^-k where the top 23 bits of h >= v_min, i.e. h >= v_min * 512) 8 or 16 lanes
+ * at a time. The lm_head's draw asks it of ~45% of a sampled row's tiles (Gemma 3 at T = 0.8):
  * scalar hashes, floats and ldexpf there were a quarter of the lm_head's time at 32 rows. */
 static inline int tile_noise_may_reach(uint32_t key, int64_t first, float gap) {
     float bits = (gap - 1e-3f) * 1.44269504f;
@@ -85,30 +98,19 @@ static inline int tile_noise_may_reach(uint32_t key, int64_t first, float gap) {
         return 1;
     int k = bits >= 24.0f ? 24 : (int)bits;
     int32_t h_min = (k == 24 ? 4194303 : 4194304 - (1 << (23 - k))) * 512;
+    uint32_t term = (uint32_t)(first + 1);
 #if defined(__AVX512F__)
-    __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(uint32_t)(first + 1)),
+    __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int32_t)term),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                    14, 15));
-    h = _mm512_xor_si512(_mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0x9E3779B9u)),
-                         _mm512_set1_epi32((int32_t)key));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0x85EBCA6Bu));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0xC2B2AE35u));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    FMIX_LANES(_mm512, si512, h, key);
     return _mm512_cmpge_epi32_mask(h, _mm512_set1_epi32(h_min)) != 0;
 #elif defined(__AVX2__)
-    __m256i term = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(uint32_t)(first + 1)),
-                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     __m256i reach = _mm256_setzero_si256();
-    for (int half = 0; half < 2; half++, term = _mm256_add_epi32(term, _mm256_set1_epi32(8))) {
-        __m256i h = _mm256_xor_si256(_mm256_mullo_epi32(term, _mm256_set1_epi32((int32_t)0x9E3779B9u)),
-                                     _mm256_set1_epi32((int32_t)key));
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)0x85EBCA6Bu));
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)0xC2B2AE35u));
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    for (int half = 0; half < 2; half++) {
+        __m256i h = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(term + 8u * half)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        FMIX_LANES(_mm256, si256, h, key);
         reach = _mm256_or_si256(reach, _mm256_cmpgt_epi32(h, _mm256_set1_epi32(h_min - 1)));
     }
     return !_mm256_testz_si256(reach, reach);
