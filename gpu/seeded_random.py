@@ -21,9 +21,12 @@ def _wrap(x: int, bits: int) -> int:
     return x - (1 << bits) if x >= 1 << (bits - 1) else x
 
 
-_GOLDEN64 = _wrap(0x9E3779B97F4A7C15, 64)
-_MIX64_1 = _wrap(0xBF58476D1CE4E5B9, 64)
-_MIX64_2 = _wrap(0x94D049BB133111EB, 64)
+# splitmix64's constants, unsigned (numpy's uint64 on the host) and as int64 (torch's ops)
+_GOLDEN64_BITS, _MIX64_1_BITS, _MIX64_2_BITS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                0x94D049BB133111EB)
+_GOLDEN64 = _wrap(_GOLDEN64_BITS, 64)
+_MIX64_1 = _wrap(_MIX64_1_BITS, 64)
+_MIX64_2 = _wrap(_MIX64_2_BITS, 64)
 _GOLDEN32 = _wrap(0x9E3779B9, 32)
 _FMIX32_1 = _wrap(0x85EBCA6B, 32)
 _FMIX32_2 = _wrap(0xC2B2AE35, 32)
@@ -61,24 +64,24 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int = 0) -> t
 
 
 def _row_keys_device(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
-    z = seeds.long() + _wrap((stream + 1) * 0x9E3779B97F4A7C15, 64)
+    z = seeds.long() + _wrap((stream + 1) * _GOLDEN64_BITS, 64)
     _mix64_(z)
     z += (positions.long() + 1) * _GOLDEN64
     return _mix64_(z)
 
 
 def _mix64_host(z: np.ndarray) -> np.ndarray:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    """_mix64_ on uint64 arrays (numpy's array arithmetic wraps silently)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX64_1_BITS)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX64_2_BITS)
     return z ^ (z >> np.uint64(31))
 
 
 def _row_keys_host(seeds: np.ndarray, positions: np.ndarray, stream: int) -> np.ndarray:
-    z = seeds.astype(np.int64).view(np.uint64) + np.uint64((stream + 1) * 0x9E3779B97F4A7C15
+    z = seeds.astype(np.int64).view(np.uint64) + np.uint64((stream + 1) * _GOLDEN64_BITS
                                                             & (2**64 - 1))
     z = _mix64_host(z)
-    z += (positions.astype(np.int64).view(np.uint64) + np.uint64(1)) * np.uint64(
-        0x9E3779B97F4A7C15)
+    z += (positions.astype(np.int64).view(np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN64_BITS)
     return _mix64_host(z).view(np.int64)
 
 
