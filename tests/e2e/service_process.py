@@ -32,8 +32,18 @@ class ServiceProcess:
                  bind_host: str = "127.0.0.1") -> None:
         """`extra`: more `fmserve serve` flags; `curve`: the client keys, for a CURVE service;
         `bind_host`: where it binds (clients connect over loopback either way)."""
+        self.curve = curve
+        for attempt in range(3):  # a free port can be taken by another test before it binds
+            try:
+                self._start(model_path, extra, bind_host)
+                return
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+
+    def _start(self, model_path: Path, extra: tuple[str, ...], bind_host: str) -> None:
         self.port, self.tport, self.http_port = free_port(), free_port(), free_port()
-        self.endpoint, self.curve = f"tcp://127.0.0.1:{self.port}", curve
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
@@ -46,7 +56,7 @@ class ServiceProcess:
              "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
-        with Client(self.endpoint, curve=curve) as c:
+        with Client(self.endpoint, curve=self.curve) as c:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"fmserve serve exited early:\n{self.log_text()}")
