@@ -167,11 +167,10 @@ def test_the_c_cuts_draw_alike_in_every_build(isa):
         logits = torch.randn(rows, vocab, generator=gen) * spread
         for draw in range(4):
             keys = keys_of(rows, seed=draw)
-            cuts = (top_k, top_p, log_min_p)
-            assert cpu_sampling.cut_draw(logits, temperatures, keys, greedy, cuts, isa=isa).tolist() \
-                == cpu_sampling.cut_draw(logits, temperatures, keys, greedy, cuts).tolist()
-            assert cpu_sampling.cut_draw(logits, temperatures, keys, greedy, isa=isa).tolist() \
-                == cpu_sampling.cut_draw(logits, temperatures, keys, greedy).tolist()
+            for cuts in ((top_k, top_p, log_min_p), None):  # and every row without a cut
+                built, native = (cpu_sampling.cut_draw(logits, temperatures, keys, greedy, cuts,
+                                                       isa=build) for build in (isa, "native"))
+                assert built.tolist() == native.tolist(), (spread, draw, cuts is None)
 
 
 def test_the_c_cuts_refuse_rows_of_the_wrong_shape():
