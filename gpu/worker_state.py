@@ -174,14 +174,14 @@ class WorkerState:
         released = unpack_i32(plan.released_slots)
         for slot in released.tolist():
             self.sampling_state.release(slot)
-        self.future_map.release(host_to_device(released.astype(np.int64), self.device))
+        if released.size:
+            self.future_map.release(host_to_device(released.astype(np.int64), self.device))
         for req in plan.new_requests:
             self.sampling_state.set_request(req.slot, req.params, [], req.output_start)
             if req.cached_ids:  # a borrowed prefix: no prefill chunk will carry it
                 self.sampling_state.add_prefill_chunk(req.slot, unpack_i32(req.cached_ids), 0)
-        for grant in plan.grants:
-            pages = host_to_device(unpack_i32(grant.pages).copy(), self.device)
-            self.req_to_token.grant_pages(grant.slot, grant.first_page_index, pages)
+        self.req_to_token.grant_all([(g.slot, g.first_page_index, unpack_i32(g.pages))
+                                     for g in plan.grants])
 
     def sample(self, hidden: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
                slots_host: np.ndarray) -> SampleOutput:

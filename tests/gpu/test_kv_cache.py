@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.kv_cache import KVPool
+from gpu.kv_cache import KVPool, ReqToTokenPool
 
 
 def resident_bytes(buffer: torch.Tensor) -> int:
@@ -91,3 +91,22 @@ def test_rope_tables_cover_the_positions_the_kv_cache_can_hold_and_no_more(tiny_
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     [a], [b] = small.generate([prompt], params), whole.generate([prompt], params)
     assert len(a.token_ids) == 8 and a.token_ids == b.token_ids
+
+
+def test_a_steps_grants_in_one_scatter_map_what_each_grant_alone_maps():
+    """grant_all (the worker's path, one scatter a step) fills req_to_token as grant_pages does
+    grant by grant: later page indices of a slot, several slots, a grant cut at the context."""
+    grants = [(1, 0, np.array([3, 7], dtype=np.int32)), (2, 0, np.array([5], dtype=np.int32)),
+              (1, 2, np.array([9], dtype=np.int32)), (3, 2, np.array([2, 4, 6], dtype=np.int32))]
+    one_by_one = ReqToTokenPool(num_slots=4, max_context_len=10, page_size=4, device="cpu")
+    for slot, first, pages in grants:
+        one_by_one.grant_pages(slot, first, torch.from_numpy(pages))
+    together = ReqToTokenPool(num_slots=4, max_context_len=10, page_size=4, device="cpu")
+    together.grant_all(grants)
+    assert torch.equal(together.req_to_token, one_by_one.req_to_token)
+    assert together.req_to_token[1].tolist() == [12, 13, 14, 15, 28, 29, 30, 31, 36, 37]
+    assert together.req_to_token[3, 8:].tolist() == [8, 9]  # page 2 of slot 3: past the end
+    assert not together.req_to_token[0].any()  # the padding slot stays untouched
+    together.grant_all([])
+    with pytest.raises(ValueError, match="slot 4 is outside 1..3"):
+        together.grant_all([(4, 0, np.array([1], dtype=np.int32))])
