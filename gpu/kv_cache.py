@@ -80,7 +80,7 @@ class ReqToTokenPool:
 
     def grant_all(self, grants: list[tuple[int, int, np.ndarray]]) -> None:
         """Several grants (slot, first_page_index, page ids on the host) in one scatter: the
-        host works the locations out, one copy and one index_put_ carry them over. On a GPU
+        host works the locations out, one copy and one index_copy_ carry them over. On a GPU
         each grant_pages is a copy and four launches (~50 us of host time; ~2.5 grants a step
         at 32 streams), and the host is what bounds a step there (docs/benchmarks.md)."""
         if not grants:
@@ -95,10 +95,9 @@ class ReqToTokenPool:
             end = min(start + grant_locs.size, width)
             rows.append(np.arange(slot * width + start, slot * width + end, dtype=np.int64))
             locs.append(grant_locs[: max(end - start, 0)].astype(np.int32))
-        device = self.req_to_token.device
-        flat_rows = host_to_device(np.concatenate(rows), device)
-        self.req_to_token.view(-1).index_put_((flat_rows,),
-                                              host_to_device(np.concatenate(locs), device))
+        device = self.req_to_token.device  # index_copy_: no host sync on CUDA (as KV writes)
+        self.req_to_token.view(-1).index_copy_(0, host_to_device(np.concatenate(rows), device),
+                                               host_to_device(np.concatenate(locs), device))
 
     def locations(self, slot: int, start: int, end: int) -> torch.Tensor:
         return self.req_to_token[slot, start:end]
