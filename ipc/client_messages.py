@@ -151,6 +151,9 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     replicas: list[ReplicaStatus] = []
     # The worker's compiled decode step as of its last step (ipc/worker_messages.py)
     decode_compile: DecodeCompile = "off"
+    # The service process's CPU time since it started, all its threads (scheduling, replies,
+    # ZMQ's I/O threads, HTTP): per step, what a step costs this side of the worker.
+    service_cpu_ms: float = 0.0
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True, omit_defaults=True):

@@ -65,7 +65,8 @@ class ServiceCounters:
                      cached_pages=acc["cached_pages"],
                      prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
                      instance=instance, draining=draining, replicas=replicas,
-                     decode_compile=self.decode_compile_of(info))
+                     decode_compile=self.decode_compile_of(info),
+                     service_cpu_ms=time.process_time() * 1000.0)
 
     def decode_compile_of(self, info: WorkerInfo) -> DecodeCompile:
         return self.decode_compile or info.decode_compile

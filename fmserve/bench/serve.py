@@ -61,6 +61,9 @@ class RunResult:
     timings: list[RequestTiming]
     wall: float
     idle_share: float | None = None  # worker idle / (idle + busy) during the run
+    # The service process's CPU time a step during the run (all its threads): where it nears
+    # the step's time, the scheduling side and not the worker bounds the rate.
+    service_cpu_ms: float | None = None
 
     @property
     def output_tps(self) -> float:
@@ -242,7 +245,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     results = pool_rounds(results)
     header = ["run", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
               "E2E p50 ms", "E2E p99 ms", "output tok/s", "vs offline b32",
-              "worker idle %"]
+              "worker idle %", "service CPU ms/step"]
     rows = []
     for r in results:
         ttft = [t.ttft for t in r.timings]
@@ -251,7 +254,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         rows.append([r.name, str(len(r.timings)), pct(ttft, 50), pct(ttft, 99), pct(itl, 50),
                      pct(itl, 99), pct(e2e, 50), pct(e2e, 99), f"{r.output_tps:.1f}",
                      f"{r.output_tps / baseline:.2f}",
-                     "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}"])
+                     "-" if r.idle_share is None else f"{100 * r.idle_share:.1f}",
+                     "-" if r.service_cpu_ms is None else f"{r.service_cpu_ms:.2f}"])
     rounds_note = (f", {args.alternate} alternated runs each pooled" if args.alternate else
                    f", {args.rounds} rounds pooled" if args.rounds > 1 else "")
     lines = print_table(console, f"serve: {args.dtype}, {args.max_new_tokens} new tokens/request, "
@@ -307,7 +311,8 @@ def workloads(args, endpoint: str, tag: str, levels: list[int], n: int, prompts:
 
 
 def measure(endpoint: str, name: str, make) -> RunResult:
-    """One run, with the worker's idle share over it (from the service's health counters)."""
+    """One run, with the worker's idle share and the service's CPU time a step over it (from
+    the service's health counters)."""
     with Client(endpoint) as client:
         before = client.health()
         result = asyncio.run(make())
@@ -315,6 +320,9 @@ def measure(endpoint: str, name: str, make) -> RunResult:
     idle = after.worker_idle_ms - before.worker_idle_ms
     busy = after.worker_busy_ms - before.worker_busy_ms
     result.name, result.idle_share = name, idle / max(idle + busy, 1e-9)
+    steps = after.steps - before.steps
+    if steps > 0:
+        result.service_cpu_ms = (after.service_cpu_ms - before.service_cpu_ms) / steps
     return result
 
 

@@ -24,6 +24,7 @@ class Run(Protocol):
     timings: list
     wall: float
     idle_share: float | None
+    service_cpu_ms: float | None
 
     @property
     def output_tps(self) -> float: ...
@@ -56,21 +57,29 @@ def alternate(runs: list[list[tuple[str, Callable[[], T]]]], times: int,
     return results
 
 
+# A run's figures that its repeats average (those it has: None where it was not measured).
+AVERAGED = ("idle_share", "service_cpu_ms")
+
+
 def pool_rounds(results: list[R]) -> list[R]:
     """One result per run name, in first-seen order: the rounds' requests pooled, their wall
-    times summed (so output tok/s is over all rounds) and their idle shares averaged."""
+    times summed (so output tok/s is over all rounds) and their idle shares and service CPU
+    times a step averaged."""
     pooled: dict[str, R] = {}
-    shares: dict[str, list[float]] = {}
+    seen: dict[str, dict[str, list[float]]] = {}
     for r in results:
         if r.name not in pooled:
-            pooled[r.name] = dataclasses.replace(r, timings=[], wall=0.0, idle_share=None)
-            shares[r.name] = []
+            pooled[r.name] = dataclasses.replace(r, timings=[], wall=0.0,
+                                                 **dict.fromkeys(AVERAGED))
+            seen[r.name] = {f: [] for f in AVERAGED}
         pooled[r.name].timings += r.timings
         pooled[r.name].wall += r.wall
-        if r.idle_share is not None:
-            shares[r.name].append(r.idle_share)
+        for f in AVERAGED:
+            if getattr(r, f) is not None:
+                seen[r.name][f].append(getattr(r, f))
     for name, r in pooled.items():
-        r.idle_share = float(np.mean(shares[name])) if shares[name] else None
+        for f, values in seen[name].items():
+            setattr(r, f, float(np.mean(values)) if values else None)
     return list(pooled.values())
 
 

@@ -30,14 +30,18 @@ def test_bench_serve_overlap_on_off_end_to_end(tmp_path, model_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] == "2" and float(cells[8]) > 0  # requests, output tok/s
         assert 0 <= float(cells[10]) <= 100  # worker idle %
+        # the service's CPU time a step: some, and less than the run's wall time a step on the
+        # machine's cores (a step of 2 requests and 4 tokens is tens of ms on a CPU)
+        assert 0 < float(cells[11]) < 5000, cells
     summary = re.search(r"- concurrency 2: overlap on \(launch-ahead prepare\)/off throughput ([\d.]+)x; worker idle "
                         r"([\d.]+)% on, ([\d.]+)% off; ceiling ([\d.]+)x", text)
     assert summary, text
     assert float(summary.group(1)) > 0 and float(summary.group(4)) >= 1.0
 
 
-def run(name: str, tokens: int, wall: float, idle: float | None) -> RunResult:
-    return RunResult(name, [RequestTiming(0.1, [], 1.0, tokens)], wall, idle)
+def run(name: str, tokens: int, wall: float, idle: float | None,
+        cpu_ms: float | None = None) -> RunResult:
+    return RunResult(name, [RequestTiming(0.1, [], 1.0, tokens)], wall, idle, cpu_ms)
 
 
 def test_overlap_summary_pairs_workloads_and_bounds_the_gain():
@@ -90,15 +94,17 @@ def test_rounds_alternate_the_order_so_every_variant_holds_every_position():
 
 
 def test_rounds_pool_per_run_and_keep_each_rounds_ratio():
-    rounds = [run("overlap on, concurrency 8", 110, 1.0, 0.01),
-              run("overlap off, concurrency 8", 100, 1.0, 0.03),
-              run("overlap on, concurrency 8", 90, 1.0, 0.03),
-              run("overlap off, concurrency 8", 100, 1.0, 0.05)]
+    rounds = [run("overlap on, concurrency 8", 110, 1.0, 0.01, 0.5),
+              run("overlap off, concurrency 8", 100, 1.0, 0.03, None),
+              run("overlap on, concurrency 8", 90, 1.0, 0.03, 0.7),
+              run("overlap off, concurrency 8", 100, 1.0, 0.05, 0.9)]
     pooled = pool_rounds(rounds)
     assert [r.name for r in pooled] == ["overlap on, concurrency 8", "overlap off, concurrency 8"]
     assert [len(r.timings) for r in pooled] == [2, 2]
     assert [r.output_tps for r in pooled] == [100.0, 100.0]  # (110 + 90) / 2 s
     assert [round(r.idle_share, 3) for r in pooled] == [0.02, 0.04]
+    # a figure a repeat lacks is left out of its mean, not counted as 0
+    assert [round(r.service_cpu_ms, 3) for r in pooled] == [0.6, 0.9]
     assert round_ratios(rounds) == [
         "- concurrency 8: overlap on/off by round: 1.100x 0.900x; median 1.000x"]
     assert round_ratios(rounds[:2]) == ["- concurrency 8: overlap on/off by round: 1.100x"]
