@@ -28,7 +28,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far (`text`), in the order emitted
         # The window, as DecodeStream keeps it: it starts at a point where the decoded text was
         # complete; tokens before _read_offset are emitted.
         self._prefix_offset = 0
@@ -42,7 +42,7 @@ class IncrementalDetokenizer:
         if not new_text:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        self.text += new_text
+        self._pieces.append(new_text)  # not `text += `: an attribute's string is copied whole
         return new_text
 
     def flush(self) -> str:
@@ -52,8 +52,13 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self._prefix_offset:])[len(prefix_text):]
         self._prefix_offset = self._read_offset = len(self.ids)
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-        self.text += new_text
+        self._pieces.append(new_text)
         return new_text
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -237,15 +237,16 @@ class SchedulerCore:
         """Make req own pages for num_tokens tokens, retracting newer requests if needed.
         Returns False if req itself had to be retracted."""
         need = self.pages.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:  # most decode steps: the last page has room
+            return True
         while need > self._num_free_pages():
             victim = next(reversed(self.running.values()))
             self._retract(victim, grants)
             if victim is req:
                 return False
-        if need > 0:
-            new_pages = self._allocate_pages(need)
-            grants.append(PageGrant(req.slot, len(req.pages), pack_i32(new_pages)))
-            req.pages.extend(new_pages)
+        new_pages = self._allocate_pages(need)
+        grants.append(PageGrant(req.slot, len(req.pages), pack_i32(new_pages)))
+        req.pages.extend(new_pages)
         return True
 
     def _borrow_prefix(self, req: Request) -> list:
@@ -303,7 +304,8 @@ class SchedulerCore:
         # Under speculation a verify row emits accept_len + 1 tokens, a prefill row one.
         accept = unpack_i32(result.accept_lens) if result.accept_lens else None
         counts = np.ones(len(slots), dtype=np.int64) if accept is None else np.maximum(accept + 1, 1)
-        starts = np.cumsum(counts) - counts
+        starts = (np.cumsum(counts) - counts).tolist()
+        counts, tokens = counts.tolist(), tokens.tolist()  # Python ints: read row by row
         planned = self._inflight.pop(result.step_id, {})
         outputs = []
         accepted: list[int] = []  # this step's verify rows, for the service-wide statistics
@@ -318,9 +320,9 @@ class SchedulerCore:
                     req.num_preemptions != epoch:
                 self.num_stale_results += 1
                 continue  # finished, aborted or retracted after this step was planned: drop
-            first = int(starts[row])
+            first = starts[row]
             out, reason = TokenOutput(req.rid, [], first), None
-            for token in tokens[first:first + int(counts[row])].tolist():
+            for token in tokens[first:first + counts[row]]:
                 out.token_ids.append(token)
                 reason = self._on_token(req, token, now)
                 if reason is not None:  # tokens past a stop are dropped
