@@ -101,3 +101,5 @@ class TelemetrySnapshot(msgspec.Struct, tag="snapshot", frozen=True):
     # Each data-parallel replica's worker, batch and KV (one with parallel.dp = 1); the fields
     # above sum them (`worker`: alive while any replica serves, pid the first replica's).
     replicas: list[ReplicaStatus] = []
+    # The service process's CPU time since it started, as in Stats (None: an older service)
+    service_cpu_ms: float | None = None

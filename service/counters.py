@@ -66,10 +66,16 @@ class ServiceCounters:
                      prefix_cache_hit_tokens=acc["prefix_cache_hit_tokens"],
                      instance=instance, draining=draining, replicas=replicas,
                      decode_compile=self.decode_compile_of(info),
-                     service_cpu_ms=time.process_time() * 1000.0)
+                     service_cpu_ms=self.service_cpu_ms)
 
     def decode_compile_of(self, info: WorkerInfo) -> DecodeCompile:
         return self.decode_compile or info.decode_compile
+
+    @property
+    def service_cpu_ms(self) -> float:
+        """This process's CPU time since it started, all its threads (scheduling, replies,
+        ZMQ's I/O threads, HTTP): Stats and telemetry report it, readers take its growth."""
+        return time.process_time() * 1000.0
 
     @property
     def worker_idle_share(self) -> float:

@@ -115,7 +115,8 @@ class TelemetryPublisher:
             spec_config=self._spec_config,
             prefix_cache_hit_share=sum(c.hit_tokens for c in caches)
             / max(1, sum(c.admitted_tokens for c in caches)) if caches else None,
-            cached_pages=acc["cached_pages"], draining=draining, replicas=replicas)
+            cached_pages=acc["cached_pages"], draining=draining, replicas=replicas,
+            service_cpu_ms=counters.service_cpu_ms)
 
     def publish(self, schedulers: Sequence[Scheduler], info: WorkerInfo,
                 worker_state: WorkerState, replicas: list[ReplicaStatus],

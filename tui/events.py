@@ -84,6 +84,7 @@ class SnapshotTracker:
     accept_len: deque[float] = field(default_factory=deque)
     steps_per_s: float | None = None  # from step ids between the last two snapshots
     worker_busy: float | None = None  # share of that time the worker spent in forwards
+    service_ms_per_step: float | None = None  # the service's CPU time a step, over that time
 
     def mark_abort_requested(self, key: str) -> None:
         if key in self.tracks:
@@ -103,7 +104,7 @@ class SnapshotTracker:
             return []
         restarted = service_restarted(prev, snap)
         if restarted:  # step ids start again at 1: no rate across the two runs
-            self.steps_per_s = self.worker_busy = None
+            self.steps_per_s = self.worker_busy = self.service_ms_per_step = None
         else:
             self._step_rates(prev, snap)
         return self._diff(prev, snap, current, restarted)
@@ -134,6 +135,9 @@ class SnapshotTracker:
         # recent_steps holds the last few steps only: scale their mean to all n of them.
         mean_fwd_s = sum(s.forward_ms for s in new) / len(new) / 1000.0 if new else 0.0
         self.worker_busy = min(1.0, n * mean_fwd_s / dt)
+        known = snap.service_cpu_ms is not None and prev.service_cpu_ms is not None
+        self.service_ms_per_step = ((snap.service_cpu_ms - prev.service_cpu_ms) / n
+                                    if known and n > 0 else None)
 
     def _sample(self, key: str, r: RequestTelemetry, now: float) -> None:
         track = self.tracks.get(key)

@@ -202,6 +202,8 @@ def step_timing_text(snap: TelemetrySnapshot, tracker: SnapshotTracker) -> Text:
         out.append(f"{tracker.steps_per_s:5.1f} steps/s  worker busy ~{tracker.worker_busy:.0%}\n")
     else:
         out.append(f"steps/s {NA}\n")
+    if tracker.service_ms_per_step is not None:  # near the step's time: the service bounds it
+        out.append(f"service CPU {tracker.service_ms_per_step:6.2f} ms/step\n")
     idle_share = snap.worker_idle_share
     if not steps:
         out.append(f"overlap efficiency {NA} (no steps yet)", style="dim")

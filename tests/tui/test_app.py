@@ -455,6 +455,12 @@ async def test_live_service_with_concurrent_clients_and_abort(live_service):
             first = {r[0]: r[4] for r in table_rows(app)}["victim"]
             await until(pilot, lambda: {r[0]: r[4] for r in table_rows(app)}.get("victim", 0)
                         > first, timeout_s=30, what="victim to generate more tokens")
+            # The service's own CPU time a step, from the growth of its snapshots'
+            # service_cpu_ms over the steps between them (the line shows only while steps run).
+            steps_panel = lambda: str(app.query_one("#steps").render())  # noqa: E731
+            await until(pilot, lambda: (app.tracker.service_ms_per_step or 0) > 0
+                        and "ms/step" in steps_panel(), timeout_s=10,
+                        what="the service's CPU time a step in the step panel")
             # Select the victim and abort it through the monitor.
             table = app.query_one("#batch", DataTable)
             table.move_cursor(row=[r[0] for r in table_rows(app)].index("victim"))

@@ -59,6 +59,30 @@ def steps(first: int) -> list[StepTelemetry]:
                           wall_ms=25.0, idle_ms=1.0) for i in range(4)]
 
 
+async def test_the_services_cpu_time_a_step_comes_from_two_snapshots(pub):
+    """service_cpu_ms grows by 10 ms over 4 steps: 2.50 ms a step in the step panel; a snapshot
+    without it (an older service) or with no step since the last one shows none."""
+    app = make_app(pub.endpoint)
+    async with app.run_test(size=SIZE) as pilot:
+        for i, (t, cpu) in enumerate(((1000.0, 500.0), (1001.0, 510.0))):
+            snap = msgspec.structs.replace(snapshot(t, [req("a", 1, 40 + i, 10 + i)]),
+                                           recent_steps=steps(500 + 4 * i), service_cpu_ms=cpu)
+            await show(pilot, app, pub, snap)
+        assert app.tracker.service_ms_per_step == pytest.approx(2.5)
+        await until(pilot, lambda: "service CPU   2.50 ms/step" in str(
+            app.query_one("#steps").render()), what="the service's CPU time a step")
+        same_steps = msgspec.structs.replace(snapshot(1002.0, [req("a", 1, 42, 12)]),
+                                             recent_steps=steps(504), service_cpu_ms=520.0)
+        await show(pilot, app, pub, same_steps)  # no step ran: no figure, not 10 ms / 0
+        assert app.tracker.service_ms_per_step is None
+        older = msgspec.structs.replace(snapshot(1003.0, [req("a", 1, 43, 13)]),
+                                        recent_steps=steps(508))  # service_cpu_ms None
+        await show(pilot, app, pub, older)
+        assert app.tracker.service_ms_per_step is None
+        await until(pilot, lambda: "ms/step" not in str(app.query_one("#steps").render()),
+                    what="the line to go")
+
+
 async def test_a_restart_before_anything_finished_is_noticed(pub):
     app = make_app(pub.endpoint)
     async with app.run_test(size=SIZE) as pilot:
