@@ -9,6 +9,7 @@ snapshot times, so it does not depend on how often the screen redraws.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -136,8 +137,10 @@ class SnapshotTracker:
         mean_fwd_s = sum(s.forward_ms for s in new) / len(new) / 1000.0 if new else 0.0
         self.worker_busy = min(1.0, n * mean_fwd_s / dt)
         known = snap.service_cpu_ms is not None and prev.service_cpu_ms is not None
-        self.service_ms_per_step = ((snap.service_cpu_ms - prev.service_cpu_ms) / n
-                                    if known and n > 0 else None)
+        per_step = (snap.service_cpu_ms - prev.service_cpu_ms) / n if known and n > 0 else None
+        # None where not reported, no step ran, or a foreign publisher sent NaN or infinity
+        self.service_ms_per_step = per_step if per_step is None or math.isfinite(per_step) \
+            else None
 
     def _sample(self, key: str, r: RequestTelemetry, now: float) -> None:
         track = self.tracks.get(key)

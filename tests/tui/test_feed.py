@@ -81,6 +81,14 @@ async def test_the_services_cpu_time_a_step_comes_from_two_snapshots(pub):
         assert app.tracker.service_ms_per_step is None
         await until(pilot, lambda: "ms/step" not in str(app.query_one("#steps").render()),
                     what="the line to go")
+        # A foreign publisher's NaN or infinity, steps running: no figure rather than "nan".
+        for k, bad in enumerate((float("nan"), float("inf"))):
+            for j, cpu in enumerate((600.0, bad)):
+                snap = msgspec.structs.replace(snapshot(1004.0 + 2 * k + j, [req("a", 1, 44, 14)]),
+                                               recent_steps=steps(512 + 8 * k + 4 * j),
+                                               service_cpu_ms=cpu)
+                await show(pilot, app, pub, snap)
+            assert app.tracker.steps_per_s and app.tracker.service_ms_per_step is None, bad
 
 
 async def test_a_restart_before_anything_finished_is_noticed(pub):

@@ -90,15 +90,17 @@ async def test_nan_and_inf_in_a_snapshot_leave_the_monitor_running(pub):
         await show(pilot, app, pub, snapshot(1000.0, running, speculation=True))
         await pilot.press("enter")  # the detail view draws the request's own rates
         assert isinstance(app.screen, RequestDetailScreen)
-        for i, fields in enumerate([dict(output_tokens_per_s=NAN, spec_accept_length=NAN),
+        for i, fields in enumerate([dict(output_tokens_per_s=NAN, spec_accept_length=NAN,
+                                         service_cpu_ms=NAN),
                                     dict(output_tokens_per_s=INF, spec_accept_length=-INF,
-                                         uptime_s=NAN),
+                                         uptime_s=NAN, service_cpu_ms=INF),
                                     dict(uptime_s=INF, time=1002.0 + 1e300)]):
             t = 1001.0 + i
             snap = msgspec.structs.replace(snapshot(t, running, speculation=True), **fields)
             await show(pilot, app, pub, snap)
             await pilot.pause(0.2)  # drawn
             assert app.is_running
+            assert app.tracker.service_ms_per_step is None  # not "nan ms/step"
         # A request leaves while the snapshot's time is out of any clock's range: an event.
         gone = msgspec.structs.replace(snapshot(1004.0, running[1:], finished=1), time=INF)
         await show(pilot, app, pub, gone)
