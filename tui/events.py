@@ -139,8 +139,8 @@ class SnapshotTracker:
         known = snap.service_cpu_ms is not None and prev.service_cpu_ms is not None
         per_step = (snap.service_cpu_ms - prev.service_cpu_ms) / n if known and n > 0 else None
         # None where not reported, no step ran, or a foreign publisher sent NaN or infinity
-        self.service_ms_per_step = per_step if per_step is None or math.isfinite(per_step) \
-            else None
+        finite = per_step is not None and math.isfinite(per_step)
+        self.service_ms_per_step = per_step if finite else None
 
     def _sample(self, key: str, r: RequestTelemetry, now: float) -> None:
         track = self.tracks.get(key)
