@@ -12,9 +12,9 @@ replies, ZMQ and the event loop (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
-import sys
 import time
 
 from fmserve.bench import DEV_PROMPTS
@@ -75,5 +75,15 @@ def main(levels: list[int]) -> None:
               f"token); runs {[round(r) for r in runs]}")
 
 
+def request_count(text: str) -> int:
+    n = int(text) if text.isdigit() else 0
+    if not 1 <= n <= 64:  # the made-up worker holds 64 requests
+        raise argparse.ArgumentTypeError(f"{text!r} is not a request count from 1 to 64")
+    return n
+
+
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1, 8, 32])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("levels", nargs="*", type=request_count, default=[1, 8, 32],
+                        help="requests decoding together, one run per level (default 1 8 32)")
+    main(parser.parse_args().levels)
