@@ -19,6 +19,7 @@ from rich.progress import Progress
 
 from fmserve.bench import dev_texts
 from fmserve.bench.tables import print_table
+from fmserve.bench.transformers_model import load_transformers
 from fmserve.default_model import resolve_model_path
 from fmserve.engine import Engine
 from ipc.worker_config import DEFAULT_Q4_MAX_TOKENS
@@ -82,13 +83,6 @@ def measure_transformers(model, prompts: list[list[int]], decode_len: int) -> tu
         t_total = time.perf_counter() - t0
     n = len(prompts)
     return n * ids.shape[1] / t_prefill, n * (decode_len - 1) / max(t_total - t_prefill, 1e-9)
-
-
-def load_transformers(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-    if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
 
 
 def run_bench_offline(args: argparse.Namespace) -> int:

@@ -52,7 +52,7 @@ class HFGroup:
         import torch
         from transformers.utils import logging as hf_logging
         from pathlib import Path
-        from fmserve.bench.offline import load_transformers
+        from fmserve.bench.transformers_model import load_transformers
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.torch, self.cfg = torch, cfg

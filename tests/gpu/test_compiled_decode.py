@@ -83,9 +83,11 @@ def greedy(engine: Engine, prompts, max_new_tokens, overlap: bool = False) -> li
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tiny_compiled(tiny_llama, tmp_path_factory):
-    """An engine compiling into a fresh fmserve cache dir (and no TORCHINDUCTOR_CACHE_DIR)."""
+    """An engine compiling into a fresh fmserve cache dir (and no TORCHINDUCTOR_CACHE_DIR).
+    One test's: the cache dir it sets must not reach the real model's test, which compiles
+    into the ordinary one."""
     cache = tmp_path_factory.mktemp("fmserve-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FMSERVE_CACHE", str(cache))

@@ -1,9 +1,9 @@
 """EAGLE speculative decoding end to end through the offline Engine (the real spec path).
 
 Greedy output with speculation must be token-identical to the plain engine's, whatever the
-head drafts: chain and tree, overlap on and off, torch and Triton attention, the shipped
-EAGLE-3 head (which gets drafts accepted, so multi-token steps and tree KV compaction run) and
-random EAGLE-3 / EAGLE-1 heads. Sampling must follow the target's distribution, and idle plans
+head drafts: chain and tree, overlap on and off, the shipped EAGLE-3 head (which gets drafts
+accepted, so multi-token steps and tree KV compaction run) and random EAGLE-3 / EAGLE-1 heads
+(the Triton backend's spec step: test_window_spec_deterministic.py, on a tiny model). Sampling must follow the target's distribution, and idle plans
 must run the spec path. Accounting returns to its initial state after every scenario.
 """
 
@@ -127,18 +127,6 @@ def test_abort_mid_stream_frees_everything(tree_engine, reference):
     assert rows[:5] == reference[:5]
 
 
-def test_triton_backend_tree(model_path, reference):
-    """The Triton kernels (tree-masked extend, paged decode) in the whole spec step."""
-    engine = make_engine(model_path, TREE, attention_backend="triton", max_running_requests=2)
-    assert engine.worker.step.needs_cpu_seq_lens is False  # neither backend asks for host lengths
-    engine.overlap = True
-    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[1:3]]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=4)] * 2  # interpreted: keep it short
-    out = engine.generate(chats, params)
-    assert [c.token_ids for c in out] == [r[0][:4] for r in reference[1:3]]
-    assert_accounting_empty(engine)
-
-
 def test_idle_plans_run_the_spec_path(chain_engine, tree_engine, plain):
     for engine in (chain_engine, tree_engine):
         worker = engine.worker
@@ -183,6 +171,8 @@ def test_all_finished_batch_under_overlap(tree_engine, reference):
 
 SAMPLING = dict(temperature=1.0, top_k=6, max_new_tokens=2)
 NUM_SEEDS = 480
+# The broken rule puts nearly every second token on the poor draft's: one wave of seeds shows it.
+BROKEN_SEEDS = 120
 
 
 def _chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -236,7 +226,8 @@ def _target_probs(engine: Engine, ids: list[int]) -> torch.Tensor:
     return probs
 
 
-def _second_token_counts(engine: Engine, setup, monkeypatch) -> tuple[np.ndarray, int]:
+def _second_token_counts(engine: Engine, setup, monkeypatch, seeds: int = NUM_SEEDS
+                         ) -> tuple[np.ndarray, int]:
     prompt, first, probs, poor = setup
 
     def poor_draft(self, hidden):
@@ -246,8 +237,8 @@ def _second_token_counts(engine: Engine, setup, monkeypatch) -> tuple[np.ndarray
         return p, ids
 
     monkeypatch.setattr(Drafter, "topk", poor_draft)
-    params = [SamplingParams(seed=1000 + i, **SAMPLING) for i in range(NUM_SEEDS)]
-    out = engine.generate([prompt] * NUM_SEEDS, params)
+    params = [SamplingParams(seed=1000 + i, **SAMPLING) for i in range(seeds)]
+    out = engine.generate([prompt] * seeds, params)
     seconds = [c.token_ids[1] for c in out if c.token_ids[0] == first and len(c.token_ids) > 1]
     verify = sum(c.spec_verify_steps for c in out)
     assert_accounting_empty(engine)
@@ -270,7 +261,9 @@ def test_broken_acceptance_rule_is_detected(sampling_engine, sampling_setup, mon
     _, _, probs, poor = sampling_setup
     monkeypatch.setattr(accept_mod, "_accept_probability",
                         lambda p_tok, remaining: torch.where(p_tok > 0, 1.0, 0.0))
-    counts, _ = _second_token_counts(sampling_engine, sampling_setup, monkeypatch)
+    counts, _ = _second_token_counts(sampling_engine, sampling_setup, monkeypatch,
+                                     BROKEN_SEEDS)
+    assert counts.sum() > 30, counts.sum()
     support = probs > 0
     p = _chi_square_pvalue(counts[support], probs[support])
     assert p < 1e-3 or math.isnan(p), (p, counts[support])

@@ -126,16 +126,18 @@ def test_eagle_accepting_drafts_equals_transformers(target, shape):
 
 
 def test_eagle_tree_on_the_triton_backend(tmp_path_factory):
-    """One small case under the interpreter, on Gemma 3 (both kinds of layer): the
-    tree-masked extend kernel with each layer's window, drafts accepted."""
+    """The Triton kernels (tree-masked extend with each layer's window, paged decode) in the
+    whole spec step, under the interpreter, on Gemma 3 (both kinds of layer): two requests
+    prefilled in chunks and verified in one batch, overlap on, the first accepting drafts."""
     path, heads, refs = target_of("gemma3", tmp_path_factory)
     engine = engine_for(path, spec=spec(heads, "tree"), attention_backend="triton",
                         overlap=True)
-    draft_the_reference(engine, PROMPT + refs[0])
-    [c] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=4,
-                                                   ignore_eos=True))
-    assert c.token_ids == refs[0][:4]
-    assert c.spec_accepted_drafts > 0
+    assert engine.worker.step.needs_cpu_seq_lens is False  # neither backend asks host lengths
+    draft_the_reference(engine, PROMPT + refs[0])  # the second request's drafts miss
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=4,
+                                                  ignore_eos=True))
+    assert [c.token_ids for c in out] == [r[:4] for r in refs]
+    assert out[0].spec_accepted_drafts > 0
     assert_accounting_empty(engine)
 
 

@@ -1,0 +1,81 @@
+"""transformers' own model of a GGUF file, converted once and kept beside the model cache.
+
+transformers reads a GGUF by parsing its whole vocabulary and dequantizing every tensor in
+numpy: 20-100 s on 2 cores, paid on every `fmserve bench peers` run by its transformers
+baselines and by the tests that use transformers as the independent reference. The first
+reading is saved as its config and dense fp32 weights (safetensors, exact: transformers
+itself dequantizes to fp32) under `<model cache>/hf-reference/`, keyed by the file's name,
+size and mtime and transformers' version, so a changed file or another transformers converts
+again; later loads read the saved weights (~2 s).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fmserve.model_cache import model_cache_dir
+
+
+def saved_dir(gguf: Path, what: str) -> Path:
+    """Where transformers' reading of `gguf` (`what`: "model" or "tokenizer") is kept."""
+    import transformers
+
+    st = gguf.stat()
+    key = f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
+    return model_cache_dir() / "hf-reference" / key / what
+
+
+def save_into(write: Callable[[Path], None], target: Path) -> None:
+    """`write` fills a temporary folder renamed into place: a run stopped halfway leaves
+    nothing that a later run would take for a complete copy."""
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+
+
+def load_transformers(path: Path, dtype: torch.dtype = torch.float32,
+                      attn_implementation: str | None = None):
+    """transformers' causal LM of `path` (a model folder, or a GGUF file through its saved
+    dense copy, made here the first time), in `dtype` and eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).eval()
+    saved = saved_dir(path, "model")
+    if not saved.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32, **kw).eval()
+        save_into(lambda folder: _save_weights(model, folder), saved)
+        if dtype == torch.float32:
+            return model
+    return _load_saved(saved, dtype, kw)
+
+
+def _load_saved(saved: Path, dtype: torch.dtype, kw: dict):
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(saved)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kw)
+    load_model(model, saved / "model.safetensors")  # fp32 weights, cast as transformers would
+    return model.eval()
+
+
+def _save_weights(model, folder: Path) -> None:
+    """The config and the weights (tied ones once); the weights are dense, so the config
+    loses its GGUF marker (transformers refuses save_pretrained on a model read from a GGUF)."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(folder)
+    config = folder / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "quantization_config"}, indent=2))
+    save_model(model, str(folder / "model.safetensors"))
