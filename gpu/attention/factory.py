@@ -40,7 +40,12 @@ def make_attention_backend(name: str, kv_pool: "KVPool", req_to_token: "ReqToTok
         return TorchAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,
                                      scale, sliding_window, window_layers)
     if name == "triton":
+        from gpu.attention import triton_decode
         from gpu.attention.triton_backend import TritonAttentionBackend
+        # On a CPU Triton runs only in its interpreter, where every program of a grid costs
+        # milliseconds: 2 chunks a sequence (the split and merge still run), not a GPU's 8.
+        splits = (triton_decode.DEFAULT_NUM_KV_SPLITS if kv_pool.device.type != "cpu" else
+                  triton_decode.INTERPRETED_NUM_KV_SPLITS)
         return TritonAttentionBackend(kv_pool, req_to_token, num_heads, num_kv_heads, head_dim,
-                                      scale, sliding_window, window_layers)
+                                      scale, sliding_window, window_layers, splits)
     raise ValueError(f"attention backend '{name}' is unknown; choose one of {ATTENTION_BACKENDS}")

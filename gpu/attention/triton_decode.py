@@ -14,6 +14,7 @@ from gpu.attention.triton_common import check_inputs, online_softmax_step, use_f
 DECODE_BLOCK_N = 32  # keys per inner step of the decode kernel
 DECODE_BLOCK_H = 16  # query heads per program (padded; tl.dot needs M >= 16)
 DEFAULT_NUM_KV_SPLITS = 8  # sequence chunks per (request, kv head) in decode; a power of two
+INTERPRETED_NUM_KV_SPLITS = 2  # the same under Triton's CPU interpreter (attention/factory.py)
 NO_WINDOW = 1 << 30  # the window of full attention: longer than any sequence, fits an int32
 
 

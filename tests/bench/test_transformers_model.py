@@ -38,10 +38,10 @@ def test_the_saved_copy_is_transformers_own_reading_in_fp32_and_bf16(tiny_gguf, 
     assert not saved.with_name("model.partial").exists()
     # the second load must read the saved copy: transformers' GGUF reading is refused now
     import transformers.modeling_gguf_pytorch_utils as reader
-    monkeypatch.setattr(reader, "load_gguf_checkpoint",
-                        lambda *a, **k: pytest.fail("the GGUF was read again"))
-    again = tm.load_transformers(tiny_gguf)
-    monkeypatch.undo()
+    with monkeypatch.context() as mp:  # (the fixture's cache dir stays set)
+        mp.setattr(reader, "load_gguf_checkpoint",
+                   lambda *a, **k: pytest.fail("the GGUF was read again"))
+        again = tm.load_transformers(tiny_gguf)
     reference = transformers_own(tiny_gguf, torch.float32)
     assert same_weights(first, reference) and same_weights(again, reference)
     assert not again.training
@@ -52,7 +52,7 @@ def test_the_saved_copy_is_transformers_own_reading_in_fp32_and_bf16(tiny_gguf, 
                         transformers_own(tiny_gguf, torch.bfloat16))
 
 
-def test_a_changed_file_is_converted_again(tiny_gguf):
+def test_a_changed_file_is_converted_again(tiny_gguf, tmp_path):
     tm.load_transformers(tiny_gguf)
     before = tm.saved_dir(tiny_gguf, "model")
     st = tiny_gguf.stat()
@@ -60,3 +60,4 @@ def test_a_changed_file_is_converted_again(tiny_gguf):
     assert tm.saved_dir(tiny_gguf, "model") != before
     tm.load_transformers(tiny_gguf)
     assert (tm.saved_dir(tiny_gguf, "model") / "model.safetensors").is_file()
+    assert before.is_relative_to(tmp_path / "cache")  # the fixture's cache dir, not the user's
