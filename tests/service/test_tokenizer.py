@@ -3,6 +3,7 @@ files (its GGUF converter and `apply_chat_template` are the independent referenc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -173,6 +174,19 @@ def test_llama3_pre_tokenizer_and_bos_match_transformers(tmp_path, gguf_path):
         assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
     assert ours.encode("x", add_special_tokens=True)[0] == ours.bos_token_id
     assert not ours.has_chat_template
+
+
+def test_a_ggufs_tokenizer_is_read_once_a_process_until_the_file_changes(tmp_path, gguf_path):
+    file = tmp_path / "vocab.gguf"
+    _write_tokenizer_gguf(file, gguf_path, "llama-bpe", add_bos=True)
+    first = TextTokenizer.from_model_path(file)
+    assert TextTokenizer.from_model_path(str(file)) is first
+    st = file.stat()
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # rewritten in place
+    again = TextTokenizer.from_model_path(file)
+    assert again is not first
+    assert again.encode("Hello world", add_special_tokens=True) == first.encode(
+        "Hello world", add_special_tokens=True)
 
 
 def test_unsupported_tokenizer_model(tmp_path):
