@@ -12,6 +12,8 @@ again; later loads read the saved weights (~2 s).
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,8 @@ from pathlib import Path
 import torch
 
 from fmserve.model_cache import model_cache_dir
+
+log = logging.getLogger(__name__)
 
 
 def saved_dir(gguf: Path, what: str) -> Path:
@@ -31,13 +35,16 @@ def saved_dir(gguf: Path, what: str) -> Path:
 
 
 def save_into(write: Callable[[Path], None], target: Path) -> None:
-    """`write` fills a temporary folder renamed into place: a run stopped halfway leaves
-    nothing that a later run would take for a complete copy."""
-    partial = target.with_name(target.name + ".partial")
+    """`write` fills a temporary folder of this process's, renamed into place: a run stopped
+    halfway leaves nothing that a later run would take for a complete copy, and two processes
+    converting at once (two test workers) keep whichever copy is complete first."""
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     write(partial)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+    try:
+        partial.rename(target)
+    except OSError:  # another process's copy is in place already
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def load_transformers(path: Path, dtype: torch.dtype = torch.float32,
@@ -53,7 +60,12 @@ def load_transformers(path: Path, dtype: torch.dtype = torch.float32,
     if not saved.is_dir():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                      dtype=torch.float32, **kw).eval()
-        save_into(lambda folder: _save_weights(model, folder), saved)
+        try:
+            save_into(lambda folder: _save_weights(model, folder), saved)
+        except OSError as exc:  # a full disk or a read-only cache: the next run converts again
+            log.warning("could not keep transformers' reading of %s at %s (%s): the next "
+                        "run reads the GGUF again", path.name, saved, exc)
+            return model.to(dtype)
         if dtype == torch.float32:
             return model
     return _load_saved(saved, dtype, kw)

@@ -35,7 +35,7 @@ def test_the_saved_copy_is_transformers_own_reading_in_fp32_and_bf16(tiny_gguf, 
     first = tm.load_transformers(tiny_gguf)
     saved = tm.saved_dir(tiny_gguf, "model")
     assert (saved / "model.safetensors").is_file() and (saved / "config.json").is_file()
-    assert not saved.with_name("model.partial").exists()
+    assert [p.name for p in saved.parent.iterdir()] == ["model"]  # no partial copy left
     # the second load must read the saved copy: transformers' GGUF reading is refused now
     import transformers.modeling_gguf_pytorch_utils as reader
     with monkeypatch.context() as mp:  # (the fixture's cache dir stays set)
@@ -61,3 +61,10 @@ def test_a_changed_file_is_converted_again(tiny_gguf, tmp_path):
     tm.load_transformers(tiny_gguf)
     assert (tm.saved_dir(tiny_gguf, "model") / "model.safetensors").is_file()
     assert before.is_relative_to(tmp_path / "cache")  # the fixture's cache dir, not the user's
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_model(tiny_gguf, tmp_path, caplog):
+    (tmp_path / "cache").write_text("a file where the cache dir should be")
+    model = tm.load_transformers(tiny_gguf, torch.bfloat16)
+    assert same_weights(model, transformers_own(tiny_gguf, torch.bfloat16))
+    assert "could not keep transformers' reading of tiny-q8_0.gguf" in caplog.text
