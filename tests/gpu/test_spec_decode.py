@@ -3,8 +3,9 @@
 Greedy output with speculation must be token-identical to the plain engine's, whatever the
 head drafts: chain and tree, overlap on and off, the shipped EAGLE-3 head (which gets drafts
 accepted, so multi-token steps and tree KV compaction run) and random EAGLE-3 / EAGLE-1 heads
-(the Triton backend's spec step: test_window_spec_deterministic.py, on a tiny model). Sampling must follow the target's distribution, and idle plans
-must run the spec path. Accounting returns to its initial state after every scenario.
+(the Triton backend's spec step: test_window_spec_deterministic.py, on a tiny model).
+Sampling must follow the target's distribution, and idle plans must run the spec path.
+Accounting returns to its initial state after every scenario.
 """
 
 from __future__ import annotations
