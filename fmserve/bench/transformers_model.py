@@ -65,9 +65,7 @@ def load_transformers(path: Path, dtype: torch.dtype = torch.float32,
         except OSError as exc:  # a full disk or a read-only cache: the next run converts again
             log.warning("could not keep transformers' reading of %s at %s (%s): the next "
                         "run reads the GGUF again", path.name, saved, exc)
-            return model.to(dtype)
-        if dtype == torch.float32:
-            return model
+        return model.to(dtype)  # the cast a saved copy's load makes
     return _load_saved(saved, dtype, kw)
 
 
