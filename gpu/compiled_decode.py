@@ -6,11 +6,16 @@ fuses the pointwise ops into C++ loops and calls the matmuls (MKL, oneDNN, the i
 gpu/q4_linear.py) as extern kernels, so the decoder is one call of generated code.
 
 How it works:
-- the compiled function is the model's own `hidden_states` over a decode batch, with the torch
-  attention backend's decode attention (the KV write included) traced into the same graph;
-  its inputs are the batch's tensors and the attention's metadata (key locations, one
-  additive mask per distinct window of the layers: two for Gemma 3), so nothing it reads
-  changes identity between steps;
+- the compiled function is the decoder over a decode batch: the model's embedding, its own
+  `layer_forward` for each layer with the torch attention backend's decode attention (the KV
+  write included), its final norm; its inputs are the batch's tensors and the attention's
+  metadata (key locations, one additive mask per distinct window of the layers: two for
+  Gemma 3), so nothing it reads changes identity between steps;
+- each layer is a call of one nested compile region (`torch.compiler.nested_compile_region`)
+  whose inputs are the layer's KV buffers, RoPE tables and mask: dynamo traces it once (twice:
+  the first layer has no MLP output to add; once more per extra window) and stamps the trace
+  out for the other layers, and inductor compiles that one body. A cold compile of the
+  default model takes half the time of the whole decoder's, a step the same time;
 - batch sizes are bucketed like the CUDA graphs' (gpu/decode_graphs.py: 1, 2, 4, 8, 16, 32,
   48, 64): a batch of ``bs`` runs the smallest bucket >= bs with padding rows (slot 0,
   position 0, length 1, KV location 0 in the padding page); each bucket is its own graph with
@@ -20,8 +25,9 @@ How it works:
   decode steps switch to it at a step boundary once it is built), in the offline Engine
   before it returns; under runtime.compile = "on" any other bucket the first time a batch
   needs it, in that step ("auto" stops at bucket 1: a cold bucket's compile holds every
-  stream). A bucket costs ~45 s cold on 2 cores and ~7 s warm, so compiling them all at
-  start would hold the service back for minutes;
+  stream). A bucket of the default model costs ~25 s cold on 2 cores (~35 s with a fresh
+  cache dir's vector-ISA probes) and ~8 s warm, so compiling them all at start would hold
+  the service back for minutes;
 - inductor's on-disk caches (FX graph and AOT autograd) go under the fmserve cache dir
   (ipc/cache_dirs.py) unless TORCHINDUCTOR_CACHE_DIR names another directory than torch's
   default, so a restart compiles warm;
@@ -39,6 +45,7 @@ import logging
 import os
 import time
 import types
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -47,6 +54,8 @@ from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.background_compile import BackgroundCompile
 from gpu.decode_graphs import bucket_sizes
 from gpu.forward_batch import ForwardBatch, ForwardMode
+from gpu.kv_cache import write_kv
+from gpu.layers import apply_rope
 from ipc.cache_dirs import compile_cache_dir
 
 log = logging.getLogger(__name__)
@@ -143,20 +152,34 @@ def _own_code(method):
     return types.MethodType(own, method.__self__)
 
 
-class _DecodeAttention:
-    """The torch backend's decode attention with its metadata given as traced tensors (the
-    backend keeps per-forward metadata in attributes, which a compiled graph cannot take)."""
+class _LayerPart(torch.nn.Module):
+    """One layer's weights beside the model and attention backend that every layer shares,
+    held by a module: a nested compile region is stamped out again for calls whose inputs are
+    tensors, constants and modules (dynamo re-checks the first trace's guards with this
+    layer's attributes in place of the first layer's)."""
 
-    def __init__(self, backend: TorchAttentionBackend, key_locs: torch.Tensor,
-                 biases: tuple[torch.Tensor, ...]) -> None:
-        self.backend = backend
-        self.groups = {window: backend.decode_group_of(key_locs, bias)
-                       for window, bias in zip(backend.windows, biases)}
+    def __init__(self, model, layer, attn: TorchAttentionBackend) -> None:
+        super().__init__()
+        self.model, self.layer, self.attn = model, layer, attn
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
-        self.backend.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
-        return self.backend.attend(q, layer_id, self.groups[self.backend.layer_window(layer_id)])
+
+def _decode_layer(part: _LayerPart, h: torch.Tensor, pending: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor, k_buffer: torch.Tensor,
+                  v_buffer: torch.Tensor, out_cache_loc: torch.Tensor, key_locs: torch.Tensor,
+                  bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of a decode batch (the model's layer_forward), with the layer's KV
+    buffers, RoPE tables and attention mask as inputs: nothing in it depends on which layer
+    it is, so its trace serves them all."""
+    group = TorchAttentionBackend.decode_group_of(key_locs, bias)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        write_kv(k_buffer, v_buffer, out_cache_loc, k, v)
+        return part.attn.attend_in(q, k_buffer, v_buffer, group)
+
+    # The layer adds into h in place and returns it; a region's output may not alias its input.
+    h = h.clone() if pending is None else h + pending
+    return part.model.layer_forward(part.layer, h, None,
+                                    partial(apply_rope, cos=cos, signed_sin=sin), attend)
 
 
 class CompiledDecode:
@@ -175,6 +198,11 @@ class CompiledDecode:
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took
         self.runs = 0  # decode steps that ran compiled (tests and benchmarks read it)
         self.background: BackgroundCompile | None = None  # bucket 1 being built on a thread
+        self._parts = [_LayerPart(model, layer, attn) for layer in model.layers]
+        # Each layer's attention mask: the one of its window (attn.windows; Gemma 3 has two).
+        self._bias_of_layer = [attn.windows.index(attn.layer_window(i))
+                               for i in range(len(model.layers))]
+        self._layer = _decode_layer  # a nested compile region once dynamo is imported
 
     def compile_in_background(self) -> BackgroundCompile:
         """Bucket 1 to be built on a thread (gpu/background_compile.py), started by the
@@ -204,22 +232,28 @@ class CompiledDecode:
             # dynamo keeps one graph per bucket under one function (the shapes are its guards)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        2 * len(self.sizes))
+            # One layer traced and compiled, its code called by every layer: a cold compile
+            # takes about half the time of the whole decoder's (docs/benchmarks.md).
+            self._layer = torch.compiler.nested_compile_region(_decode_layer)
             self._compiled = torch.compile(_own_code(self._forward), backend="inductor",
                                            dynamic=False,
                                            fullgraph=True,
                                            options={"guard_filter_fn": _step_input_guards})
         return self._compiled
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  out_cache_loc: torch.Tensor, key_locs: torch.Tensor,
                  biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        ones = torch.ones_like(slots)
-        batch = ForwardBatch(mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions,
-                             slots=slots, seq_lens=positions + 1, prefix_lens=positions,
-                             extend_lens=ones, out_cache_loc=out_cache_loc)
-        hidden, _ = self.model.hidden_states(batch,
-                                             _DecodeAttention(self.attn, key_locs, biases))
-        return hidden
+        model, kv = self.model, self.attn.kv_pool
+        h = model.embed_input(input_ids)
+        tables = [rope.cos_sin(positions) for rope in model.ropes]
+        pending = None
+        for layer_id, part in enumerate(self._parts):
+            cos, sin = tables[model.rope_of_layer[layer_id]]
+            h, pending = self._layer(part, h, pending, cos, sin, kv.k_buffer[layer_id],
+                                     kv.v_buffer[layer_id], out_cache_loc, key_locs,
+                                     biases[self._bias_of_layer[layer_id]])
+        return model.final_hidden(h, pending)
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               locs: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -233,7 +267,7 @@ class CompiledDecode:
         for bias in biases:
             torch._dynamo.mark_dynamic(bias, 2)
         with _without_function_modes():
-            return compiled(ids, positions, slots, locs, key_locs, tuple(biases))
+            return compiled(ids, positions, locs, key_locs, tuple(biases))
 
     def bucket(self, bs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, bs)]
@@ -263,7 +297,7 @@ class CompiledDecode:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A decode batch within the buckets whose compile did not fail; the first batch of a
-        bucket compiles it (the step waits: ~7 s warm, ~45 s cold on 2 cores). None while
+        bucket compiles it (the step waits: ~8 s warm, ~25 s cold on 2 cores). None while
         bucket 1 is built in the background: the switch comes at a step boundary."""
         if batch.mode != ForwardMode.DECODE or not 0 < batch.batch_size <= self.max_batch:
             return False

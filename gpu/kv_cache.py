@@ -49,8 +49,14 @@ class KVPool:
         self.v_buffer = [zeroed_buffer(shape, dtype, self.device) for _ in range(num_layers)]
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+        write_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, k, v)
+
+
+def write_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """One layer's keys and values for the tokens at KV locations `loc`, in the pool's dtype."""
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
 
 
 class ReqToTokenPool:

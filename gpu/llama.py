@@ -221,18 +221,10 @@ class LlamaModel:
 
         The captured states are each layer's *input* residual stream, the layout EAGLE-3 heads use.
         """
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        n = batch.num_tokens
-        qk_heads = cfg.num_heads + cfg.num_kv_heads
         if self.dp_attention is not None:
-            self.dp_attention.begin_forward(n)
-        h = self.embed(batch.input_ids)
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        fused = self.fused
-        rope_tables = (None if fused is not None and self._fused_rope_applies() else
-                       [rope.cos_sin(batch.positions) for rope in self.ropes])
+            self.dp_attention.begin_forward(batch.num_tokens)
+        h = self.embed_input(batch.input_ids)
+        rotations = self.rotations(batch.positions)
         captured: list[torch.Tensor] = []
         pending = None  # the last layer's MLP output, added to h with the next norm
         for layer_id, layer in enumerate(self.layers):
@@ -242,34 +234,63 @@ class LlamaModel:
                     pending = None
                 captured.append(h)
                 h = h.clone()  # the residual adds below are in place
-            x = self._add_norm(h, pending, layer.input_norm, eps)
-            qkv = layer.qkv_proj(x)
-            if layer.qkv_bias is not None:
-                qkv.add_(layer.qkv_bias)
-            # q and k are normed and rotated together: they sit side by side in the projection.
-            qk = qkv[:, :qk_heads * cfg.head_dim].view(n, qk_heads, cfg.head_dim)
-            if layer.qk_norm is not None:
-                qk = head_rms_norm(qk, layer.qk_norm, eps)
-            rope_id = self.rope_of_layer[layer_id]
-            if rope_tables is None:
-                rope = self.ropes[rope_id]
-                qk = fused.rope(qk, batch.positions, rope.cos, rope.signed_sin)
-            else:
-                qk = apply_rope(qk, *rope_tables[rope_id])
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, qk_heads * cfg.head_dim:].view(n, cfg.num_kv_heads, cfg.head_dim)
-            o = attn.forward(q, k, v, layer_id, batch)
-            o = layer.o_proj(o.reshape(n, cfg.q_size))
-            if layer.attn_out_norm is not None:
-                o = rms_norm(o, layer.attn_out_norm, eps)
-            x = self._add_norm(h, o, layer.post_attn_norm, eps)
-            gate_up = layer.gate_up_proj(x)
-            m = layer.down_proj(fused.silu_mul(gate_up) if fused is not None
-                                and self.activation is swiglu else self.activation(gate_up))
-            if layer.mlp_out_norm is not None:
-                m = rms_norm(m, layer.mlp_out_norm, eps)
-            pending = m
-        return self._add_norm(h, pending, self.final_norm, eps), captured
+            h, pending = self.layer_forward(layer, h, pending,
+                                            rotations[self.rope_of_layer[layer_id]],
+                                            partial(attn.forward, layer_id=layer_id, batch=batch))
+        return self.final_hidden(h, pending), captured
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, scaled where the model scales them (Gemma)."""
+        h = self.embed(input_ids)
+        return h if self.embed_scale is None else h * self.embed_scale
+
+    def rotations(self, positions: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """Per RoPE table, the function that rotates a layer's q and k [tokens, heads, dim]."""
+        fused = self.fused
+        if fused is not None and self._fused_rope_applies():
+            return [partial(fused.rope, positions=positions, cos=rope.cos,
+                            signed_sin=rope.signed_sin) for rope in self.ropes]
+        return [partial(apply_rope, cos=cos, signed_sin=sin)
+                for cos, sin in (rope.cos_sin(positions) for rope in self.ropes)]
+
+    def layer_forward(self, layer: DecoderLayer, h: torch.Tensor, pending: torch.Tensor | None,
+                      rotate: Callable[[torch.Tensor], torch.Tensor],
+                      attend: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer. `pending` (the last layer's MLP output, None for the first
+        layer) is added into the residual stream h in place, with the norm; `rotate` applies
+        the layer's RoPE to q and k, `attend(q, k, v)` writes the layer's KV and attends.
+        Returns h and this layer's MLP output (pending for the next layer). The compiled
+        decode step (gpu/compiled_decode.py) traces this once and stamps it out per layer."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        n = h.shape[0]
+        qk_heads = cfg.num_heads + cfg.num_kv_heads
+        x = self._add_norm(h, pending, layer.input_norm, eps)
+        qkv = layer.qkv_proj(x)
+        if layer.qkv_bias is not None:
+            qkv.add_(layer.qkv_bias)
+        # q and k are normed and rotated together: they sit side by side in the projection.
+        qk = qkv[:, :qk_heads * cfg.head_dim].view(n, qk_heads, cfg.head_dim)
+        if layer.qk_norm is not None:
+            qk = head_rms_norm(qk, layer.qk_norm, eps)
+        qk = rotate(qk)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        v = qkv[:, qk_heads * cfg.head_dim:].view(n, cfg.num_kv_heads, cfg.head_dim)
+        o = layer.o_proj(attend(q, k, v).reshape(n, cfg.q_size))
+        if layer.attn_out_norm is not None:
+            o = rms_norm(o, layer.attn_out_norm, eps)
+        x = self._add_norm(h, o, layer.post_attn_norm, eps)
+        gate_up = layer.gate_up_proj(x)
+        fused = self.fused
+        m = layer.down_proj(fused.silu_mul(gate_up) if fused is not None
+                            and self.activation is swiglu else self.activation(gate_up))
+        if layer.mlp_out_norm is not None:
+            m = rms_norm(m, layer.mlp_out_norm, eps)
+        return h, m
+
+    def final_hidden(self, h: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream after the last layer (its MLP output added), final-normed."""
+        return self._add_norm(h, pending, self.final_norm, self.config.rms_norm_eps)
 
     def _add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float) -> torch.Tensor:

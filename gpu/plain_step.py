@@ -74,7 +74,7 @@ class PlainStep:
                                kernel_max_rows=st.model.kernel_max_rows):
             return None
         # "auto" compiles one stream's step only: a cold bucket compiles inside the first step
-        # that needs it (~45 s on 2 cores, every stream waiting), and batches gain least.
+        # that needs it (~25 s on 2 cores, every stream waiting), and batches gain least.
         max_batch = st.num_slots - 1 if mode == "on" else 1
         if st.model.kernel_max_rows is not None:  # larger batches reach the wide path
             max_batch = min(max_batch, st.model.kernel_max_rows)

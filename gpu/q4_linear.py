@@ -121,4 +121,21 @@ class Q4Linear:
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.fmserve.int4pack_mm(x, packed, scales_and_zeros)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_GROUP, scales_and_zeros)
+
+
+# The int4 matmul as one opaque op for torch.compile (the compiled decode step): inductor's
+# own lowering of the aten op makes the group size a graph constant, which inside a nested
+# compile region (the step's one traced layer) reaches the kernel as a tensor it refuses
+# ("group size must be a scalar", torch 2.13). The op runs the same aten kernel.
+_OPS = torch.library.Library("fmserve", "FRAGMENT")
+_OPS.define("int4pack_mm(Tensor x, Tensor packed, Tensor scales_and_zeros) -> Tensor")
+_OPS.impl("int4pack_mm", lambda x, packed, scales_and_zeros: torch.ops.aten.
+          _weight_int4pack_mm_for_cpu(x, packed, Q4_GROUP, scales_and_zeros), "CPU")
+
+
+@torch.library.register_fake("fmserve::int4pack_mm")
+def _(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])

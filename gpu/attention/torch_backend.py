@@ -231,14 +231,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, layer_id: int, group: _Group) -> torch.Tensor:
         """q: the group's token rows [tokens, H, D]; returns its output in the same order."""
+        return self.attend_in(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
+                              group)
+
+    def attend_in(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                  group: _Group) -> torch.Tensor:
+        """`attend` on one layer's KV buffers given as tensors (the compiled decode step's
+        layer takes them as inputs, gpu/compiled_decode.py)."""
         if group.ragged is not None:
-            return self._attend_ragged(q, layer_id, group.ragged)
+            return self._attend_ragged(q, k_buffer, v_buffer, group.ragged)
         n, max_len = group.size, group.max_len
         # [n, L, kv_heads, D]
-        keys = self.kv_pool.k_buffer[layer_id].index_select(0, group.key_locs).to(q.dtype).view(
+        keys = k_buffer.index_select(0, group.key_locs).to(q.dtype).view(
             n, max_len, self.num_kv_heads, self.head_dim)
-        values = self.kv_pool.v_buffer[layer_id].index_select(0, group.key_locs).to(q.dtype
-                                                                                   ).view(
+        values = v_buffer.index_select(0, group.key_locs).to(q.dtype).view(
             n, max_len, self.num_kv_heads, self.head_dim)
         if group.decode and q.device.type == "cpu" and q.dtype == torch.float32:
             return self._decode_bmm(q, keys, values, group.decode_bias)
@@ -254,9 +260,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim).index_select(
             0, group.query_rows)
 
-    def _attend_ragged(self, q: torch.Tensor, layer_id: int, requests: list[_Ragged]
-                       ) -> torch.Tensor:
-        k_buffer, v_buffer = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+    def _attend_ragged(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                       requests: list[_Ragged]) -> torch.Tensor:
         out = torch.empty_like(q)
         for r in requests:
             # [1, kv_heads, seq_len, D] and [1, H, length, D]

@@ -6,7 +6,7 @@ that inductor writes its cache under the fmserve cache dir, that a sliding-windo
 and that runtime.compile = "off" runs eagerly.
 
 The only module of the suite that compiles (tests/conftest.py sets FMSERVE_COMPILE=off, so
-"auto" is off elsewhere). Compiling costs seconds a bucket for 2-layer models and ~45 s cold
+"auto" is off elsewhere). Compiling costs seconds a bucket for 2-layer models and ~35 s cold
 on 2 cores for the default model, which one test compiles (into the ordinary cache dir, so a
 rerun is warm: ~7 s); the others compile tiny ones."""
 
