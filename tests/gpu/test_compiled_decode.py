@@ -12,7 +12,10 @@ rerun is warm: ~7 s); the others compile tiny ones."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
+from typing import Iterator
 
 import pytest
 import torch
@@ -149,15 +152,41 @@ def test_the_real_model_serves_eagerly_while_compiling_then_gives_the_same_token
     assert {r.decode_compile for r in results} == {"on"}
 
 
-def test_a_windowed_model_decodes_compiled_as_transformers(tmp_path):
+@contextlib.contextmanager
+def reused_layer_traces() -> Iterator[list[str]]:
+    """The messages in which dynamo reuses a nested compile region's trace for another call
+    (torch's "hierarchical_compile" log, read at DEBUG without changing torch's handlers)."""
+    hits: list[str] = []
+
+    class Hits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "cache hit" in (message := record.getMessage()):
+                hits.append(message)
+
+    log = logging.getLogger("torch._dynamo.variables.invoke_subgraph.__hierarchical_compile")
+    handler, level = Hits(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield hits
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def test_a_windowed_model_decodes_compiled_as_transformers_tracing_one_layer(tmp_path):
     """A tiny Gemma 3 (window 8 on five layers, the sixth global), one request decoding past
-    the window: bucket 1 only."""
+    the window: bucket 1 only. Dynamo traces the layer twice (the first layer has no MLP
+    output to add) and reuses that trace for the four others, the global one included (its
+    mask and RoPE tables are inputs like the windowed layers')."""
     model = fm.random_model("gemma3")
-    engine = Engine(model=str(fm.save_hf_dir(model, tmp_path)), device="cpu", dtype="fp32",
-                    compile="on", page_size=4, max_kv_tokens=256, max_running_requests=1,
-                    progress=False)
+    with reused_layer_traces() as hits:
+        engine = Engine(model=str(fm.save_hf_dir(model, tmp_path)), device="cpu", dtype="fp32",
+                        compile="on", page_size=4, max_kv_tokens=256, max_running_requests=1,
+                        progress=False)
     compiled = engine.worker.step.compiled_decode
     assert compiled is not None and compiled.ready == {1}, compiled.failed
+    assert len(hits) == len(engine.worker.state.model.layers) - 2 == 4, hits
     prompt = [fm.BOS] + [(7 * i * i + 3 * i) % 300 for i in range(13)]
     assert greedy(engine, [prompt], [10]) == [fm.reference_greedy(model, prompt, 10)]
     assert compiled.runs >= 9
