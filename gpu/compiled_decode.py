@@ -229,6 +229,10 @@ class CompiledDecode:
 
             _use_fmserve_cache_dir()
             inductor_config.emulate_precision_casts = True  # bf16 rounds where eager rounds
+            # No shape and stride asserts in the generated code: the layer's code checked its
+            # ~20 inputs at each of its 30 calls a step (~1 ms, 7% of a bf16 step); dynamo's
+            # guards still check the step's own inputs.
+            inductor_config.size_asserts = False
             # dynamo keeps one graph per bucket under one function (the shapes are its guards)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        2 * len(self.sizes))
