@@ -6,16 +6,18 @@ baselines and by the tests that use transformers as the independent reference. T
 reading is saved as its config and dense fp32 weights (safetensors, exact: transformers
 itself dequantizes to fp32) under `<model cache>/hf-reference/`, keyed by the file's name,
 size and mtime and transformers' version, so a changed file or another transformers converts
-again; later loads read the saved weights (~2 s).
+again; later loads read the saved weights (~2 s). The conversion parses the GGUF once, where
+transformers alone parses it twice (Gemma 3 270M: 48.7 -> 30.9 s; SmolLM2-135M: 22.1 -> 15.7 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -58,8 +60,9 @@ def load_transformers(path: Path, dtype: torch.dtype = torch.float32,
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).eval()
     saved = saved_dir(path, "model")
     if not saved.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.float32, **kw).eval()
+        with one_gguf_parse():
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=torch.float32, **kw).eval()
         try:
             save_into(lambda folder: _save_weights(model, folder), saved)
         except OSError as exc:  # a full disk or a read-only cache: the next run converts again
@@ -67,6 +70,32 @@ def load_transformers(path: Path, dtype: torch.dtype = torch.float32,
                         "run reads the GGUF again", path.name, saved, exc)
         return model.to(dtype)  # the cast a saved copy's load makes
     return _load_saved(saved, dtype, kw)
+
+
+@contextlib.contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """transformers parses a GGUF's header twice to read a model (its config, then its
+    weights), each time building every vocabulary entry as numpy views: ~20 s for Gemma 3's
+    262,144 tokens on 2 cores. Within this block each file is parsed once: `gguf.GGUFReader`
+    (which transformers imports when it reads) hands out one reader a file, read-only."""
+    import gguf
+
+    make = gguf.GGUFReader
+    readers: dict[str, object] = {}
+
+    def shared_reader(path, mode: str = "r"):
+        if mode != "r":  # a writable map is not shared
+            return make(path, mode)
+        key = os.path.abspath(path)
+        if key not in readers:
+            readers[key] = make(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = make
 
 
 def _load_saved(saved: Path, dtype: torch.dtype, kw: dict):
