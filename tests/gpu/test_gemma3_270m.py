@@ -19,7 +19,7 @@ from fmserve.gemma3_model import ENV_WHEELS, cached_gemma3_path, gemma3_model_pa
 from ipc.sampling import SamplingParams
 from service.tokenizer import TextTokenizer
 from tests.engine_runs import prompt_logits
-from tests.hf_reference import hf_causal_lm, hf_tokenizer
+from tests.hf_reference import hf_tokenizer_and_causal_lm
 from tests.gpu.teacher_forcing import TEXT
 from tests.service.test_gguf_spm_tokenizer import strings
 
@@ -39,7 +39,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def reference(path):
-    return hf_tokenizer(path), hf_causal_lm(path, attn_implementation="eager")
+    return hf_tokenizer_and_causal_lm(path, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
