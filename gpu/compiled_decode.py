@@ -23,11 +23,12 @@ How it works:
 - bucket 1 (one stream, where the per-op cost is largest) compiles at start-up: in the worker
   process on a thread while the worker already serves eagerly (gpu/background_compile.py;
   decode steps switch to it at a step boundary once it is built), in the offline Engine
-  before it returns; under runtime.compile = "on" any other bucket the first time a batch
-  needs it, in that step ("auto" stops at bucket 1: a cold bucket's compile holds every
-  stream). A bucket of the default model costs ~25 s cold on 2 cores (~35 s with a fresh
-  cache dir's vector-ISA probes) and ~8 s warm, so compiling them all at start would hold
-  the service back for minutes;
+  before it returns. Any other bucket compiles the first time a batch needs it: under
+  runtime.compile = "auto" on a thread too (`background_buckets`: every decode step runs
+  eagerly until it is built, one build at a time), under "on" in that step, which waits. A
+  bucket of the default model costs ~25-30 s cold on 2 cores and ~8 s warm, so compiling
+  them all at start would hold the service back for minutes, and a cold one inside a step
+  would hold every stream;
 - inductor's on-disk caches (FX graph and AOT autograd) go under the fmserve cache dir
   (ipc/cache_dirs.py) unless TORCHINDUCTOR_CACHE_DIR names another directory than torch's
   default, so a restart compiles warm;
@@ -185,19 +186,23 @@ def _decode_layer(part: _LayerPart, h: torch.Tensor, pending: torch.Tensor | Non
 class CompiledDecode:
     """The decoder compiled per bucket of decode batch sizes up to ``max_batch``."""
 
-    def __init__(self, model, attn: TorchAttentionBackend, max_batch: int) -> None:
+    def __init__(self, model, attn: TorchAttentionBackend, max_batch: int,
+                 background_buckets: bool = False) -> None:
+        """`background_buckets`: buckets above 1 are built on a thread when a batch first
+        needs one (steps run eagerly meanwhile), not in that step."""
         if not isinstance(attn, TorchAttentionBackend):
             raise ValueError(f"the compiled decode step traces the torch attention backend "
                              f"(got {type(attn).__name__})")
         self.model, self.attn = model, attn
         self.sizes = bucket_sizes(min(max_batch, COMPILE_MAX_BATCH))
         self.max_batch = self.sizes[-1]
+        self.background_buckets = background_buckets
         self._compiled = None  # made at the first compile (_compiled_forward)
         self.ready: set[int] = set()  # buckets compiled
         self.failed: dict[int, str] = {}  # bucket -> why its compile failed (it runs eagerly)
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took
         self.runs = 0  # decode steps that ran compiled (tests and benchmarks read it)
-        self.background: BackgroundCompile | None = None  # bucket 1 being built on a thread
+        self.background: BackgroundCompile | None = None  # the bucket built on a thread
         self._parts = [_LayerPart(model, layer, attn) for layer in model.layers]
         # Each layer's attention mask: the one of its window (attn.windows; Gemma 3 has two).
         self._bias_of_layer = [attn.windows.index(attn.layer_window(i))
@@ -212,10 +217,17 @@ class CompiledDecode:
         return self.background
 
     @property
+    def building(self) -> bool:
+        """A bucket is being built on a thread: every decode step runs eagerly meanwhile
+        (dynamo compiles into the function that a compiled step would call)."""
+        return self.background is not None and not self.background.done
+
+    @property
     def state(self) -> str:
-        """"building" (decode steps run eagerly meanwhile), "on" (bucket 1 is in use) or
-        "failed" (every decode step runs eagerly), as in StepResult.decode_compile."""
-        if self.background is not None and not self.background.done:
+        """"building" (a bucket is built on a thread; decode steps run eagerly meanwhile), "on"
+        (bucket 1 is in use) or "failed" (every decode step runs eagerly), as in
+        StepResult.decode_compile."""
+        if self.building:
             return "building"
         return "on" if 1 in self.ready else "failed"
 
@@ -300,15 +312,21 @@ class CompiledDecode:
         log.info("decode step for batch %d compiled in %.1f s", size, self.compile_s[size])
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode batch within the buckets whose compile did not fail; the first batch of a
-        bucket compiles it (the step waits: ~8 s warm, ~25 s cold on 2 cores). None while
-        bucket 1 is built in the background: the switch comes at a step boundary."""
+        """A decode batch within the buckets whose compile did not fail. The first batch of a
+        bucket compiles it: in this step (it waits: ~8 s warm, ~25 s cold on 2 cores), or with
+        `background_buckets` on a thread while this and later steps run eagerly. None while a
+        bucket is built in the background: the switch comes at a step boundary."""
         if batch.mode != ForwardMode.DECODE or not 0 < batch.batch_size <= self.max_batch:
             return False
-        if self.background is not None and not self.background.done:
+        if self.building:
             return False
         size = self.bucket(batch.batch_size)
-        if size not in self.ready:
+        if size not in self.ready and size not in self.failed:
+            if self.background_buckets:
+                self.background = BackgroundCompile(partial(self.compile_now, size),
+                                                    name=f"fmserve-compile-{size}")
+                self.background.start()
+                return False
             self.compile_now(size)
         return size in self.ready
 

@@ -73,12 +73,13 @@ class PlainStep:
                                rt.deterministic, tp=st.cfg.parallel.tp,
                                kernel_max_rows=st.model.kernel_max_rows):
             return None
-        # "auto" compiles one stream's step only: a cold bucket compiles inside the first step
-        # that needs it (~25 s on 2 cores, every stream waiting), and batches gain least.
-        max_batch = st.num_slots - 1 if mode == "on" else 1
+        # "auto" builds a larger batch's bucket on a thread the first time one needs it (a
+        # cold bucket compiled inside that step would hold every stream ~25 s on 2 cores).
+        max_batch = st.num_slots - 1
         if st.model.kernel_max_rows is not None:  # larger batches reach the wide path
             max_batch = min(max_batch, st.model.kernel_max_rows)
-        compiled = CompiledDecode(st.model, st.attn, max_batch)
+        compiled = CompiledDecode(st.model, st.attn, max_batch,
+                                  background_buckets=mode == "auto")
         if background:  # a failure is logged and reported as decode_compile "failed"
             compiled.compile_in_background()
             return compiled

@@ -124,6 +124,47 @@ def test_padded_buckets_give_the_eager_tokens_and_fill_the_cache(tiny_compiled):
     assert {"fxgraph", "aotautograd"} <= cached, sorted(cached)
 
 
+def test_auto_builds_a_larger_batchs_bucket_on_a_thread_while_steps_run_eagerly(
+        tiny_llama, monkeypatch):
+    """runtime.compile = "auto": bucket 1 at start-up; the first batch of 3-4 rows starts
+    bucket 4's build on a thread and every decode step runs eagerly until it is built (the
+    step does not wait for the compile); once built, batches of that bucket run compiled.
+    The tokens are the eager step's throughout."""
+    monkeypatch.setenv(ENV_COMPILE, "auto")
+    engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile="auto",
+                    max_kv_tokens=1024, max_running_requests=4, progress=False)
+    step = engine.worker.step
+    compiled = step.compiled_decode
+    assert compiled.background_buckets and compiled.sizes == [1, 2, 4]
+    assert compiled.ready == {1} and compiled.background is None
+    budgets = [2 + 3 * i for i in range(len(PROMPTS))]
+    step.compiled_decode = None
+    eager = greedy(engine, PROMPTS, budgets)
+    step.compiled_decode = compiled
+    states = []  # each step's decode_compile, read from the worker's results
+    finish = engine.worker.finish
+
+    def finish_and_record(pending):
+        result = finish(pending)
+        states.append(result.decode_compile)
+        return result
+
+    engine.worker.finish = finish_and_record
+    runs = compiled.runs
+    assert greedy(engine, PROMPTS, budgets) == eager
+    # the first decode step of four rows started bucket 4's build and ran eagerly
+    assert compiled.background is not None and "building" in states, states
+    assert compiled.runs == runs or 4 in compiled.ready
+    for _ in range(3):  # each run's largest new bucket is built on a thread meanwhile
+        assert compiled.background.join(timeout_s=600), "the bucket's build did not end"
+        assert greedy(engine, PROMPTS, budgets) == eager
+    assert compiled.ready == {1, 2, 4} and not compiled.failed
+    assert compiled.background.join(timeout_s=600) and not compiled.building
+    runs, states[:] = compiled.runs, []
+    assert greedy(engine, PROMPTS, budgets) == eager
+    assert compiled.runs - runs >= sum(budgets) // 4 and set(states) == {"on"}, states
+
+
 def test_the_real_model_serves_eagerly_while_compiling_then_gives_the_same_tokens(model_path):
     """fp32, one request at a time (bucket 1 only: the compile is the expensive part), built in
     the background as in the worker process: ready before the compiled step is, a request
