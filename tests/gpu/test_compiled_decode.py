@@ -86,20 +86,31 @@ def greedy(engine: Engine, prompts, max_new_tokens, overlap: bool = False) -> li
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_cache_dir(tmp_path_factory):
+    """A fresh fmserve cache dir for the tiny model's compiles (the second test to compile
+    it finds the FX graphs cached)."""
+    return tmp_path_factory.mktemp("fmserve-cache")
+
+
 @pytest.fixture
-def tiny_compiled(tiny_llama, tmp_path_factory):
-    """An engine compiling into a fresh fmserve cache dir (and no TORCHINDUCTOR_CACHE_DIR).
-    One test's: the cache dir it sets must not reach the real model's test, which compiles
-    into the ordinary one."""
-    cache = tmp_path_factory.mktemp("fmserve-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FMSERVE_CACHE", str(cache))
-        # torch's own default counts as unset (torch writes it into the variable itself)
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-        mp.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
-        engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile="on",
-                        max_kv_tokens=1024, max_running_requests=4, progress=False)
-        yield engine, cache
+def tiny_cache(tiny_cache_dir, monkeypatch):
+    """Compiles in this test go to `tiny_cache_dir` (and no TORCHINDUCTOR_CACHE_DIR). Tests
+    of the tiny model only: the cache dir must not reach the real model's test, which
+    compiles into the ordinary one."""
+    monkeypatch.setenv("FMSERVE_CACHE", str(tiny_cache_dir))
+    # torch's own default counts as unset (torch writes it into the variable itself)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    return tiny_cache_dir
+
+
+@pytest.fixture
+def tiny_compiled(tiny_llama, tiny_cache):
+    """An engine compiling into the tiny model's cache dir, every bucket in its step."""
+    engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile="on",
+                    max_kv_tokens=1024, max_running_requests=4, progress=False)
+    return engine, tiny_cache
 
 
 def test_padded_buckets_give_the_eager_tokens_and_fill_the_cache(tiny_compiled):
@@ -125,7 +136,7 @@ def test_padded_buckets_give_the_eager_tokens_and_fill_the_cache(tiny_compiled):
 
 
 def test_auto_builds_a_larger_batchs_bucket_on_a_thread_while_steps_run_eagerly(
-        tiny_llama, monkeypatch):
+        tiny_llama, tiny_cache, monkeypatch):
     """runtime.compile = "auto": bucket 1 at start-up; the first batch of 3-4 rows starts
     bucket 4's build on a thread and every decode step runs eagerly until it is built (the
     step does not wait for the compile); once built, batches of that bucket run compiled.
