@@ -25,7 +25,8 @@ How it works:
   decode steps switch to it at a step boundary once it is built), in the offline Engine
   before it returns. Any other bucket compiles the first time a batch needs it: under
   runtime.compile = "auto" on a thread too (`background_buckets`: every decode step runs
-  eagerly until it is built, one build at a time), under "on" in that step, which waits. A
+  eagerly until it is built, one build at a time, as torch.compile is not thread-safe: no
+  compiled step runs beside a compile), under "on" in that step, which waits. A
   bucket of the default model costs ~25-30 s cold on 2 cores and ~8 s warm, so compiling
   them all at start would hold the service back for minutes, and a cold one inside a step
   would hold every stream;
@@ -323,6 +324,8 @@ class CompiledDecode:
         size = self.bucket(batch.batch_size)
         if size not in self.ready and size not in self.failed:
             if self.background_buckets:
+                log.info("building the decode step for batch %d on a thread (decode steps "
+                         "run eagerly until it is built)", size)
                 self.background = BackgroundCompile(partial(self.compile_now, size),
                                                     name=f"fmserve-compile-{size}")
                 self.background.start()
