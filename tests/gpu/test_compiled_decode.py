@@ -124,8 +124,12 @@ def test_padded_buckets_give_the_eager_tokens_and_fill_the_cache(tiny_compiled):
     eager = greedy(engine, PROMPTS, budgets)
     assert len({tuple(t) for t in eager}) > 1  # the prompts lead to different outputs
     step.compiled_decode = compiled
+    from torch._dynamo.utils import counters  # dynamo is imported by now (the compile)
+    graphs = counters["stats"]["unique_graphs"]
     assert greedy(engine, PROMPTS, budgets) == eager
     assert compiled.ready == {1, 2, 4} and not compiled.failed
+    # buckets 2 and 4 share one graph, its batch size dynamic (bucket 1's is its own)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
     runs = compiled.runs
     assert runs >= sum(budgets) // 4  # most decode steps ran compiled
     assert greedy(engine, PROMPTS, budgets, overlap=True) == eager
