@@ -218,7 +218,12 @@ class CompiledDecode:
         """Bucket 1 to be built on a thread (gpu/background_compile.py), started by the
         caller (the worker process once it has said it is ready); decode steps run eagerly
         until it is done."""
-        self.background = BackgroundCompile(lambda: self.compile_now(1))
+        return self._build_on_thread(1)
+
+    def _build_on_thread(self, size: int) -> BackgroundCompile:
+        """Bucket `size` to be built on a thread (not started): the one build at a time."""
+        self.background = BackgroundCompile(partial(self.compile_now, size),
+                                            name=f"fmserve-compile-{size}")
         return self.background
 
     @property
@@ -333,9 +338,7 @@ class CompiledDecode:
             if self.background_buckets:
                 log.info("building the decode step for batch %d on a thread (decode steps "
                          "run eagerly until it is built)", size)
-                self.background = BackgroundCompile(partial(self.compile_now, size),
-                                                    name=f"fmserve-compile-{size}")
-                self.background.start()
+                self._build_on_thread(size).start()
                 return False
             self.compile_now(size)
         return size in self.ready
