@@ -26,6 +26,7 @@ from service.tokenizer import TextTokenizer
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
+        self._backend = tokenizer.backend  # looked up once: push runs for every token
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self._pieces: list[str] = []  # everything emitted so far (`text`), in the order emitted
@@ -37,8 +38,9 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; returns the newly completed text ("" while a character is partial)."""
-        self.ids.append(int(token_id))
-        new_text = self._stream.step(self.tokenizer.backend, int(token_id))
+        token_id = int(token_id)
+        self.ids.append(token_id)
+        new_text = self._stream.step(self._backend, token_id)
         if not new_text:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)

@@ -9,11 +9,14 @@ data-parallel replicas; `fmserve:replica_*` series give each replica's, labelled
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+from prometheus_client.utils import floatToGoString
 
 from ipc.client_messages import ReplicaStatus
 from ipc.spec_settings import SpecSettings
@@ -22,6 +25,30 @@ from service.counters import ServiceCounters
 P = "fmserve:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class LatencyHistogram:
+    """A histogram of seconds over LATENCY_BUCKETS, observed once per token on the step loop:
+    bucket counts in a list and a sum, no lock (observed and scraped on the event loop's one
+    thread). prometheus_client's Histogram.observe took 1.7 us a value here (a lock, two
+    counters of their own): ~55 us a step at 32 streams, on the path a GPU's worker waits on."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc = P + name, doc
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one: above every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float, times: int = 1) -> None:
+        """`seconds`, `times` times over (a chunk of k tokens: k intervals of one length)."""
+        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += times  # le: bound inclusive
+        self.sum += seconds * times
+
+    def collect(self):
+        buckets, total = [], 0
+        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), self.counts):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
 
 
 class _CountersCollector:
@@ -117,8 +144,10 @@ class ServiceMetrics:
         self.registry.register(_CountersCollector(counters, schedulers, replicas, worker_state,
                                                   drafts_per_verify))
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(P + name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+        def histogram(name: str, doc: str) -> LatencyHistogram:
+            h = LatencyHistogram(name, doc)
+            self.registry.register(h)
+            return h
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token")
         self.itl = histogram("inter_token_latency_seconds", "Between two output tokens of a "
                              "request (a chunk of k tokens counts k intervals)")

@@ -80,6 +80,12 @@ class OutputText:
         """The text out's tokens release, and, when a stop string completes, after how many of
         them the request ends (None: it does not end on a stop string)."""
         state = self._requests[out.rid]
+        if out.finish_reason is None and len(out.token_ids) == 1 and not state.stops.stops:
+            # Most outputs: one token that ends nothing, no stop string to look for.
+            text = state.detok.push(out.token_ids[0])
+            if text:
+                state.tail = (state.tail + text)[-TEXT_TAIL_CHARS:]
+            return text, None
         params = state.params
         n_before = out.completion_tokens - len(out.token_ids)
         text = ""

@@ -110,8 +110,8 @@ class Replies:
                 info.first_token = now
                 self.metrics.ttft.observe(now - info.arrival)
             else:  # the tokens of one step (EAGLE emits several) share its interval
-                for _ in out.token_ids:
-                    self.metrics.itl.observe((now - info.last_token) / len(out.token_ids))
+                n = len(out.token_ids)
+                self.metrics.itl.observe((now - info.last_token) / n, n)
             info.last_token = now
             lps = [lp.logprob for lp in out.logprobs] if out.logprobs else None
             tops = [lp.top for lp in out.logprobs] if out.logprobs else None

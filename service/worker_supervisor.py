@@ -372,6 +372,11 @@ class WorkerHandle:
     async def _receive(self, timeout_s: float) -> WorkerToScheduler:
         """The next message. Checks between short polls that the process lives, so a death is
         seen within POLL_INTERVAL_S, not at the timeout."""
+        try:  # a result already here (the service the slower side, as at many streams on a
+            # GPU) is read without the poll's future and timer
+            return self._decode(await self._sock.recv(flags=zmq.NOBLOCK))
+        except zmq.Again:
+            pass
         deadline = time.monotonic() + timeout_s
         poll_ms = int(POLL_INTERVAL_S * 1000)
         while True:
