@@ -37,12 +37,12 @@ SERVE = ("import sys, service.worker_spawn as spawn; "
          "from fmserve.cli import main; sys.exit(main(['serve', *sys.argv[1:]]))")
 
 
-def start(tree: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start(tree: Path, model: str, log: Path) -> tuple[subprocess.Popen, str]:
     sockets = tempfile.mkdtemp(prefix="fmserve-bench-")  # ipc endpoints: no port to race for
     endpoint = f"ipc://{sockets}/service"
     env = dict(os.environ, PYTHONPATH=str(tree))
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE, "--endpoint", endpoint, "--http-port", "0",
+        [sys.executable, "-c", SERVE, "--model", model, "--endpoint", endpoint, "--http-port", "0",
          "--telemetry-endpoint", f"ipc://{sockets}/telemetry"],
         cwd=tree, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
@@ -92,6 +92,9 @@ async def load(endpoint: str, texts: list[str], concurrency: int, tokens: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", default="this=.", help="NAME=PATH,... checkouts to compare")
+    ap.add_argument("--model", default="default",
+                    help="a GGUF (default: the default model): its tokenizer, and the capacity "
+                         "the instant worker reads from its header")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens a request")
     ap.add_argument("--requests-per-stream", type=int, default=3)
@@ -102,7 +105,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     texts = dev_texts()
     runs: dict[tuple[str, int], list[dict]] = {}
-    services = [(name, *start(tree, Path(f"/tmp/fmserve-bench-service-step-{name}.log")))
+    logs = Path(tempfile.gettempdir())
+    services = [(name, *start(tree, args.model, logs / f"fmserve-bench-service-step-{name}.log"))
                 for name, tree in trees]  # all up at once: the runs alternate seconds apart
     try:
         for r in range(args.rounds):
