@@ -372,8 +372,7 @@ class WorkerHandle:
     async def _receive(self, timeout_s: float) -> WorkerToScheduler:
         """The next message. Checks between short polls that the process lives, so a death is
         seen within POLL_INTERVAL_S, not at the timeout."""
-        try:  # a result already here (the service the slower side, as at many streams on a
-            # GPU) is read without the poll's future and timer
+        try:  # one already here (the service the slower side) skips the poll's timer and future
             return self._decode(await self._sock.recv(flags=zmq.NOBLOCK))
         except zmq.Again:
             pass
