@@ -37,13 +37,13 @@ SERVE = ("import sys, service.worker_spawn as spawn; "
          "from fmserve.cli import main; sys.exit(main(['serve', *sys.argv[1:]]))")
 
 
-def start(tree: Path, model: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start(tree: Path, model: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     sockets = tempfile.mkdtemp(prefix="fmserve-bench-")  # ipc endpoints: no port to race for
     endpoint = f"ipc://{sockets}/service"
     env = dict(os.environ, PYTHONPATH=str(tree))
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVE, "--model", model, "--endpoint", endpoint, "--http-port", "0",
-         "--telemetry-endpoint", f"ipc://{sockets}/telemetry"],
+         "--telemetry-endpoint", f"ipc://{sockets}/telemetry", *extra],
         cwd=tree, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     with Client(endpoint) as client:
@@ -96,6 +96,8 @@ def main() -> None:
                     help="a GGUF (default: the default model): its tokenizer, and the capacity "
                          "the instant worker reads from its header")
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--serve-args", default="", help="more `fmserve serve` flags, e.g. "
+                    "\"--overlap\" (on a GPU the default; \"auto\" keeps it off on 2 cores)")
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens a request")
     ap.add_argument("--requests-per-stream", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
@@ -106,7 +108,8 @@ def main() -> None:
     texts = dev_texts()
     runs: dict[tuple[str, int], list[dict]] = {}
     logs = Path(tempfile.gettempdir())
-    services = [(name, *start(tree, args.model, logs / f"fmserve-bench-service-step-{name}.log"))
+    services = [(name, *start(tree, args.model, args.serve_args.split(),
+                              logs / f"fmserve-bench-service-step-{name}.log"))
                 for name, tree in trees]  # all up at once: the runs alternate seconds apart
     try:
         for r in range(args.rounds):
