@@ -167,3 +167,18 @@ class GroupResult(msgspec.Struct, tag="group_result", array_like=True, frozen=Tr
 
 SchedulerToWorker = StepPlan | GroupPlan | Shutdown
 WorkerToScheduler = StepResult | GroupResult | WorkerReady | WorkerFailed
+
+
+def planned_slots(plan: StepPlan | GroupPlan) -> list[bytes]:
+    """The slots a plan's result must answer, in order, per attention rank (one rank without
+    DP attention): the extends that sample, then the decodes, as `StepResult.slots` has them."""
+    if isinstance(plan, GroupPlan):
+        return [planned_slots(p)[0] for p in plan.plans]
+    return [pack_i32([e.slot for e in plan.extends if e.sample]) + plan.decode_slots]
+
+
+def answered_slots(result: StepResult | GroupResult) -> list[bytes]:
+    """The slots a result answers, per attention rank (to set beside `planned_slots`)."""
+    if isinstance(result, GroupResult):
+        return [r.result.slots for r in result.results]
+    return [result.slots]

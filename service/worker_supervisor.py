@@ -8,16 +8,15 @@
 For overlap scheduling, `send_plan` and `next_result` split `step`: several plans may be in flight
 and results come back in plan order.
 
-Async with zmq.asyncio, so it needs anyio's asyncio backend. The worker is *spawned* by module
-name with `sys.executable` (never forked: a forked copy of the service would share its sockets
-and threads), in a new session so a Ctrl-C in the terminal reaches the service first and the
-service decides how the worker ends. Its stdout and stderr go to a log file in the handle's
-private temp dir, which also holds the ipc:// socket; errors of a running worker quote the log's
-tail (service/worker_spawn.py starts the process; with `standby` one started ahead, its imports
-done, becomes the next worker). A worker that fails to start leaves its log beside that dir (`fmserve-worker-<pid>-*.log`),
-and the error gives the worker's one-line reason and that file's path, not its traceback. The worker
-exits by itself when this process dies (see gpu/worker_main.py). This module must not import
-`gpu` or torch: the service never holds device state.
+Async with zmq.asyncio (anyio's asyncio backend). The worker is *spawned* by module name with
+`sys.executable` (never forked: a fork would share the service's sockets and threads), in a new
+session so a Ctrl-C reaches the service first, which decides how the worker ends. Its output
+goes to a log in the handle's private temp dir, beside the ipc:// socket; errors of a running
+worker quote the log's tail (service/worker_spawn.py starts it; with `standby`, one started
+ahead becomes the next worker). A worker that fails to start leaves its log beside that dir
+(`fmserve-worker-<pid>-*.log`): the error gives its one-line reason and that path. The worker
+exits by itself when this process dies (gpu/worker_main.py). This module must not import `gpu`
+or torch: the service never holds device state.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import zmq.asyncio
 from ipc.worker_config import WorkerConfig
 from ipc.worker_messages import (WORKER_PROTOCOL_VERSION, GroupPlan, GroupResult, Shutdown,
                                  StepPlan, StepResult, WorkerFailed, WorkerInfo, WorkerReady,
-                                 WorkerToScheduler)
+                                 WorkerToScheduler, answered_slots, planned_slots)
 from ipc.zmq_util import SchedulerSideCodec, configure_socket, ipc_endpoint, make_ipc_dir
 from service.worker_spawn import Standby, WorkerSpawnError, describe_returncode, spawn_worker
 
@@ -91,7 +90,7 @@ class WorkerHandle:
         self._dir: Path | None = None
         self._log_file = None
         self.endpoint: str | None = None
-        self._inflight: deque[int] = deque()  # step ids sent whose results are still to come
+        self._inflight: deque[tuple[int, list[bytes]]] = deque()  # (step id, slots to answer)
         self._dead: str | None = None  # why the current process can no longer be used
 
     # -- state ------------------------------------------------------------------------------
@@ -327,7 +326,7 @@ class WorkerHandle:
         except zmq.Again:  # the peer is gone (or hopelessly behind)
             raise self._died(f"the worker (pid {self.pid}) does not accept plans "
                              f"(step {plan.step_id})") from None
-        self._inflight.append(plan.step_id)
+        self._inflight.append((plan.step_id, planned_slots(plan)))
 
     async def next_result(self) -> StepResult | GroupResult:
         """The result of the oldest plan in flight. Raises WorkerDied promptly if the process
@@ -335,7 +334,7 @@ class WorkerHandle:
         self._check_usable()
         if not self._inflight:
             raise RuntimeError("next_result() with no plan in flight")
-        step_id = self._inflight[0]
+        step_id, slots = self._inflight[0]
         try:
             msg = await self._receive(self.step_timeout_s)
         except _WorkerExited as e:
@@ -347,9 +346,10 @@ class WorkerHandle:
                              f"(step_timeout_s); the worker (pid {self.pid}) was killed") from None
         if isinstance(msg, WorkerFailed):
             raise self._died(msg.message)
-        if not isinstance(msg, StepResult | GroupResult) or msg.step_id != step_id:
-            got = type(msg).__name__ + (f" {msg.step_id}" if isinstance(
-                msg, StepResult | GroupResult) else "")
+        if not isinstance(msg, StepResult | GroupResult) or msg.step_id != step_id or \
+                answered_slots(msg) != slots:  # a request left out would wait forever
+            got = (f"{type(msg).__name__} {getattr(msg, 'step_id', '')}".rstrip()
+                   + (" for other requests" if getattr(msg, "step_id", None) == step_id else ""))
             self._signal_group(signal.SIGKILL)
             raise self._died(f"protocol error: expected the result of step {step_id}, "
                              f"the worker sent {got}; it was killed")
