@@ -208,6 +208,7 @@ class CompiledDecode:
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took
         self.runs = 0  # decode steps that ran compiled (tests and benchmarks read it)
         self.background: BackgroundCompile | None = None  # the bucket built on a thread
+        self._threads_before_build: int | None = None  # the steps' threads, while one runs
         self._parts = [_LayerPart(model, layer, attn) for layer in model.layers]
         # Each layer's attention mask: the one of its window (attn.windows; Gemma 3 has two).
         self._bias_of_layer = [attn.windows.index(attn.layer_window(i))
@@ -329,6 +330,7 @@ class CompiledDecode:
         bucket compiles it: in this step (it waits: ~8 s warm, ~25 s cold on 2 cores), or with
         `background_buckets` on a thread while this and later steps run eagerly. None while a
         bucket is built in the background: the switch comes at a step boundary."""
+        self._share_cores(self.building)
         if batch.mode != ForwardMode.DECODE or not 0 < batch.batch_size <= self.max_batch:
             return False
         if self.building:
@@ -342,6 +344,16 @@ class CompiledDecode:
                 return False
             self.compile_now(size)
         return size in self.ready
+
+    def _share_cores(self, building: bool) -> None:
+        """While a build runs, this thread's steps take one torch thread fewer: a team as
+        wide as the cores stalls at its barriers whenever the build holds one."""
+        if building and self._threads_before_build is None and torch.get_num_threads() > 1:
+            self._threads_before_build = torch.get_num_threads()
+            torch.set_num_threads(self._threads_before_build - 1)
+        elif not building and self._threads_before_build is not None:
+            torch.set_num_threads(self._threads_before_build)
+            self._threads_before_build = None
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The decoder over a decode batch, compiled: final hidden states [bs, H]."""

@@ -144,8 +144,18 @@ def test_auto_builds_a_larger_batchs_bucket_on_a_thread_while_steps_run_eagerly(
     """runtime.compile = "auto": bucket 1 at start-up; the first batch of 3-4 rows starts
     bucket 4's build on a thread and every decode step runs eagerly until it is built (the
     step does not wait for the compile); once built, batches of that bucket run compiled.
-    The tokens are the eager step's throughout."""
+    The tokens are the eager step's throughout. While a build runs, the steps take one torch
+    thread fewer (the build holds a core), and get them back once it is done."""
     monkeypatch.setenv(ENV_COMPILE, "auto")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a pytest-xdist worker runs on one
+    try:
+        auto_builds_a_larger_batchs_bucket(tiny_llama)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def auto_builds_a_larger_batchs_bucket(tiny_llama) -> None:
     engine = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", compile="auto",
                     max_kv_tokens=1024, max_running_requests=4, progress=False)
     step = engine.worker.step
@@ -157,11 +167,13 @@ def test_auto_builds_a_larger_batchs_bucket_on_a_thread_while_steps_run_eagerly(
     eager = greedy(engine, PROMPTS, budgets)
     step.compiled_decode = compiled
     states = []  # each step's decode_compile, read from the worker's results
+    threads = {"building": set(), "on": set()}  # torch's threads by decode_compile
     finish = engine.worker.finish
 
     def finish_and_record(pending):
         result = finish(pending)
         states.append(result.decode_compile)
+        threads[result.decode_compile].add(torch.get_num_threads())
         return result
 
     engine.worker.finish = finish_and_record
@@ -178,6 +190,7 @@ def test_auto_builds_a_larger_batchs_bucket_on_a_thread_while_steps_run_eagerly(
     runs, states[:] = compiled.runs, []
     assert greedy(engine, PROMPTS, budgets) == eager
     assert compiled.runs - runs >= sum(budgets) // 4 and set(states) == {"on"}, states
+    assert threads == {"building": {1}, "on": {2}}, threads
 
 
 def test_the_real_model_serves_eagerly_while_compiling_then_gives_the_same_tokens(model_path):
