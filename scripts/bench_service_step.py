@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from fmserve.bench import dev_texts
+from fmserve.bench.serve import run_closed_loop
 from ipc.async_client import AsyncClient
 from ipc.client import Client
 from ipc.client_errors import ServiceUnavailable
-from ipc.client_messages import ChatMessage, Chunk
 from ipc.sampling import SamplingParams
 
 SERVE = ("import sys, service.worker_spawn as spawn; "
@@ -59,34 +59,19 @@ def start(tree: Path, model: str, extra: list[str], log: Path) -> tuple[subproce
 
 
 async def load(endpoint: str, texts: list[str], concurrency: int, tokens: int) -> dict:
-    """Closed loop of `concurrency` streams over `texts`; steps/s and service CPU ms a step."""
+    """Closed loop of `concurrency` streams over `texts` (`fmserve bench serve`'s); steps/s and
+    service CPU ms a step between two health reads."""
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    await run_closed_loop(endpoint, texts[:concurrency], concurrency, params)  # warm
     async with AsyncClient(endpoint) as client:
-        async def one(text: str) -> int:
-            n = 0
-            async for msg in client.generate(messages=[ChatMessage("user", text)],
-                                             params=params):
-                if isinstance(msg, Chunk):
-                    n += len(msg.token_ids)
-            return n
-
-        await asyncio.gather(*(one(t) for t in texts[:concurrency]))  # warm
-        queue, total = list(texts), 0
-
-        async def stream() -> None:
-            nonlocal total
-            while queue:
-                n = await one(queue.pop())
-                total += n
-
-        before, t0 = await client.health(), time.perf_counter()
-        await asyncio.gather(*(stream() for _ in range(concurrency)))
-        wall, after = time.perf_counter() - t0, await client.health()
-    steps = after.steps - before.steps
+        before = await client.health()
+        run = await run_closed_loop(endpoint, texts, concurrency, params)
+        after = await client.health()
+    steps, total = after.steps - before.steps, sum(t.tokens for t in run.timings)
     assert total == len(texts) * tokens, f"{total} tokens, expected {len(texts) * tokens}"
-    return {"steps_s": steps / wall,
+    return {"steps_s": steps / run.wall,
             "cpu_ms": (after.service_cpu_ms - before.service_cpu_ms) / steps,
-            "idle": (after.worker_idle_ms - before.worker_idle_ms) / (wall * 1000.0)}
+            "idle": (after.worker_idle_ms - before.worker_idle_ms) / (run.wall * 1000.0)}
 
 
 def main() -> None:
