@@ -17,6 +17,10 @@ from ipc.curve import CurveClient
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# Clients silent this long lose their requests (service.client_timeout_s; 10 by default). Short,
+# so that a vanished client is seen within a test, but three heartbeats (2 s apart): at 3 s, a
+# client thread held up 1 s on a loaded 2-core machine lost its requests (the TUI's live test).
+CLIENT_TIMEOUT_S = 6.0
 
 
 
@@ -53,7 +57,8 @@ class ServiceProcess:
              "--dtype", "fp32", "--endpoint", f"tcp://{bind_host}:{self.port}",
              "--telemetry-endpoint", f"tcp://{bind_host}:{self.tport}", "--max-kv-tokens", "4096",
              "--http-port", str(self.http_port),
-             "--max-running-requests", "8", "--set", "service.client_timeout_s=3.0", *extra],
+             "--max-running-requests", "8",
+             "--set", f"service.client_timeout_s={CLIENT_TIMEOUT_S}", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         with Client(self.endpoint, curve=self.curve) as c:
@@ -90,8 +95,8 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-def assert_idle(client: Client) -> None:
-    deadline = time.monotonic() + 10
+def assert_idle(client: Client, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
     while True:
         s = client.health()
         if (s.free_pages, s.free_slots, s.running, s.waiting) == (s.total_pages, s.total_slots, 0, 0):

@@ -20,7 +20,8 @@ from ipc.client_messages import Chunk, Error, Finished, Generate, Pong
 from ipc.codec import decode_service_reply, encode
 from ipc.sampling import SamplingParams
 from service.tokenizer import TextTokenizer
-from tests.e2e.service_process import ServiceProcess, assert_idle, engine_greedy
+from tests.e2e.service_process import (CLIENT_TIMEOUT_S, ServiceProcess, assert_idle,
+                                       engine_greedy)
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
 QUESTIONS = ["What is 2+2?", "Name a color.", "Write one word about the sea.",
@@ -123,7 +124,7 @@ def test_a_steps_replies_to_one_client_arrive_as_one_message_of_reply_frames(ser
         widest = 0  # the most requests one message spoke for
         while sum(map(len, ends.values())) < len(QUESTIONS):
             # a sign of life, as a client's heartbeat: this service drops clients silent for
-            # 3 s, and four streams of 20 tokens can take longer on a busy machine
+            # CLIENT_TIMEOUT_S, and four streams of 20 tokens can take longer on a busy machine
             dealer.send(msgspec.msgpack.encode({"type": "ping"}))
             replies = [decode_service_reply(frame) for frame in dealer.recv_multipart()]
             replies = [r for r in replies if not isinstance(r, Pong)]
@@ -213,9 +214,8 @@ def test_vanished_client_is_detected_and_its_requests_aborted(service):
     assert sock.poll(30000), "no reply to the ghost request"
     sock.close()  # no heartbeats from now on
     ctx.term()
-    with Client(service.endpoint) as client:
-        time.sleep(3.5)  # client_timeout_s is 3 in this service
-        assert_idle(client)
+    with Client(service.endpoint) as client:  # idle once the ghost's request is aborted
+        assert_idle(client, timeout_s=CLIENT_TIMEOUT_S + 10)
     assert "silent" in service.log_text()
 
 
