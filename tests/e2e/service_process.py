@@ -19,7 +19,8 @@ from tests.ports import free_port
 ROOT = Path(__file__).resolve().parents[2]
 # Clients silent this long lose their requests (service.client_timeout_s; 10 by default). Short,
 # so that a vanished client is seen within a test, but three heartbeats (2 s apart): at 3 s, a
-# client thread held up 1 s on a loaded 2-core machine lost its requests (the TUI's live test).
+# client thread held up for over a second on a loaded 2-core machine lost its requests (the
+# TUI's live test).
 CLIENT_TIMEOUT_S = 6.0
 
 
