@@ -48,6 +48,15 @@ class FakeService(threading.Thread):
     def of_type(self, tag: str) -> list[dict]:
         return [m for _, m in list(self.received) if m.get("type") == tag]
 
+    def ids_of(self, tag: str, timeout_s: float = 5.0) -> list[str]:
+        """The ids of the messages of this type, once one has come (on a loaded machine a
+        frame sent just now can take a while to reach this thread), or [] after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not self.of_type(tag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # a second one, wrongly sent, would have come by now too
+        return [m["id"] for m in self.of_type(tag)]
+
     def run(self) -> None:
         while not self._stopping.is_set():
             if self.sock.poll(10):

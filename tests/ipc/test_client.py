@@ -104,7 +104,7 @@ def test_timeout_and_early_exit_abort_the_request():
 
     with FakeService(delay_s=5.0) as service:
         asyncio.run(main(service.endpoint))
-        assert [m["id"] for m in service.of_type("abort")] == ["t1"]
+        assert service.ids_of("abort") == ["t1"]
 
     async def break_early(endpoint):
         async with AsyncClient(endpoint, timeout_s=5.0) as client:
@@ -116,7 +116,7 @@ def test_timeout_and_early_exit_abort_the_request():
 
     with FakeService() as service:
         asyncio.run(break_early(service.endpoint))
-        assert [m["id"] for m in service.of_type("abort")] == ["t2"]
+        assert service.ids_of("abort") == ["t2"]
 
 
 def test_health_and_service_unavailable():
@@ -153,7 +153,7 @@ def test_sync_client():
         next(stream)
         stream.close()  # leaving early aborts
         time.sleep(0.1)
-        assert [m["id"] for m in service.of_type("abort")] == ["s1"]
+        assert service.ids_of("abort") == ["s1"]
 
     with Client(free_endpoint()) as client:
         with pytest.raises(ServiceUnavailable):
