@@ -9,6 +9,12 @@ each in turn, their order reversed every other round: seconds apart) and their m
 
     python scripts/bench_service_step.py --trees new=.,old=/tmp/old --rounds 4
 
+The same checkout twice with settings apart, e.g. a speculating service (its rows accept no
+draft, as a GPU's batches above the gate's limit) against the plain one:
+
+    python scripts/bench_service_step.py --trees plain=.,spec=. \
+        --tree-args "spec=--spec-algorithm eagle3" --rounds 10
+
 A checkout without fmserve/bench/instant_worker.py (an older commit) needs that file copied
 in. docs/benchmarks.md ("The service's own time a step") has the figures.
 """
@@ -83,17 +89,23 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--serve-args", default="", help="more `fmserve serve` flags, e.g. "
                     "\"--overlap\" (on a GPU the default; \"auto\" keeps it off on 2 cores)")
+    ap.add_argument("--tree-args", action="append", default=[], metavar="NAME=ARGS",
+                    help="more `fmserve serve` flags for one checkout's service alone")
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens a request")
     ap.add_argument("--requests-per-stream", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     trees = [(name, Path(path).resolve()) for name, path in
              (t.split("=", 1) for t in args.trees.split(","))]
+    own_args = dict(a.split("=", 1) for a in args.tree_args)
+    if unknown := set(own_args) - {name for name, _ in trees}:
+        ap.error(f"--tree-args names {sorted(unknown)}, not in --trees")
     levels = [int(c) for c in args.concurrency.split(",")]
     texts = dev_texts()
     runs: dict[tuple[str, int], list[dict]] = {}
     logs = Path(tempfile.gettempdir())
-    services = [(name, *start(tree, args.model, args.serve_args.split(),
+    services = [(name, *start(tree, args.model,
+                              args.serve_args.split() + own_args.get(name, "").split(),
                               logs / f"fmserve-bench-service-step-{name}.log"))
                 for name, tree in trees]  # all up at once: the runs alternate seconds apart
     try:

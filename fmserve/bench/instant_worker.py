@@ -33,7 +33,7 @@ from service.tokenizer import TextTokenizer
 def worker_info(config_json: str) -> WorkerInfo:
     """The capacity a real worker of this config announces (gpu/worker_state.py's info)."""
     cfg = parse_worker_config(config_json)
-    path, rt = Path(cfg.model.path), cfg.runtime
+    path, rt, spec = Path(cfg.model.path), cfg.runtime, cfg.spec
     mc = gguf_model_config(open_gguf(path), path)
     return WorkerInfo(
         protocol_version=WORKER_PROTOCOL_VERSION, model_name=path.name, device="cpu",
@@ -41,7 +41,10 @@ def worker_info(config_json: str) -> WorkerInfo:
         vocab_size=mc.vocab_size,
         max_context_len=min(rt.max_context_len or mc.max_context_len, mc.max_context_len),
         page_size=rt.page_size, num_pages=rt.max_kv_tokens // rt.page_size + 1,
-        num_slots=rt.max_running_requests + 1, eos_token_ids=list(mc.eos_token_ids))
+        num_slots=rt.max_running_requests + 1, eos_token_ids=list(mc.eos_token_ids),
+        spec_algorithm=spec.algorithm if spec.enabled else "none",
+        spec_num_steps=spec.num_steps if spec.enabled else 0,
+        spec_reserve_tokens=spec.reserve_tokens)
 
 
 def token_stream(model_path: str, eos: list[int]) -> np.ndarray:
@@ -51,7 +54,10 @@ def token_stream(model_path: str, eos: list[int]) -> np.ndarray:
     return np.array([t for t in ids if t not in eos], dtype=np.int32)
 
 
-def answer(sock: zmq.Socket, stream: np.ndarray) -> int:
+def answer(sock: zmq.Socket, stream: np.ndarray, speculates: bool) -> int:
+    """One StepResult per plan until Shutdown. `speculates`: a service with [spec] on, whose
+    rows come as the EAGLE step's plain decodes (an accept length of -1: no verify), as a
+    GPU's batches above the gate's limit do."""
     codec, at, finished = WorkerSideCodec(), 0, time.perf_counter()
     while True:
         msg = codec.decode(sock.recv())
@@ -66,7 +72,8 @@ def answer(sock: zmq.Socket, stream: np.ndarray) -> int:
         sock.send(codec.encode(StepResult(
             step_id=msg.step_id, slots=pack_i32(slots), token_ids=pack_i32(tokens),
             logprobs=b"", top_logprobs_n=0, top_logprob_ids=b"", top_logprobs=b"",
-            forward_ms=(end - start) * 1000.0, idle_ms=(start - finished) * 1000.0)))
+            forward_ms=(end - start) * 1000.0, idle_ms=(start - finished) * 1000.0,
+            accept_lens=pack_i32(np.full(len(slots), -1)) if speculates else b"")))
         finished = end
 
 
@@ -78,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cleanup-dir", default=None)
     args = parser.parse_args(argv)
     watch_parent(args.parent_pid, args.cleanup_dir)
-    info = worker_info(args.config)
-    stream = token_stream(parse_worker_config(args.config).model.path, info.eos_token_ids)
+    info, cfg = worker_info(args.config), parse_worker_config(args.config)
+    stream = token_stream(cfg.model.path, info.eos_token_ids)
     ctx = zmq.Context()
     sock = configure_socket(ctx.socket(zmq.PAIR))
     try:
         sock.connect(args.endpoint)
         sock.send(WorkerSideCodec().encode(WorkerReady(info)))
-        return answer(sock, stream)
+        return answer(sock, stream, cfg.spec.enabled)
     finally:
         sock.close()
         ctx.term()
