@@ -20,7 +20,8 @@ class PreparedStep:
 
     plan: StepPlan
     prepare_s: float = 0.0  # host time spent preparing
-    batch: ForwardBatch | None = None  # None: an EAGLE step, which builds its batches in launch
+    # None: an EAGLE step, which builds its batches in launch (unless it runs as the plain step)
+    batch: ForwardBatch | None = None
     sample_rows: torch.Tensor | None = None
     sample_slots_host: np.ndarray | None = None  # the sampled slots, for a sync-free sampler
 

@@ -30,7 +30,7 @@ from gpu.eagle.accept import accept_greedy, accept_verified, compact_accepted_kv
 from gpu.eagle.drafter import Drafter, SpecBatches
 from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.gate_memory import GateMemory
-from gpu.eagle.head_lag import HeadLag
+from gpu.eagle.head_lag import HeadLag, head_regime
 from gpu.eagle.headless_steps import HeadlessSteps
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
@@ -68,24 +68,25 @@ class EagleStep:
         self.max_position = drafter.max_position
         # Not by timing in deterministic mode ("auto" always drafts), nor on TP or DP-attention
         # ranks, each timing itself: every rank must make the same forwards.
-        timed = (state.device.type == "cpu" and not state.cfg.runtime.deterministic
-                 and state.shard is None and state.dp_attention is None)
-        on_gpu = (state.device.type == "cuda" and not state.cfg.runtime.deterministic
-                  and state.dp_attention is None)  # DP ranks draft alike: their own sizes
-        self.gate = SpecGate(settings.disable_above_batch_size, measured=timed,
-                             unmeasured_auto=GPU_AUTO_LIMIT if on_gpu else 0)
+        regime = head_regime(state, settings.disable_above_batch_size)
+        on_gpu = regime == "drop" or (state.device.type == "cuda" and not state.cfg.runtime
+                                      .deterministic and state.dp_attention is None)
+        self.gate = SpecGate(settings.disable_above_batch_size, measured=regime == "timed",
+                             unmeasured_auto=GPU_AUTO_LIMIT if on_gpu else 0,
+                             drops_heads=regime == "drop")
         # "auto" starts from an earlier run's measurements and keeps its own (gate_memory.py).
         self.gate_memory = GateMemory.for_worker(state) if self.gate.auto else None
         if self.gate_memory is not None:
             self.gate_memory.restore(self.gate)
-        # Where the gate times the two ways, plain steps leave the head behind (head_lag.py).
-        self.lag = HeadLag(self) if timed else None
+        # Where the gate times the two ways, plain steps leave the head behind; where it drops
+        # heads, requests above the limit run without it (head_lag.py).
+        self.lag = HeadLag(self) if regime != "follow" else None
         # Plain decode steps run the target in C as the plain step would, capturing the head's
         # features; a step of headless requests only runs as it does (headless_steps.py).
         self.native_decode = (cpu_decode_step.NativeDecode(state.model, state.attn)
                               if native_decode_applies(state) else None)
-        self.headless = (HeadlessSteps(self) if self.lag is not None
-                         and self.native_decode is not None else None)
+        self.headless = (HeadlessSteps(self) if self.lag is not None and (
+            self.native_decode is not None or self.gate.drops_heads) else None)
         # The drafting decode step as CUDA graphs where they can be captured (eagle_graphs.py);
         # a failed capture leaves it eager, the reason in the worker's log and ready line.
         self.graphs: EagleGraphs | None = None
@@ -111,31 +112,29 @@ class EagleStep:
     # -- the interface the Worker calls ------------------------------------------------------
 
     def prepare(self, step: PreparedStep) -> None:
-        """Nothing beyond the plan's bookkeeping: the EAGLE step builds its batches as it goes."""
+        """Which requests run headless (gpu/eagle/head_lag.py), by the size of the batch: every
+        request the worker holds (many still to prefill). A step of headless requests only
+        builds the plain step's batch here, as the plain step does (on a GPU under launch_ahead
+        "prepare": while the step before runs); others build their batches as they go."""
+        if self.lag is not None:
+            self.lag.take_plan(step.plan, self.gate)
+        if self.headless is not None and self.headless.applies(
+                step.plan, unpack_i32(step.plan.decode_slots)):
+            self.headless.prepare(step)
 
     def launch(self, step: PreparedStep, pending: PendingStep) -> None:
         """Enqueue every kernel of the step, the FutureMap's writes included, and nothing that
         waits for the device, so the host can plan the next step while this one runs
         (tests/gpu/test_host_sync.py checks it)."""
-        plan, parts = step.plan, []
+        plan, parts, lag = step.plan, [], self.lag
         decode_host = unpack_i32(plan.decode_slots).astype(np.int64)
+        if step.batch is not None:  # prepared as the plain step's (headless requests only)
+            return self.headless.launch(step, pending, decode_host)
         prefills, decodes = bool(plan.extends), bool(len(decode_host))
         if not (prefills or decodes):
             self.state.idle_counts["step"] += 1
         if self.state.dp_attention is not None:  # every rank runs the parts any rank runs,
             prefills, decodes = self.state.dp_attention.agree_parts(prefills, decodes)
-        lag = self.lag
-        if lag is not None:  # headless requests (gpu/eagle/head_lag.py), by the size of the
-            lag.release(unpack_i32(plan.released_slots))  # batch: every request the worker
-            new = [r.slot for r in plan.new_requests]  # holds (many still to prefill)
-            headed = bool(new) or bool(lag.running - lag.headless)
-            if headed and self.gate.admits_headless(len(lag.running | set(new))):
-                lag.admit(new, headless=True)
-                lag.drop_heads()  # those admitted with the head before their batch grew
-            elif new:
-                lag.admit(new, headless=False)
-            if self.headless is not None and self.headless.applies(plan, decode_host):
-                return self.headless.launch(step, pending, decode_host)
         drafts = bool(len(decode_host)) and self.gate.drafts(
             len(decode_host), can_draft=lag is None or not lag.any_headless(decode_host))
         if prefills and decodes and not drafts and lag is not None:

@@ -28,7 +28,8 @@ GPU_AUTO_LIMIT, from an H100 with both steps as CUDA graphs (docs/benchmarks.md)
 1.04-1.13x plain decode at one stream and 0.66-0.69x at eight (a graphed plain step of a small
 model costs about the same at 1, 2 or 8 rows; a verify of 5-12 rows a request does not), so it
 drafts up to two requests, about where the two cross (limits of 1, 2 and 4 measured since, with
-the plain steps as graphs too: 2 and 4 alike, 1 behind). Tensor-parallel ranks and deterministic
+the plain steps as graphs too: 2 and 4 alike, 1 behind). Above it, requests run headless
+(`drops_heads`, head_lag.py); under a fixed limit the head follows every plain step. Tensor-parallel ranks and deterministic
 mode do not measure either (each rank would time itself, and they must all take the same way;
 a timing is not deterministic): there "auto" always drafts.
 """
@@ -121,12 +122,15 @@ def size_class(batch_size: int) -> int:
 
 
 class SpecGate:
-    def __init__(self, limit: int | str, measured: bool, unmeasured_auto: int = 0) -> None:
+    def __init__(self, limit: int | str, measured: bool, unmeasured_auto: int = 0,
+                 drops_heads: bool = False) -> None:
         """`limit`: spec.disable_above_batch_size (an int, 0 = always draft, or "auto");
         `measured`: whether host time measures a step (a CPU device); `unmeasured_auto`: the
-        limit "auto" means where it does not (GPU_AUTO_LIMIT on a GPU, 0 elsewhere)."""
+        limit "auto" means where it does not (GPU_AUTO_LIMIT on a GPU, 0 elsewhere);
+        `drops_heads`: requests admitted above that limit run headless (head_lag.py, "drop")."""
         self.auto = limit == "auto" and measured
         self.limit = unmeasured_auto if limit == "auto" and not measured else limit
+        self.drops_heads = drops_heads and int(self.limit) > 0
         self.classes: dict[int, SizeClass] = {}
 
     def drafts(self, batch_size: int, can_draft: bool = True) -> bool:
@@ -162,6 +166,8 @@ class SpecGate:
         (gpu/eagle/head_lag.py): "auto" did not measure drafting HEADED_IF_FASTER_BY faster
         than plain at its class or a smaller one (from HEADLESS_FROM up; below it, once both
         ways have SETTLED_STEPS steps), so speculation costs nothing where it is off."""
+        if self.drops_heads:
+            return batch_size > int(self.limit)
         key = size_class(batch_size)
         c = self.classes.get(key) if self.auto else None
         # Once its probe of drafting is due, the class admits requests with the head again,
