@@ -69,10 +69,10 @@ class EagleStep:
         # Not by timing in deterministic mode ("auto" always drafts), nor on TP or DP-attention
         # ranks, each timing itself: every rank must make the same forwards.
         regime = head_regime(state, settings.disable_above_batch_size)
-        on_gpu = regime == "drop" or (state.device.type == "cuda" and not state.cfg.runtime
-                                      .deterministic and state.dp_attention is None)
+        on_gpu = (state.device.type == "cuda" and not state.cfg.runtime.deterministic
+                  and state.dp_attention is None)  # DP ranks draft alike: their own sizes
         self.gate = SpecGate(settings.disable_above_batch_size, measured=regime == "timed",
-                             unmeasured_auto=GPU_AUTO_LIMIT if on_gpu else 0,
+                             unmeasured_auto=GPU_AUTO_LIMIT if on_gpu or regime == "drop" else 0,
                              drops_heads=regime == "drop")
         # "auto" starts from an earlier run's measurements and keeps its own (gate_memory.py).
         self.gate_memory = GateMemory.for_worker(state) if self.gate.auto else None

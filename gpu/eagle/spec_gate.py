@@ -29,9 +29,10 @@ GPU_AUTO_LIMIT, from an H100 with both steps as CUDA graphs (docs/benchmarks.md)
 model costs about the same at 1, 2 or 8 rows; a verify of 5-12 rows a request does not), so it
 drafts up to two requests, about where the two cross (limits of 1, 2 and 4 measured since, with
 the plain steps as graphs too: 2 and 4 alike, 1 behind). Above it, requests run headless
-(`drops_heads`, head_lag.py); under a fixed limit the head follows every plain step. Tensor-parallel ranks and deterministic
-mode do not measure either (each rank would time itself, and they must all take the same way;
-a timing is not deterministic): there "auto" always drafts.
+(`drops_heads`, head_lag.py); under a fixed limit the head follows every plain step.
+Tensor-parallel ranks and deterministic mode do not measure either (each rank would time
+itself, and they must all take the same way; a timing is not deterministic): there "auto"
+always drafts.
 """
 
 from __future__ import annotations
