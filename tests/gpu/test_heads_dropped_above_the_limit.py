@@ -63,18 +63,20 @@ def plain_engine(model_path):
 
 def test_batches_above_the_limit_never_run_the_head_and_give_the_plain_tokens(
         model_path, plain_engine, gpu_regime, counted):
-    engine = make_engine(model_path, AUTO, device=DEVICE, max_tokens_per_step=512)
+    engine = make_engine(model_path, AUTO, device=DEVICE, max_tokens_per_step=512,
+                         max_running_requests=3)
     step = engine.worker.step
     assert (step.gate.limit, step.gate.drops_heads, step.gate.auto) == (GPU_AUTO_LIMIT, True,
                                                                         False)
     assert step.headless is not None
-    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    reference = [r.visible for r in run_requests(plain_engine, chats, scenario(), False)]
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    params = scenario()[:4]
+    reference = [r.visible for r in run_requests(plain_engine, chats, params, False)]
     prepared, prepare = [], engine.worker.prepare
     engine.worker.prepare = lambda plan: prepared.append(prepare(plan)) or prepared[-1]
-    # 6 requests, 4 admitted at once (above the limit; whole prompts prefill in one step), the
-    # other 2 beside headless ones; with overlap, as a GPU serves (step k + 1 launched first).
-    runs = run_requests(engine, chats, scenario(), overlap=True)
+    # 4 requests, 3 admitted at once (above the limit; whole prompts prefill in one step), the
+    # last beside headless ones; with overlap, as a GPU serves (step k + 1 launched first).
+    runs = run_requests(engine, chats, params, overlap=True)
     assert [r.visible for r in runs] == reference
     assert counted["head"] == 0 and counted["plain"] > 0
     assert all(r.verify_steps == 0 for r in runs)
@@ -82,11 +84,10 @@ def test_batches_above_the_limit_never_run_the_head_and_give_the_plain_tokens(
     # builds it while the step before runs), as the plain step builds its own.
     assert sum(p.batch is not None for p in prepared) == counted["plain"]
     # A request alone afterwards is admitted with the head and drafts.
-    alone = run_requests(engine, [LONG_CHAT], [SamplingParams(temperature=0.0,
-                                                              max_new_tokens=24)], True)
+    lone = SamplingParams(temperature=0.0, max_new_tokens=16)
+    alone = run_requests(engine, [LONG_CHAT], [lone], True)
     assert alone[0].verify_steps > 0 and counted["head"] > 0
-    assert alone[0].token_ids == run_requests(plain_engine, [LONG_CHAT], [SamplingParams(
-        temperature=0.0, max_new_tokens=24)], True)[0].token_ids
+    assert alone[0].token_ids == plain_engine.generate([LONG_CHAT], lone)[0].token_ids
     assert step.lag.behind == {}  # nothing was ever deferred
     assert_accounting_empty(engine)
 
@@ -95,7 +96,7 @@ def test_a_request_with_the_head_drops_it_when_its_batch_grows_past_the_limit(
         model_path, plain_engine, gpu_regime, counted):
     engine = make_engine(model_path, AUTO, device=DEVICE, max_tokens_per_step=512)
     lag = engine.worker.step.lag
-    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=28, ignore_eos=True)
     engine.overlap = False
     (rid, _), = engine.submit([LONG_CHAT], params)
     tokens, shorts, heads_when_joined = [], None, None
@@ -105,7 +106,7 @@ def test_a_request_with_the_head_drops_it_when_its_batch_grows_past_the_limit(
         if shorts is None and len(tokens) >= 8:
             assert counted["head"] and lag.running - lag.headless  # alone: drafting
             shorts = engine.submit([[{"role": "user", "content": q}] for q in QUESTIONS[1:4]],
-                                   SamplingParams(temperature=0.0, max_new_tokens=12,
+                                   SamplingParams(temperature=0.0, max_new_tokens=8,
                                                   ignore_eos=True))
         elif shorts is not None and heads_when_joined is None and out.rid != rid:
             heads_when_joined = counted["head"]  # the shorts' first tokens: batch 4 now
