@@ -151,6 +151,10 @@ class Worker:
             note += f", no CUDA graphs (capturing the EAGLE step failed: {self.step.graphs_error})"
         elif cfg.runtime.cuda_graph_max_batch and self.state.device.type == "cuda":
             note += ", no CUDA graphs (they need the triton attention backend and one rank)"
+        headless = getattr(self.step, "headless", None)
+        if headless is not None and self.step.gate.drops_heads:  # "auto" on a GPU
+            note += (f", batches above {self.step.gate.limit} requests headless as the plain step"
+                     + (" (its decode graphs)" if headless.plain.decode_graphs else ""))
         compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
         if isinstance(self.step, PlainStep) and self.step.native_decode is not None:
             from gpu.cpu_q4_kernel import kernel_isa

@@ -69,6 +69,8 @@ def test_batches_above_the_limit_never_run_the_head_and_give_the_plain_tokens(
     assert (step.gate.limit, step.gate.drops_heads, step.gate.auto) == (GPU_AUTO_LIMIT, True,
                                                                         False)
     assert step.headless is not None
+    assert f"batches above {GPU_AUTO_LIMIT} requests headless as the plain step" in (
+        engine.worker.fast_paths())  # the worker's ready line says so
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
     params = scenario()[:4]
     reference = [r.visible for r in run_requests(plain_engine, chats, params, False)]
