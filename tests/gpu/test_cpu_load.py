@@ -27,8 +27,11 @@ def test_processes_spinning_meanwhile_count_as_other_work():
 
 
 def test_this_process_own_work_is_not_other_work():
-    """The same window asleep and spinning, in turns: counted as other work, our own spin would
-    add a core. (Compared in turns, so work elsewhere on the machine weighs on both alike.)"""
+    """The same window asleep and spinning, in pairs: counted as other work, our own spin would
+    add a core to its pair's figure. (Compared pair by pair, each pair's two windows back to
+    back and their order alternated, so work elsewhere on the machine weighs on both alike:
+    two medians of separate windows once differed by a core as a test on the other core
+    started and stopped.)"""
     def window(spin: bool) -> float:
         with OtherWork() as w:
             end = time.perf_counter() + 0.4
@@ -38,8 +41,9 @@ def test_this_process_own_work_is_not_other_work():
         assert w.cores is not None
         return w.cores
 
-    asleep, spinning = [], []
-    for _ in range(5):  # medians of five: a test beside it on the other core moves single ones
-        asleep.append(window(False))
-        spinning.append(window(True))
-    assert sorted(spinning)[2] < sorted(asleep)[2] + 0.75, (asleep, spinning)
+    added = []
+    for i in range(5):  # the median of five pairs: a test on the other core moves single ones
+        first = window(bool(i % 2))
+        second = window(not i % 2)
+        added.append(first - second if i % 2 else second - first)  # spinning - asleep
+    assert sorted(added)[2] < 0.75, added
