@@ -9,8 +9,8 @@ each in turn, their order reversed every other round: seconds apart) and their m
 
     python scripts/bench_service_step.py --trees new=.,old=/tmp/old --rounds 4
 
-The same checkout twice with settings apart, e.g. a speculating service (its rows accept no
-draft, as a GPU's batches above the gate's limit) against the plain one:
+The same checkout twice with settings apart, e.g. a speculating service (its rows answered as
+the EAGLE step's plain decodes, as a GPU's batches above the gate's limit) against the plain one:
 
     python scripts/bench_service_step.py --trees plain=.,spec=. \
         --tree-args "spec=--spec-algorithm eagle3" --rounds 10
@@ -97,6 +97,8 @@ def main() -> None:
     args = ap.parse_args()
     trees = [(name, Path(path).resolve()) for name, path in
              (t.split("=", 1) for t in args.trees.split(","))]
+    if malformed := [a for a in args.tree_args if "=" not in a]:
+        ap.error(f"--tree-args takes NAME=ARGS (a name from --trees); got {malformed}")
     own_args = dict(a.split("=", 1) for a in args.tree_args)
     if unknown := set(own_args) - {name for name, _ in trees}:
         ap.error(f"--tree-args names {sorted(unknown)}, not in --trees")
