@@ -107,7 +107,11 @@ def test_a_model_with_the_kernels_in_place_gives_the_torch_paths_logits(tiny_lla
     assert got.shape == expected.shape == (len(ids), 96)
     if dtype == "fp32":
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    else:  # bf16 rounding differences move logits a little, not the top token
-        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.98
+    else:  # bf16 rounding moves logits a little: the top token only where it was a near tie
         torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+        agree = got.argmax(-1) == expected.argmax(-1)
+        picked = expected.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+        # On the AVX2-only EPYC one position's top two were 0.004 apart (a bf16 step) and swapped.
+        assert (expected.max(-1).values - picked)[~agree].le(0.02).all()
+        assert agree.float().mean() >= 0.8
 
