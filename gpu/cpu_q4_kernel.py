@@ -117,6 +117,9 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.q8_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                   ctypes.c_int]
+    lib.q8_lookup.restype = ctypes.c_int
+    lib.q8_lookup.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 3 + [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.decode_step.restype = ctypes.c_int
     lib.head_step.restype = ctypes.c_int
     lib.q4_kernel_isa.restype = ctypes.c_int
@@ -194,6 +197,21 @@ def q8_matmul_argmax(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.T
             torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
     return tokens
+
+
+def q8_lookup(w: Q8Rows, ids: torch.Tensor) -> torch.Tensor:
+    """Q8Rows.lookup in one C call: rows `ids` as fp32 [*ids.shape, width] (an embedding table
+    kept as its codes), the same values."""
+    flat = ids.reshape(-1)
+    if flat.dtype != torch.int64 or not flat.is_contiguous():
+        flat = flat.to(torch.int64).contiguous()
+    width = w.codes.shape[1]
+    out = torch.empty(*ids.shape, width)
+    if _library().q8_lookup(w.codes.data_ptr(), w.scale.data_ptr(), w.fp16, w.halves, width,
+                            w.out, flat.data_ptr(), flat.shape[0], out.data_ptr()) != 0:
+        raise IndexError(f"a token id is outside the embedding table's {w.out} rows "
+                         f"(ids from {int(flat.min())} to {int(flat.max())})")
+    return out
 
 
 def dequantize_rows(w: "Q4Rows | Q8Rows", start: int, out: torch.Tensor) -> None:

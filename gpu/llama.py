@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from gpu import cpu_sampling
 from gpu.attention.base import AttentionBackend
 from gpu.cpu_kernels import Fp32Split
-from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, codes_linear_ok, q8_matmul, q8_matmul_argmax
+from gpu.cpu_q4_kernel import CodesLinear, Q8Rows, codes_linear_ok, q8_lookup, q8_matmul, q8_matmul_argmax
+from gpu.cpu_q4_kernel import available as codes_kernel_available
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import (GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, fused_ops_for,
                         head_rms_norm, rms_norm, swiglu)
@@ -144,7 +145,9 @@ class LlamaModel:
         self._embed_table = None if self.embed_codes is not None else w("embed_tokens")
         # The token lookup; tensor parallelism swaps in its vocabulary-parallel one.
         self.embed = (partial(F.embedding, weight=self._embed_table)
-                      if self._embed_table is not None else self.embed_codes.lookup)
+                      if self._embed_table is not None
+                      else partial(q8_lookup, self.embed_codes) if codes_kernel_available()
+                      else self.embed_codes.lookup)
         # DP attention's MLP communication (gpu/dp_attention.py sets it): it learns each rank's
         # token count at the start of every forward.
         self.dp_attention = None

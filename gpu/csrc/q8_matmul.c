@@ -333,20 +333,37 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const vo
 }
 
 /* Output rows [o0, o0 + count) of an 8-bit weight as fp32 (w = q s), dst [count, k]. */
+/* Row `row` of the codes as fp32 [k] into w. */
+static void dequantize_row(const int8_t *qs, const void *s, int fp16, int halves, int k,
+                           int64_t row, float *w) {
+    int nb = k / GROUP, l = (int)(row % 16);
+    int64_t g = row / 16;
+    const int8_t *qg = qs + (size_t)g * nb * BLOCK_BYTES + 4 * l;
+    size_t at = (size_t)g * nb * halves * 16 + l; /* the row's scales: every 16th */
+    for (int b = 0; b < nb; b++) {
+        const int8_t *qb = qg + (size_t)b * BLOCK_BYTES;
+        for (int j = 0; j < GROUP; j++)
+            w[b * GROUP + j] = (float)qb[(j / 4) * STEP_BYTES + j % 4]
+                               * param_at(s, fp16, at + (b * halves + j * halves / GROUP) * 16);
+    }
+}
+
 void q8_dequantize(const int8_t *qs, const void *s, int fp16, int halves, int k, int o0,
                    int count, float *dst, int threads) {
-    int nb = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < count; o++) {
-        int row = o0 + o, g = row / 16, l = row % 16;
-        const int8_t *qg = qs + (size_t)g * nb * BLOCK_BYTES + 4 * l;
-        size_t at = (size_t)g * nb * halves * 16 + l; /* the row's scales: every 16th */
-        float *w = dst + (size_t)o * k;
-        for (int b = 0; b < nb; b++) {
-            const int8_t *qb = qg + (size_t)b * BLOCK_BYTES;
-            for (int j = 0; j < GROUP; j++)
-                w[b * GROUP + j] = (float)qb[(j / 4) * STEP_BYTES + j % 4]
-                                   * param_at(s, fp16, at + (b * halves + j * halves / GROUP) * 16);
-        }
-    }
+    for (int o = 0; o < count; o++)
+        dequantize_row(qs, s, fp16, halves, k, o0 + o, dst + (size_t)o * k);
+}
+
+/* Rows `ids` [count] as fp32 [count][k]: an embedding table of `rows` rows kept as its codes.
+ * A step looks up a few rows, so one thread (torch's gather of the interleaved codes cost
+ * ~0.1 ms a call). Returns 0, or -1 (nothing written) if an id is not a row. */
+int q8_lookup(const int8_t *qs, const void *s, int fp16, int halves, int k, int64_t rows,
+              const int64_t *ids, int count, float *dst) {
+    for (int o = 0; o < count; o++)
+        if (ids[o] < 0 || ids[o] >= rows)
+            return -1;
+    for (int o = 0; o < count; o++)
+        dequantize_row(qs, s, fp16, halves, k, ids[o], dst + (size_t)o * k);
+    return 0;
 }

@@ -9,7 +9,7 @@ import torch
 
 from gpu import cpu_q4_kernel
 from gpu.cpu_q4_kernel import (CodesLinear, Q4Rows, Q8Rows, codes_linear_ok, dequantize_rows,
-                                q4_matmul, q8_matmul, q8_matmul_argmax,
+                                q4_matmul, q8_lookup, q8_matmul, q8_matmul_argmax,
                                 scratch_matmul)
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight, Q4Blocks
 from tests.gpu.test_q4_linear import int4, quantized
@@ -286,6 +286,22 @@ def test_an_embedding_kept_as_q8_0_codes_looks_up_the_files_rows():
     codes = Q8Rows.from_pair(int4(raw, "Q8_0", exact.shape))
     ids = torch.tensor([[3, 0], [49, 3]])
     assert torch.equal(codes.lookup(ids), exact[ids])
+    assert torch.equal(q8_lookup(codes, ids), exact[ids])  # the C lookup a decode step uses
+    assert q8_lookup(codes, torch.tensor([], dtype=torch.int64)).shape == (0, 64)
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match="outside the embedding table's 50 rows"):
+            q8_lookup(codes, torch.tensor([2, bad]))
+
+
+def test_the_c_lookup_reads_q6_k_halves_and_fp32_scales():
+    weight, exact = q6_k_weight(40, 512, seed=4)
+    codes = Q8Rows.from_digits16(weight)
+    assert codes.halves == 2
+    ids = torch.tensor([39, 0, 17, 17])
+    assert torch.equal(q8_lookup(codes, ids), codes.lookup(ids))
+    torch.testing.assert_close(q8_lookup(codes, ids), exact[ids], rtol=1e-6, atol=1e-6)
+    own = Q8Rows.quantize(exact)  # fp32 scales, as a draft head's codes
+    assert torch.equal(q8_lookup(own, ids), own.lookup(ids))
 
 
 @pytest.mark.parametrize("rows", [15, 11])  # VNNI tiles 8 + 7 and 8 + 3

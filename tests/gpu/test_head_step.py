@@ -10,6 +10,7 @@ import torch
 
 from gpu import cpu_q4_kernel
 from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.eagle import head_native
 from gpu.eagle.head_native import NativeHead, why_not
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.kv_cache import KVPool, ReqToTokenPool
@@ -66,9 +67,13 @@ def _torch_forward(head, attn, batch, hidden):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode, extend", [(ForwardMode.DECODE, [1, 1]),
                                           (ForwardMode.EXTEND, [4, 2])])
-def test_the_c_layer_matches_the_torch_forward(target, kv_dtype, mode, extend):
+@pytest.mark.parametrize("rope_table", ["table", "past it"])
+def test_the_c_layer_matches_the_torch_forward(target, kv_dtype, mode, extend, rope_table,
+                                               monkeypatch):
     if kv_dtype == torch.float16 and not cpu_q4_kernel.library().kv_half_supported():
         pytest.skip("no F16C here")
+    if rope_table == "past it":  # positions past the cos / sin table: computed per step
+        monkeypatch.setattr(head_native, "ROPE_TABLE_POSITIONS", 6)
     head, pool, table, attn = _setup(target, kv_dtype)
     native = NativeHead(head, pool, attn, max_rows=16)
     # Prefixes written by the torch forward (an extend from the aux states: fc runs).
@@ -92,6 +97,14 @@ def test_the_c_layer_matches_the_torch_forward(target, kv_dtype, mode, extend):
     torch.testing.assert_close(pool.v_buffer[0][loc].float(), want_v.float(), **tol)
     # The same lm_head reads either: the drafted tokens agree.
     assert torch.equal(head.logits(normed).argmax(-1), head.logits(want_normed).argmax(-1))
+
+
+def test_its_rope_table_holds_the_heads_cos_and_sin(target):
+    head, pool, table, attn = _setup(target)
+    native = NativeHead(head, pool, attn, max_rows=4)
+    positions = torch.tensor([0, 5, native._cos.shape[0] - 1, 3])
+    cos, sin = head.rope_tables(positions)
+    assert torch.equal(native._cos[positions], cos) and torch.equal(native._sin[positions], sin)
 
 
 def test_it_takes_what_it_can_run_and_says_why_not(target):
