@@ -21,22 +21,29 @@ def bench_serve_tables(tmp_path, model_path, *flags: str) -> tuple[str, list[str
     return text, [line for line in text.splitlines() if line.startswith("| overlap")]
 
 
-def test_bench_serve_overlap_on_off_end_to_end(tmp_path, model_path):
-    text, rows = bench_serve_tables(tmp_path, model_path, "--max-new-tokens", "4",
-                                    "--launch-ahead", "prepare")
+def test_bench_serve_overlap_on_off_side_by_side_end_to_end(tmp_path, model_path):
+    """One run (each costs two services and the offline baseline): overlap on with
+    launch-ahead "prepare" and off, taken side by side twice (--alternate)."""
+    text, rows = bench_serve_tables(tmp_path, model_path, "--max-new-tokens", "3",
+                                    "--launch-ahead", "prepare", "--alternate", "2")
     assert [r.split("|")[1].strip() for r in rows] == [
         "overlap on (launch-ahead prepare), concurrency 2", "overlap off, concurrency 2"]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[1] == "2" and float(cells[8]) > 0  # requests, output tok/s
+        assert cells[1] == "4" and float(cells[8]) > 0  # requests (2, twice), output tok/s
         assert 0 <= float(cells[10]) <= 100  # worker idle %
         # the service's CPU time a step: some, and less than the run's wall time a step on the
-        # machine's cores (a step of 2 requests and 4 tokens is tens of ms on a CPU)
+        # machine's cores (a step of 2 requests and 3 tokens is tens of ms on a CPU)
         assert 0 < float(cells[11]) < 5000, cells
-    summary = re.search(r"- concurrency 2: overlap on \(launch-ahead prepare\)/off throughput ([\d.]+)x; worker idle "
-                        r"([\d.]+)% on, ([\d.]+)% off; ceiling ([\d.]+)x", text)
+    summary = re.search(r"- concurrency 2: overlap on \(launch-ahead prepare\)/off throughput "
+                        r"([\d.]+)x; worker idle ([\d.]+)% on, ([\d.]+)% off; ceiling ([\d.]+)x", text)
     assert summary, text
     assert float(summary.group(1)) > 0 and float(summary.group(4)) >= 1.0
+    pairs = re.search(r"- concurrency 2: overlap on \(launch-ahead prepare\)/off by round: "
+                      r"([\d.]+)x ([\d.]+)x; median ([\d.]+)x", text)
+    assert pairs, text
+    first, second, median = (float(pairs.group(i)) for i in (1, 2, 3))
+    assert min(first, second) <= median <= max(first, second) and median > 0
 
 
 def run(name: str, tokens: int, wall: float, idle: float | None,
@@ -123,19 +130,6 @@ def test_alternate_takes_each_run_in_turn_the_order_reversed_every_other_time():
     assert results == list(range(1, 13))  # in the order taken
     assert said[:3] == ["A c1 (1/3) ...", "B c1 (1/3) ...", "B c1 (2/3) ..."]
     assert alternate([service("A")], 1, said.append) == [13, 14] and said[-1] == "A c8 ..."
-
-
-def test_bench_serve_alternate_runs_the_services_side_by_side_end_to_end(tmp_path, model_path):
-    text, rows = bench_serve_tables(tmp_path, model_path, "--max-new-tokens", "3",
-                                    "--alternate", "2")
-    assert [r.split("|")[1].strip() for r in rows] == [
-        "overlap on, concurrency 2", "overlap off, concurrency 2"]
-    assert all(r.split("|")[2].strip() == "4" for r in rows)  # 2 requests, twice each
-    pairs = re.search(r"- concurrency 2: overlap on/off by round: ([\d.]+)x ([\d.]+)x; "
-                      r"median ([\d.]+)x", text)
-    assert pairs, text
-    first, second, median = (float(pairs.group(i)) for i in (1, 2, 3))
-    assert min(first, second) <= median <= max(first, second) and median > 0
 
 
 def test_bad_arguments_are_refused_before_the_baseline(tmp_path, capsys):
