@@ -5,7 +5,8 @@ codes (gpu/cpu_q4_kernel.py). Even compiled, a one-stream step then spends a qua
 time in Python: inductor's wrapper makes ~420 calls a step, 120 of them projections through
 torch's dispatcher. This step makes one: the decoder (norms, projections, RoPE, the KV write,
 attention, SwiGLU, residuals) runs in C over the model's own tensors, as llama.cpp runs it.
-The embedding lookup, the cos/sin gather and the lm_head stay in torch.
+The embedding lookup (a C call of its own where the table is codes), the cos/sin gather and
+the lm_head stay outside this call.
 
 It applies to decode batches of up to NATIVE_MAX_BATCH rows, on a Llama-like decoder (Llama,
 Mistral, Qwen3, Gemma 3: q/k norms, sandwich norms, sliding windows, a second RoPE table, GELU)
