@@ -332,8 +332,7 @@ int q8_matmul_argmax(const float *x, int rows, int k, const int8_t *qs, const vo
                           tokens, threads);
 }
 
-/* Output rows [o0, o0 + count) of an 8-bit weight as fp32 (w = q s), dst [count, k]. */
-/* Row `row` of the codes as fp32 [k] into w. */
+/* Row `row` of an 8-bit weight's codes as fp32 [k] into w (w = q s). */
 static void dequantize_row(const int8_t *qs, const void *s, int fp16, int halves, int k,
                            int64_t row, float *w) {
     int nb = k / GROUP, l = (int)(row % 16);
@@ -348,6 +347,7 @@ static void dequantize_row(const int8_t *qs, const void *s, int fp16, int halves
     }
 }
 
+/* Output rows [o0, o0 + count) of an 8-bit weight as fp32, dst [count, k]. */
 void q8_dequantize(const int8_t *qs, const void *s, int fp16, int halves, int k, int o0,
                    int count, float *dst, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)

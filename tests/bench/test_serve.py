@@ -36,7 +36,8 @@ def test_bench_serve_overlap_on_off_side_by_side_end_to_end(tmp_path, model_path
         # machine's cores (a step of 2 requests and 3 tokens is tens of ms on a CPU)
         assert 0 < float(cells[11]) < 5000, cells
     summary = re.search(r"- concurrency 2: overlap on \(launch-ahead prepare\)/off throughput "
-                        r"([\d.]+)x; worker idle ([\d.]+)% on, ([\d.]+)% off; ceiling ([\d.]+)x", text)
+                        r"([\d.]+)x; worker idle ([\d.]+)% on, ([\d.]+)% off; "
+                        r"ceiling ([\d.]+)x", text)
     assert summary, text
     assert float(summary.group(1)) > 0 and float(summary.group(4)) >= 1.0
     pairs = re.search(r"- concurrency 2: overlap on \(launch-ahead prepare\)/off by round: "
