@@ -132,6 +132,20 @@ def test_cuts_without_a_temperature_are_refused_before_any_work(tmp_path, capsys
     assert not out.exists()
 
 
+def test_only_the_running_speculative_peers_settings_are_checked(tmp_path, capsys):
+    # --spec-num-steps 1 suits a chain; the tree peer's default 8 draft tokens do not. Both were
+    # checked whatever ran, so a chain-only run with one step failed after minutes of set-up.
+    out, model = tmp_path / "bench", str(tmp_path / "none.gguf")
+    common = ["bench", "peers", "--quick", "--spec-num-steps", "1", "--model", model,
+              "--out-dir", str(out)]
+    assert main([*common, "--peers", "served-overlap-chain,served-overlap-tree"]) == 2
+    assert "spec.num_draft_tokens must be" in capsys.readouterr().err  # the tree's, at once
+    main([*common, "--peers", "served-overlap-chain"])  # gets as far as the missing model
+    err = capsys.readouterr().err
+    assert "num_draft_tokens" not in err and "none.gguf" in err, err[-2000:]
+    assert not out.exists()
+
+
 def test_the_report_says_how_a_run_sampled():
     from fmserve.bench.peers_report import sampling_words
     assert sampling_words(0.0, dict(top_k=40, top_p=1.0, min_p=0.0)) == "greedy"
