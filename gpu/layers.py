@@ -98,6 +98,17 @@ def fused_ops_for(device: torch.device) -> ModuleType | None:
     return fused_ops
 
 
+def transposed(weight: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """weight.t().contiguous(), copied `rows` rows at a time: each piece's reads stay in
+    cache. torch's one copy of the transposed view ran at 0.3-0.9 GB/s on a 2-core EPYC (the
+    default model's fp32 gate_up 19 -> 2.2 ms, its lm_head 108 -> 72 ms), about a second of
+    every fp32 engine's load."""
+    out = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+    for start in range(0, weight.shape[0], rows):
+        out[:, start:start + rows].copy_(weight[start:start + rows].t())
+    return out
+
+
 class DenseLinear:
     """y = x @ W^T with W kept in the layout this device multiplies fastest.
 
@@ -118,7 +129,7 @@ class DenseLinear:
         self.weight = weight  # [out, in]; None when only W^T is kept
         self.weight_t = None  # [in, out]
         if self.cpu_fp32 and (wide or both_layouts):
-            self.weight_t = weight.t().contiguous()
+            self.weight_t = transposed(weight)
             if not both_layouts:
                 self.weight = None
 

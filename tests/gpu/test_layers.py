@@ -11,7 +11,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from gpu.layers import head_rms_norm, rms_norm
+from gpu.layers import DenseLinear, head_rms_norm, rms_norm, transposed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -66,3 +66,18 @@ def test_head_norm_scales_each_head_by_its_own_row(dtype):
             ref.weight.data.copy_(weights[h])
             expected.append(ref(x[:, h]))
         assert_matches(head_rms_norm(x, weights, 1e-6), torch.stack(expected, 1))
+
+
+@pytest.mark.parametrize("shape, rows", [((130, 7), 64), ((5, 9), 64), ((192, 48), 16)])
+def test_the_transpose_in_pieces_is_the_whole_transpose(shape, rows):
+    weight = torch.randn(*shape)
+    out = transposed(weight, rows)
+    assert out.is_contiguous() and torch.equal(out, weight.t())
+
+
+def test_a_wide_fp32_linear_multiplies_by_its_transposed_copy_exactly():
+    weight, x = torch.randn(200, 24), torch.randn(3, 24)
+    linear = DenseLinear(weight)
+    assert linear.weight is None and torch.equal(linear.weight_t, weight.t())
+    for rows in (x[:1], x):
+        assert torch.allclose(linear(rows), rows @ weight.t(), atol=1e-5)
