@@ -8,7 +8,6 @@ above 1 is better for tokens/s and accept length, worse for latency and memory.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fmserve.bench.tables import markdown_table
+from fmserve.bench.tables import fmt, markdown_table, with_ratio
 from fmserve.bench.peer_types import BASELINE, LLAMA_INSTALL, LLAMA_SERVER_INSTALL, PeerResult
 from fmserve.bench.peers_pairs import pairs_sections
 
@@ -58,21 +57,6 @@ def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def fmt(value: float | None, digits: int = 1, why: str = "no data") -> str:
-    if value is None or not math.isfinite(value):
-        return f"skipped ({why})"
-    return f"{value:,.{digits}f}"
-
-
-def with_ratio(value: float | None, base: float | None, digits: int = 1) -> str:
-    text = fmt(value, digits)
-    if value is None or not math.isfinite(value):
-        return text
-    if base is None or not math.isfinite(base) or base <= 0:
-        return f"{text} (ratio skipped: no baseline)"
-    return f"{text} ({value / base:.2f}x)"
-
-
 # --- machine ------------------------------------------------------------------------------
 
 
@@ -100,6 +84,11 @@ def machine_description() -> dict:
 
 
 # --- markdown -----------------------------------------------------------------------------
+
+
+def spec_words(spec: dict) -> str:
+    """The settings of the speculative shapes whose peers ran."""
+    return ", ".join(f"{k} {tuple(v)}" for k, v in sorted(spec.items())) or "none ran"
 
 
 def sampling_words(temperature: float, cuts: dict | None = None) -> str:
@@ -196,7 +185,7 @@ def device_section(device: str, cfg: dict, results: dict[str, PeerResult], plots
               "Per position: the share of verify steps that accepted the draft at depth i. "
               "Prompt lookup: output tokens per target forward (transformers reports no "
               "per-position figures). Speculation settings (algorithm, head, steps, topk, draft "
-              f"tokens): chain {tuple(cfg['spec']['chain'])}, tree {tuple(cfg['spec']['tree'])} "
+              f"tokens): {spec_words(cfg['spec'])} "
               "(an empty head = the shipped head of the default model).", ""]
     rows = []
     for r in spec:

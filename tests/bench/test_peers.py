@@ -146,6 +146,15 @@ def test_only_the_running_speculative_peers_settings_are_checked(tmp_path, capsy
     assert not out.exists()
 
 
+def test_the_report_names_the_speculative_settings_of_the_shapes_that_ran():
+    from fmserve.bench.peers_report import spec_words
+    chain, tree = ["eagle3", "", 1, 1, 2], ["eagle3", "", 3, 2, 4]
+    assert spec_words({"chain": chain}) == "chain ('eagle3', '', 1, 1, 2)"
+    assert spec_words({"chain": chain, "tree": tree}) == (
+        "chain ('eagle3', '', 1, 1, 2), tree ('eagle3', '', 3, 2, 4)")
+    assert spec_words({}) == "none ran"
+
+
 def test_the_report_says_how_a_run_sampled():
     from fmserve.bench.peers_report import sampling_words
     assert sampling_words(0.0, dict(top_k=40, top_p=1.0, min_p=0.0)) == "greedy"
