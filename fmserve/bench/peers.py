@@ -176,18 +176,17 @@ def applies(peer: Peer, concurrency: int) -> bool:
 
 
 def peer_config(args, model_path: Path, device: str, prompts: list[list[int]],
-                spec_names: set[str]) -> PeerConfig:
-    """`spec_names`: the speculative shapes ("chain", "tree") of the peers that run."""
+                spec_settings: dict) -> PeerConfig:
+    """`spec_settings`: the validated SpecSettings of the speculative shapes ("chain", "tree")
+    whose peers run."""
     import torch
     from gpu.device import resolve_dtype
     dtype = args.dtype
     if dtype == "auto":
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
             resolve_dtype("auto", torch.device(device))]
-    spec = {}
-    for name in sorted(spec_names):
-        st = spec_settings_for(name, args).validate()
-        spec[name] = (st.algorithm, st.draft_model, st.num_steps, st.topk, st.num_draft_tokens)
+    spec = {name: (st.algorithm, st.draft_model, st.num_steps, st.topk, st.num_draft_tokens)
+            for name, st in spec_settings.items()}
     concurrency = [int(c) for c in args.concurrency.split(",")]
     longest = max(len(p) for p in prompts)
     reserve = max([2 * max(s[2] * s[3], s[4]) for s in spec.values()], default=0)
@@ -331,8 +330,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     # The speculative shapes that run, their settings checked before any work: only theirs
     # (--spec-num-steps 1 suits a chain, not the default tree).
     spec_names = {p.spec for p in PEERS if not reasons[p.key]} & {"chain", "tree"}
-    for name in spec_names:
-        spec_settings_for(name, args).validate()
+    spec_settings = {name: spec_settings_for(name, args).validate() for name in sorted(spec_names)}
     console = Console()
     load_before = os.getloadavg()
     busy_before = busy_cores(1.0)
@@ -348,7 +346,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     if "cuda" in devices and not cuda:
         raise ValueError("--device cuda: torch sees no CUDA GPU")
     active = [p for p in PEERS if not reasons[p.key]]
-    configs = {d: peer_config(args, model_path, d, prompts, spec_names) for d in devices}
+    configs = {d: peer_config(args, model_path, d, prompts, spec_settings) for d in devices}
     all_results: dict[str, dict[str, PeerResult]] = {}
     timings: list[dict] = []
     per_round = sum(applies(p, c) for p in active for c in configs[devices[0]].concurrency)
