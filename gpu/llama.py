@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from gpu import cpu_sampling
 from gpu.attention.base import AttentionBackend
 from gpu.cpu_kernels import Fp32Split
-from gpu.cpu_q4_kernel import (CodesLinear, Q8Rows, codes_linear_ok, q8_lookup, q8_matmul,
-                               q8_matmul_argmax)
-from gpu.cpu_q4_kernel import available as codes_kernel_available
+from gpu.cpu_q4_kernel import (CodesLinear, Q8Rows, available as codes_kernel_available,
+                               codes_linear_ok, q8_lookup, q8_matmul, q8_matmul_argmax)
 from gpu.forward_batch import ForwardBatch
 from gpu.layers import (GATED_ACTIVATIONS, RotaryEmbedding, apply_rope, fused_ops_for,
                         head_rms_norm, rms_norm, swiglu)
