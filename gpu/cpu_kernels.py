@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu import cpu_q4_kernel
+from gpu import c_library, cpu_q4_kernel
 from gpu.cpu_info import cpu_flag_list, cpu_model
 from gpu.cpu_load import OtherWork
 from gpu.cpu_q4_kernel import Q4Rows
@@ -99,7 +99,7 @@ def machine_key() -> str:
     (gpu/eagle/gate_memory.py)."""
     model, flags = cpu_model(), " ".join(cpu_flag_list())
     # A new build of the C kernel (its sources changed) is timed afresh.
-    kernel = (f"c+scratch-{cpu_q4_kernel.build_key()}" if cpu_q4_kernel.available()
+    kernel = (f"c+scratch-{c_library.build_key()}" if cpu_q4_kernel.available()
               else "torch+fbgemm")
     return f"{model}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}"
 

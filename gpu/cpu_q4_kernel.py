@@ -10,143 +10,27 @@ scales is done once per block for 16 outputs: at 32 rows that took the projectio
 AVX512-BF16 EPYC from 60 to 18.6 ms (weights in cache), at 4 rows (an EAGLE verify) from 8.5 to
 3.1 ms.
 
-The library is compiled at first use with the system's C compiler (`cc -O3 -march=native
--fopenmp`) into the fmserve cache dir, keyed by the source, the compiler and the CPU's flags;
-without a compiler `available()` is False and the callers keep torch's kernels.
+The library is built at first use (gpu/c_library.py); without a C compiler `available()` is
+False and the callers keep torch's kernels.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from functools import cache
-from pathlib import Path
 
 import torch
 
+from gpu.c_library import available, library
 from gpu.codes_layout import GROUP_ROWS, Q4Rows, Q8Rows, codes_rows
-from gpu.cpu_info import cpu_flag_list, cpu_isa
 from gpu.huge_pages import codes_in_huge_pages
 from gpu.loader.gguf_q4 import Q4_GROUP, Int4Weight
 from gpu.q4_linear import Q4Linear
-from ipc.cache_dirs import model_cache_dir
 
-log = logging.getLogger(__name__)
-
-CSRC = Path(__file__).with_name("csrc")
-# The kernel, the decode step built on it (gpu/cpu_decode_step.py) and the sampler's noise
-# (gpu/cpu_sampling.py), one library.
-SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c",
-           CSRC / "head_step.c", CSRC / "gumbel.c", CSRC / "sample_cut.c")
-HEADERS = (CSRC / "q4_matmul.h", CSRC / "step_ops.h", CSRC / "attention_ops.h",
-           CSRC / "vector_math.h", CSRC / "q8_tiles_fallback.h", CSRC / "gumbel.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-# The library for this CPU ("native"), or without AVX-512 ("avx2": the AVX2 dot-product loop
-# an AVX2-only CPU runs, built on a newer one to compare the two).
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "c": ("-march=x86-64",)}
-
-
-def _cpu_flags() -> str:
-    return " ".join(cpu_flag_list(capped=False))  # the build's own flags say what it may use
-
-
-def _build(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed: two workers starting at once never load half a file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES)], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(built, target)
-
-
-def build_key(compiler: str = "", flags: tuple[str, ...] = FLAGS) -> str:
-    """What a build of the library is named by: its sources, compiler, flags and the CPU's
-    flags (the start-up calibration that times it keys on this too)."""
-    text = b"".join(f.read_bytes() for f in SOURCES + HEADERS if f.exists())
-    return hashlib.sha256(text + compiler.encode() + " ".join(flags).encode()
-                          + _cpu_flags().encode()).hexdigest()[:16]
-
-
-@cache
-def _library(isa: str = "native") -> ctypes.CDLL | None:
-    if os.environ.get("FMSERVE_NO_C_KERNEL"):
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or not all(f.exists() for f in SOURCES + HEADERS):
-        log.info("no C compiler found: 4-bit decode stays on torch's kernels")
-        return None
-    if isa == "native":  # FMSERVE_CPU_ISA=avx2 builds this CPU's library without AVX-512
-        isa = cpu_isa()
-    flags = FLAGS + ISA_FLAGS[isa]
-    key = build_key(compiler, flags)
-    target = model_cache_dir() / "cpu_kernels" / f"q4_matmul-{key}.so"
-    try:
-        if not target.exists():
-            _build(compiler, target, flags)
-        lib = ctypes.CDLL(str(target))  # after torch: it shares torch's libgomp.so.1
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("could not build the C 4-bit kernel (%s): decode stays on torch's "
-                    "kernels", str(detail).strip()[-500:])
-        return None
-    lib.q4_matmul.restype = ctypes.c_int
-    lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_void_p, ctypes.c_int]
-    lib.q8_matmul.restype = ctypes.c_int
-    lib.q8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.q8_matmul_argmax.restype = ctypes.c_int
-    lib.q8_matmul_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                     ctypes.c_int]
-    lib.q4_dequantize.restype = None
-    lib.q4_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_void_p, ctypes.c_int]
-    lib.q8_dequantize.restype = None
-    lib.q8_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                  ctypes.c_int]
-    lib.q8_lookup.restype = ctypes.c_int
-    lib.q8_lookup.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 3 + [
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    lib.decode_step.restype = ctypes.c_int
-    lib.head_step.restype = ctypes.c_int
-    lib.q4_kernel_isa.restype = ctypes.c_int
-    lib.decode_attention.restype = ctypes.c_int
-    lib.decode_attention.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 3 \
-        + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 \
-        + [ctypes.c_int]
-    return lib
-
-
-def library(isa: str = "native") -> ctypes.CDLL | None:
-    """The built library (None without a compiler or with FMSERVE_NO_C_KERNEL set)."""
-    return _library(isa)
-
-
-def kernel_isa(isa: str = "native") -> str:
-    """Which dot-product loop the library runs: "avx512-vnni", "avx2" or "c"."""
-    return ("c", "avx2", "avx512-vnni")[_library(isa).q4_kernel_isa()]
-
-
-def available() -> bool:
-    return _library() is not None
 
 
 def q4_matmul(x: torch.Tensor, w: Q4Rows, isa: str = "native") -> torch.Tensor:
     """x [rows, width] fp32 @ w^T -> [rows, out] fp32."""
-    lib = _library(isa)
+    lib = library(isa)
     x = x.float().contiguous()
     rows, width = x.shape
     out = w.nibbles.shape[0]
@@ -176,7 +60,7 @@ def q8_matmul(x: torch.Tensor, w: Q8Rows, isa: str = "native",
                          f"{out.dtype} {tuple(out.shape)}")
     y = out if out is not None and padded == w.out else torch.empty(rows, padded,
                                                                     dtype=torch.float32)
-    if _library(isa).q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
+    if library(isa).q8_matmul(x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(),
                                w.fp16, w.halves, w.narrow, padded, y.data_ptr(),
                                torch.get_num_threads()) != 0:
         raise MemoryError(f"the C 8-bit kernel could not allocate for {rows} x {width}")
@@ -191,7 +75,7 @@ def q8_matmul_argmax(x: torch.Tensor, w: Q8Rows, isa: str = "native") -> torch.T
     if width != w.codes.shape[1]:
         raise ValueError(f"input width {width} does not match the weight's {w.codes.shape[1]}")
     tokens = torch.empty(rows, dtype=torch.int64)
-    if _library(isa).q8_matmul_argmax(
+    if library(isa).q8_matmul_argmax(
             x.data_ptr(), rows, width, w.codes.data_ptr(), w.scale.data_ptr(), w.fp16,
             w.halves, w.narrow, w.codes.shape[0], w.out, tokens.data_ptr(),
             torch.get_num_threads()) != 0:
@@ -207,7 +91,7 @@ def q8_lookup(w: Q8Rows, ids: torch.Tensor) -> torch.Tensor:
         flat = flat.to(torch.int64).contiguous()
     width = w.codes.shape[1]
     out = torch.empty(*ids.shape, width)
-    if _library().q8_lookup(w.codes.data_ptr(), w.scale.data_ptr(), w.fp16, w.halves, width,
+    if library().q8_lookup(w.codes.data_ptr(), w.scale.data_ptr(), w.fp16, w.halves, width,
                             w.out, flat.data_ptr(), flat.shape[0], out.data_ptr()) != 0:
         raise IndexError(f"a token id is outside the embedding table's {w.out} rows "
                          f"(ids from {int(flat.min())} to {int(flat.max())})")
@@ -217,7 +101,7 @@ def q8_lookup(w: Q8Rows, ids: torch.Tensor) -> torch.Tensor:
 def dequantize_rows(w: "Q4Rows | Q8Rows", start: int, out: torch.Tensor) -> None:
     """Output rows [start, start + len(out)) of `w` into `out` [count, width] fp32."""
     count, width = out.shape
-    lib, threads = _library(), torch.get_num_threads()
+    lib, threads = library(), torch.get_num_threads()
     if isinstance(w, Q8Rows):
         lib.q8_dequantize(w.codes.data_ptr(), w.scale.data_ptr(), w.fp16, w.halves, width,
                           start, count, out.data_ptr(), threads)

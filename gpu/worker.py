@@ -157,7 +157,7 @@ class Worker:
                      + (" (its decode graphs)" if headless.plain.decode_graphs else ""))
         compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
         if isinstance(self.step, PlainStep) and self.step.native_decode is not None:
-            from gpu.cpu_q4_kernel import kernel_isa
+            from gpu.c_library import kernel_isa
             note += (f", decode batches and chunks up to {self.step.native_decode.max_batch} "
                      f"rows in C ({kernel_isa()} kernels, gpu/cpu_decode_step.py)")
         elif compiled is not None and compiled.background is not None:

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpu import cpu_q4_kernel  # noqa: E402
+from gpu import c_library  # noqa: E402
 from gpu.codes_layout import Q4Rows, Q8Rows, codes_rows  # noqa: E402
 from gpu.loader.gguf_loader import int4_weight, open_gguf  # noqa: E402
 
@@ -36,8 +36,8 @@ I, P = ctypes.c_int, ctypes.c_void_p
 
 
 def build(src: Path, out: Path, isa: str) -> ctypes.CDLL:
-    flags = cpu_q4_kernel.FLAGS + cpu_q4_kernel.ISA_FLAGS[isa]
-    names = [f.name for f in cpu_q4_kernel.SOURCES]
+    flags = c_library.FLAGS + c_library.ISA_FLAGS[isa]
+    names = [f.name for f in c_library.SOURCES]
     subprocess.run(["cc", *flags, "-o", str(out), *names], cwd=src, check=True)
     lib = ctypes.CDLL(str(out))
     # Sources before the `narrow` argument (Q8Rows.narrow) are called without it.
@@ -83,7 +83,7 @@ def call(lib, w, x: torch.Tensor, y: torch.Tensor, argmax: bool) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision whose gpu/csrc is the baseline")
-    p.add_argument("--isa", choices=sorted(cpu_q4_kernel.ISA_FLAGS), default="native")
+    p.add_argument("--isa", choices=sorted(c_library.ISA_FLAGS), default="native")
     p.add_argument("--model", default=str(Path.home() / ".cache/fmserve/models"
                                           / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--repeats", type=int, default=7)

@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from gpu.cpu_kernels import machine_key
-from gpu.cpu_q4_kernel import build_key
+from gpu.c_library import build_key
 from gpu.eagle.spec_gate import SizeClass, SpecGate
 from gpu.worker_state import WorkerState
 from ipc.cache_dirs import model_cache_dir

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from gpu.loader.errors import ModelLoadError
 from gpu.loader.families import DEFAULT_LOCAL_ROPE_THETA, gguf_family, pattern_window_layers
+from gpu.loader.fp32_convert import blocks_to_fp32
 from gpu.loader.gguf_kquants import is_kquant, kquant_weight
 from gpu.loader.gguf_q4 import (Int4Weight, dequantize_blocks_fp32, is_q4, is_q5, q4_blocks,
                                 q5_as_q4_pair, q8_0_as_q4_pair)
@@ -213,7 +214,10 @@ def _dequantize(tensor, path: Path) -> torch.Tensor:
     shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF dims are innermost first
     try:
         if len(shape) == 2:
-            fast = dequantize_blocks_fp32(tensor.data, tensor.tensor_type.name, *shape)
+            name = tensor.tensor_type.name
+            fast = blocks_to_fp32(tensor.data, name, *shape)  # in C, else in torch
+            if fast is None:
+                fast = dequantize_blocks_fp32(tensor.data, name, *shape)
             if fast is not None:
                 return fast
         values = dequantize(tensor.data, tensor.tensor_type)

@@ -17,7 +17,7 @@ import torch
 from fmserve.bench import DEV_PROMPTS
 from fmserve.engine import Engine
 from fmserve.jsonl import read_prompts
-from gpu import cpu_decode_step, cpu_q4_kernel, worker_state
+from gpu import c_library, cpu_decode_step, cpu_q4_kernel, worker_state
 from ipc.sampling import SamplingParams
 from tests.engine_runs import assert_accounting_empty
 from tests.gpu.teacher_forcing import prompt_logits
@@ -51,7 +51,7 @@ def test_it_replaces_the_compiled_step_where_it_applies(codes_engine, tiny_llama
     # Up to the projections' hand-over to their fp16 packs (tests/conftest.py fixes it at 2).
     assert step.native_decode.max_batch == codes_engine.worker.state.model.kernel_max_rows == 2
     assert codes_engine.worker.info().decode_compile == "native"
-    assert f"rows in C ({cpu_q4_kernel.kernel_isa()} kernels" in codes_engine.worker.fast_paths()
+    assert f"rows in C ({c_library.kernel_isa()} kernels" in codes_engine.worker.fast_paths()
     dense = Engine(model=str(tiny_llama), device="cpu", dtype="fp32", max_kv_tokens=256,
                    max_running_requests=2, progress=False)
     assert dense.worker.step.native_decode is None

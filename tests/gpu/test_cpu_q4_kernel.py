@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import cpu_q4_kernel
+from gpu import c_library, cpu_q4_kernel
 from gpu.cpu_q4_kernel import (CodesLinear, Q4Rows, Q8Rows, codes_linear_ok, dequantize_rows,
                                 q4_matmul, q8_lookup, q8_matmul, q8_matmul_argmax,
                                 scratch_matmul)
@@ -530,14 +530,14 @@ def test_torch_compile_traces_the_kernel_as_one_op(type_name):
 def test_the_build_runs_the_widest_loop_the_cpu_has():
     """-march=native picks the loop: AVX-512 VNNI where the CPU has it (with AVX-512 BW), else
     AVX2, else plain C; the "avx2" and "c" builds never run the newer ones."""
-    flags = set(cpu_q4_kernel._cpu_flags().split())
+    flags = set(c_library._cpu_flags().split())
     expected = ("avx512-vnni" if {"avx512_vnni", "avx512bw"} <= flags
                 else "avx2" if "avx2" in flags else "c")
-    assert cpu_q4_kernel.kernel_isa() == expected
+    assert c_library.kernel_isa() == expected
     for isa in ("avx2", "c"):
-        if cpu_q4_kernel.library(isa) is not None:
-            assert cpu_q4_kernel.kernel_isa(isa) == ("c" if isa == "c" or "avx2" not in flags
-                                                     else "avx2")
+        if c_library.library(isa) is not None:
+            assert c_library.kernel_isa(isa) == ("c" if isa == "c" or "avx2" not in flags
+                                                 else "avx2")
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])

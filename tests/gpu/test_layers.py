@@ -11,7 +11,8 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from gpu.layers import DenseLinear, head_rms_norm, rms_norm, transposed
+from gpu.c_library import available as c_library_available
+from gpu.layers import DenseLinear, head_rms_norm, rms_norm, transposed, transposed_in_pieces
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -71,8 +72,19 @@ def test_head_norm_scales_each_head_by_its_own_row(dtype):
 @pytest.mark.parametrize("shape, rows", [((130, 7), 64), ((5, 9), 64), ((192, 48), 16)])
 def test_the_transpose_in_pieces_is_the_whole_transpose(shape, rows):
     weight = torch.randn(*shape)
-    out = transposed(weight, rows)
+    out = transposed_in_pieces(weight, rows)
     assert out.is_contiguous() and torch.equal(out, weight.t())
+
+
+@pytest.mark.skipif(not c_library_available(), reason="the C library is not built here")
+@pytest.mark.parametrize("shape", [(130, 7), (5, 9), (192, 48), (16, 16), (1, 33), (577, 1)])
+def test_the_transpose_in_c_is_the_whole_transpose(shape):
+    """Tiles of 16 with ragged edges both ways; a non-contiguous input is made contiguous."""
+    weight = torch.randn(*shape)
+    out = transposed(weight)
+    assert out.is_contiguous() and torch.equal(out, weight.t())
+    wide = torch.randn(shape[1], shape[0] * 2)[:, ::2]  # a strided view
+    assert torch.equal(transposed(wide), wide.t())
 
 
 def test_a_wide_fp32_linear_multiplies_by_its_transposed_copy_exactly():
