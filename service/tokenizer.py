@@ -21,6 +21,7 @@ from service.chat_template import CHATML_TEMPLATE, ChatTemplate
 from service.gguf_tokenizer import (TokenizerLoadError, build_gguf_tokenizer,
                                     gguf_tokenizer_metadata)
 from service.gguf_tokenizer import byte_alphabet as _byte_alphabet
+from service.tokenizer_cache import cached_tokenizer
 
 # For `max_bytes_per_token`: pre-tokenizers that only split text (a Split or Punctuation whose
 # behavior is "Removed" drops it, as Whitespace and BertPreTokenizer do), and normalizers that
@@ -155,8 +156,9 @@ class TextTokenizer:
         if "tokenizer.ggml.tokens" not in meta:
             raise TokenizerLoadError(f"{path} has no tokenizer in its metadata "
                                      f"(tokenizer.ggml.tokens is missing)")
-        backend = build_gguf_tokenizer(meta, path, meta.get("general.architecture") or "")
         tokens = meta["tokenizer.ggml.tokens"]
+        backend = cached_tokenizer(path, len(tokens), lambda: build_gguf_tokenizer(
+            meta, path, meta.get("general.architecture") or ""))
 
         def token(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}")
