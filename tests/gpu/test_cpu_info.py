@@ -54,7 +54,7 @@ def test_the_capped_process_builds_and_runs_the_avx2_loop():
     AVX2 dot-product loop on a CPU that has AVX2, whatever newer units it has."""
     if "avx2" not in cpu_info.cpu_flag_list(capped=False):
         pytest.skip("this CPU has no AVX2")
-    code = ("from gpu import cpu_q4_kernel as k, cpu_info as c; "
+    code = ("from gpu import c_library as k, cpu_info as c; "
             "print(k.kernel_isa(), c.cpu_isa())")
     env = dict(os.environ, **{cpu_info.ENV_CPU_ISA: "avx2"})
     env.pop("FMSERVE_NO_C_KERNEL", None)
