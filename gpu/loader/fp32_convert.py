@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from gpu.c_library import library
+from gpu.loader.gguf_q4 import Q4_GROUP
 
-# gguf_blocks_to_fp32's kinds, by GGUF type: the block's bytes are implied by the kind.
+# gguf_blocks_to_fp32's kinds and the block bytes the C side implies by each, by GGUF type.
 _KINDS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
-BLOCK = 32  # inputs per block
 
 
 def blocks_to_fp32(raw: np.ndarray, type_name: str, rows: int, cols: int
@@ -32,8 +32,8 @@ def blocks_to_fp32(raw: np.ndarray, type_name: str, rows: int, cols: int
         return None
     code, size = kind
     raw = np.ascontiguousarray(raw).reshape(-1)
-    count = rows * cols // BLOCK
-    if cols % BLOCK or raw.size != count * size:
+    count = rows * cols // Q4_GROUP
+    if cols % Q4_GROUP or raw.size != count * size:
         raise ValueError(f"a {type_name} tensor of {rows}x{cols} needs {count} blocks of "
                          f"{size} bytes; got {raw.size} bytes")
     out = torch.empty(rows, cols, dtype=torch.float32)
