@@ -1,8 +1,9 @@
 """fmserve's C library for the CPU (gpu/csrc/): built, loaded and typed here, once a process.
 
 The kernels on 4-bit and 8-bit codes (gpu/cpu_q4_kernel.py), the decode and head steps
-(gpu/cpu_decode_step.py, gpu/eagle/head_native.py), the sampler's noise (gpu/cpu_sampling.py)
-and a load's fp32 conversions (gpu/loader/fp32_convert.py) are one library, compiled at first
+(gpu/cpu_decode_step.py, gpu/eagle/head_native.py), the sampler's noise (gpu/cpu_sampling.py),
+a load's fp32 conversions (gpu/loader/fp32_convert.py) and the dense fp32 projections
+(gpu/dense_fp32.py) are one library, compiled at first
 use with the system's C compiler (`cc -O3 -march=native -fopenmp`) into the fmserve cache dir,
 keyed by the sources, the compiler and the CPU's flags. Without a compiler `available()` is
 False and every caller keeps its torch path. A module of its own so that the layers and the
@@ -27,10 +28,11 @@ from ipc.cache_dirs import model_cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-# The kernels, the decode and head steps built on them, the sampler's noise and a load's fp32
-# conversions: one library (the module's doc).
+# The kernels, the decode and head steps built on them, the sampler's noise, a load's fp32
+# conversions and the dense fp32 projections: one library (the module's doc).
 SOURCES = (CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "decode_step.c",
-           CSRC / "head_step.c", CSRC / "gumbel.c", CSRC / "sample_cut.c", CSRC / "load_ops.c")
+           CSRC / "head_step.c", CSRC / "gumbel.c", CSRC / "sample_cut.c", CSRC / "load_ops.c",
+           CSRC / "dense_fp32.c")
 HEADERS = (CSRC / "q4_matmul.h", CSRC / "step_ops.h", CSRC / "attention_ops.h",
            CSRC / "vector_math.h", CSRC / "q8_tiles_fallback.h", CSRC / "gumbel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -113,6 +115,13 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.transpose_fp32.restype = None
     lib.transpose_fp32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_int]
+    lib.fp32_pack_panels.restype = None
+    lib.fp32_pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_int]
+    lib.fp32_panel_matmul.restype = None
+    lib.fp32_panel_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_int]
     lib.decode_step.restype = ctypes.c_int
     lib.head_step.restype = ctypes.c_int
     lib.q4_kernel_isa.restype = ctypes.c_int

@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from gpu.dense_fp32 import pack_panels, panel_matmul
 from gpu.loader.fp32_convert import transposed_fp32
 from gpu.rope_scaling import RopeScaling, rope_inv_freq
 
@@ -120,13 +121,15 @@ def transposed_in_pieces(weight: torch.Tensor, rows: int = 64) -> torch.Tensor:
 class DenseLinear:
     """y = x @ W^T with W kept in the layout this device multiplies fastest.
 
-    On CPU in fp32 (MKL, measured on an AVX2 EPYC, weights streamed from DRAM), a one-row
-    product reads W^T [in, out] about 1.6x faster than W [out, in] when out >= in, and 2x
-    faster for the 49152-wide lm_head; narrow outputs (down_proj) are faster the usual way.
-    Larger batches are compute-bound and indifferent, except that a [out, in] weight runs
-    its few-row products faster as W @ x^T. Elsewhere (GPU, bf16) F.linear is the right call.
+    On CPU in fp32 with the C library built: W packed as panels of 16 output columns for the
+    C kernel (gpu/dense_fp32.py; 1.4-2.2x torch.mm at 1-6 rows, 1.2-1.3x at 16-64, on an AVX2
+    EPYC), the only copy kept. Without the library, MKL (measured on an AVX2 EPYC, weights
+    streamed from DRAM): a one-row product reads W^T [in, out] about 1.6x faster than W
+    [out, in] when out >= in, and 2x faster for the 49152-wide lm_head; narrow outputs
+    (down_proj) are faster the usual way; a [out, in] weight runs its few-row products faster
+    as W @ x^T. Elsewhere (GPU, bf16) F.linear is the right call.
 
-    `both_layouts` keeps W and W^T (the lm_head: twice its memory, for the best of each).
+    `both_layouts` keeps W [out, in] too (the lm_head, which an EAGLE-1 head borrows).
     x is [rows, in_features].
     """
 
@@ -134,14 +137,17 @@ class DenseLinear:
         self.out_features, self.in_features = weight.shape
         self.cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
         wide = self.out_features >= self.in_features
-        self.weight = weight  # [out, in]; None when only W^T is kept
+        self.weight = weight  # [out, in]; None when only another layout is kept
         self.weight_t = None  # [in, out]
-        if self.cpu_fp32 and (wide or both_layouts):
+        self.panels = pack_panels(weight) if self.cpu_fp32 else None
+        if self.panels is None and self.cpu_fp32 and (wide or both_layouts):
             self.weight_t = transposed(weight)
-            if not both_layouts:
-                self.weight = None
+        if (self.panels is not None or self.weight_t is not None) and not both_layouts:
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return panel_matmul(x, self.panels, self.out_features)
         if self.weight_t is not None and (self.weight is None or x.shape[0] == 1):
             return torch.mm(x, self.weight_t)
         if self.cpu_fp32 and x.shape[0] > 1:

@@ -14,7 +14,8 @@ layer objects from `make_linear`: dense in the model dtype, or compressed (`weig
 on a bf16 CPU model a GGUF's quantized projections and lm_head (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K)
 stay in that form, with no dense copy, as `Q4Linear`s on torch's int4 kernel
 (`q4_max_tokens`, gpu/q4_linear.py); a tied lm_head uses its embedding's table above 4 rows. `deterministic` wraps every projection in a RowwiseLinear
-(gpu/rowwise_linear.py), so a row's result does not depend on its batch.
+(gpu/rowwise_linear.py), so a row's result does not depend on its batch, except a dense fp32
+one on the C kernel, which sums each row alone (gpu/dense_fp32.py).
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class LlamaModel:
             return rowwise(quantized(q4[name], partial(w, name), q4_max_tokens, split_rows))
 
         def rowwise(layer: Linear | Q4Linear) -> Projection:
-            return RowwiseLinear(layer) if deterministic else layer
+            # the dense fp32 C kernel sums each row alone already (gpu/dense_fp32.py)
+            invariant = getattr(layer, "panels", None) is not None
+            return RowwiseLinear(layer) if deterministic and not invariant else layer
 
         head_q4 = use_q4 and lm_head_q4 is not None and q4_shape_ok(lm_head_q4)
         split_head = fp32_split is not None and head_q4

@@ -11,6 +11,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from gpu import layers
 from gpu.c_library import available as c_library_available
 from gpu.layers import DenseLinear, head_rms_norm, rms_norm, transposed, transposed_in_pieces
 
@@ -87,9 +88,26 @@ def test_the_transpose_in_c_is_the_whole_transpose(shape):
     assert torch.equal(transposed(wide), wide.t())
 
 
-def test_a_wide_fp32_linear_multiplies_by_its_transposed_copy_exactly():
+@pytest.mark.skipif(not c_library_available(), reason="needs a C compiler for gpu/csrc")
+def test_an_fp32_linear_keeps_only_the_c_kernels_panels():
+    weight, x = torch.randn(200, 24), torch.randn(3, 24)
+    linear = DenseLinear(weight)
+    assert linear.weight is None and linear.weight_t is None
+    assert linear.panels.numel() == 13 * 24 * 16  # 200 columns in 13 panels of 16
+    for rows in (x[:1], x):
+        assert torch.allclose(linear(rows), rows @ weight.t(), atol=1e-5)
+    both = DenseLinear(weight, both_layouts=True)  # the lm_head: W kept for an EAGLE-1 head
+    assert both.weight is weight and both.panels is not None
+
+
+def test_without_the_library_a_wide_fp32_linear_multiplies_by_its_transposed_copy_exactly(
+        monkeypatch):
+    monkeypatch.setattr(layers, "pack_panels", lambda weight: None)
     weight, x = torch.randn(200, 24), torch.randn(3, 24)
     linear = DenseLinear(weight)
     assert linear.weight is None and torch.equal(linear.weight_t, weight.t())
     for rows in (x[:1], x):
         assert torch.allclose(linear(rows), rows @ weight.t(), atol=1e-5)
+    narrow, x = DenseLinear(weight.t().contiguous()), torch.randn(4, 200)  # kept as W
+    assert narrow.weight_t is None and narrow.weight is not None
+    assert torch.allclose(narrow(x), x @ weight, atol=1e-4)

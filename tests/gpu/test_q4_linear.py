@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from gpu.dense_fp32 import unpack_panels
 from gpu.layers import DenseLinear
 from gpu.llama import LlamaModel
 from gpu.loader.gguf_q4 import Int4Weight, q4_blocks, q8_0_as_q4_pair
@@ -204,7 +205,9 @@ def test_fp32_models_and_a_zero_limit_dequantize_once_to_dense(loaded_q4, loaded
     fp32 = LlamaModel(loaded_q4.config, loaded_q4.weights, cpu, torch.float32, q4=loaded_q4.q4,
                       q4_max_tokens=12, lm_head_q4=loaded_q4.lm_head_q4)
     assert fp32.q4_projections == 0  # the fp32 int4 kernel is a slow reference loop
-    assert torch.equal(fp32.layers[0].down_proj.weight, loaded_dense.weights["layers.0.down_proj"])
+    down = fp32.layers[0].down_proj  # dense: the C kernel's panels where it is built
+    kept = down.weight if down.panels is None else unpack_panels(down.panels, down.out_features)
+    assert torch.equal(kept, loaded_dense.weights["layers.0.down_proj"])
     off = LlamaModel(loaded_q4.config, loaded_q4.weights, cpu, torch.bfloat16, q4=loaded_q4.q4,
                      q4_max_tokens=0, lm_head_q4=loaded_q4.lm_head_q4)
     assert off.q4_projections == 0
