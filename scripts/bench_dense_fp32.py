@@ -2,7 +2,7 @@
 process, rounds alternated: first the model's projections alone at several row counts, then
 greedy decoding of dev prompts at 1 and 8 streams with two engines, one built each way.
 
-    python scripts/bench_dense_fp32.py [--model PATH] [--tokens 48] [--rounds 2]
+    python scripts/bench_dense_fp32.py [--model PATH] [--tokens 48] [--rounds 2] [--compile on]
 
 Prints ms and the ratio (torch / panels) for each, and whether the two engines gave the same
 tokens (the sums' order differs: a near tie may go the other way). docs/benchmarks.md, "Dense
@@ -30,13 +30,13 @@ from gpu import layers  # noqa: E402
 from ipc.sampling import SamplingParams  # noqa: E402
 
 
-def engine(model: str, panels: bool) -> Engine:
+def engine(model: str, panels: bool, compile_mode: str) -> Engine:
     keep = layers.pack_panels
     if not panels:
         layers.pack_panels = lambda weight: None  # this engine's DenseLinears keep W^T / W
     try:
         return Engine(model=model, device="cpu", dtype="fp32", max_kv_tokens=4096,
-                      max_running_requests=8, progress=False)
+                      max_running_requests=8, progress=False, compile=compile_mode)
     finally:
         layers.pack_panels = keep
 
@@ -62,9 +62,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compile", default="off", choices=("off", "on"),
+                    help="runtime.compile of both engines (off: the kernels alone, eagerly)")
     args = ap.parse_args()
     model = args.model or str(default_model_path())
-    engines = {"torch": engine(model, False), "panels": engine(model, True)}
+    engines = {way: engine(model, way == "panels", args.compile) for way in ("torch", "panels")}
     print(f"torch threads {torch.get_num_threads()}")
     lins = {way: projections(e) for way, e in engines.items()}
     for rows in (1, 2, 4, 8, 16, 64):
