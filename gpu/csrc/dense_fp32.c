@@ -122,12 +122,17 @@ void fp32_panel_matmul(const float *x, int rows, int64_t in, const float *panels
                        float *y, int threads) {
     const int64_t count = (out + PANEL - 1) / PANEL;
     if (rows <= MAX_ROWS) {
-        const int np = panels_for(rows);
+        /* 4 rows as two tiles of 2 over the same 3 panels (in cache for the second): 4 rows
+         * at one panel are 8 sums, too few to hide the multiply-add's latency */
+        const int split = rows == 4 ? 2 : rows, np = panels_for(split);
         const int64_t units = (count + np - 1) / np;
 #pragma omp parallel for schedule(static) num_threads(threads) if (units > 1 && (int64_t)rows * in * out >= 65536)
         for (int64_t u = 0; u < units; u++) {
             const int64_t p0 = u * np;
-            tile_rows(x, rows, panels, p0, count - p0 < np ? (int)(count - p0) : np, in, y, out);
+            const int n = count - p0 < np ? (int)(count - p0) : np;
+            for (int r0 = 0; r0 < rows; r0 += split)
+                tile_rows(x + (int64_t)r0 * in, split, panels, p0, n, in, y + (int64_t)r0 * out,
+                          out);
         }
         return;
     }
