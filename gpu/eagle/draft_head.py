@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.device import host_to_device
-from gpu.eagle.head_linear import SmallRowsInt8Linear
+from gpu.eagle.head_linear import PanelLinear, SmallRowsInt8Linear
 from gpu.layers import apply_rope, rms_norm
 from gpu.rope_scaling import RopeScaling, rope_inv_freq
 from gpu.rowwise_linear import RowwiseLinear
@@ -277,6 +277,18 @@ class DraftHead(nn.Module):
                         fp32_codes and child.in_features % 32):  # Q8_0 blocks of 32
                     setattr(module, name, SmallRowsInt8Linear(child, max_rows, fp32_codes,
                                                               codes_only))
+                    wrapped += 1
+        return wrapped
+
+    def use_dense_panels(self) -> int:
+        """Serve every fp32 linear on the dense C kernel (PanelLinear; an explicit fp32 engine
+        on the CPU). Returns how many it wrapped (0 without the library)."""
+        wrapped = 0
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and (
+                        panel := PanelLinear.wrap(child)) is not None:
+                    setattr(module, name, panel)
                     wrapped += 1
         return wrapped
 

@@ -94,6 +94,8 @@ class Drafter:
             self.head.use_int8_for_small_forwards(
                 model.kernel_max_rows, fp32_codes=True, codes_only=None if exact else
                 "bf16" if split is not None and split.bf16_gemm else "fp32")
+        elif state.device.type == "cpu" and state.dtype == torch.float32:
+            self.head.use_dense_panels()  # an explicit fp32 engine: as the target's projections
         if state.cfg.runtime.deterministic:
             self.head.use_rowwise_linears()
         hc = self.head.config

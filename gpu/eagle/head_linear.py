@@ -1,5 +1,6 @@
 """The draft head's linears on the CPU: int8 copies for its few-row forwards (a draft step at
-batch 1 multiplies one row by each weight, and there the bytes read are the cost)."""
+batch 1 multiplies one row by each weight, and there the bytes read are the cost), or for an
+explicit fp32 engine the dense C kernel's panels."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu_q4_kernel import Q8Rows, q8_matmul, q8_matmul_argmax, scratch_matmul
+from gpu.dense_fp32 import pack_panels, panel_matmul
 from gpu.quantized_linear import quantize_int8_per_channel
 
 
@@ -66,3 +68,28 @@ class SmallRowsInt8Linear(nn.Module):
                 or x.shape[0] > self.max_rows):
             return None
         return q8_matmul_argmax(x, self.q8)
+
+
+class PanelLinear(nn.Module):
+    """An fp32 nn.Linear served on the dense C kernel (gpu/dense_fp32.py): its weight packed
+    as panels, the only copy kept (serving only: no state_dict), its bias added after. Each
+    row's result is independent of its batch, so deterministic mode leaves it unwrapped."""
+
+    def __init__(self, linear: nn.Linear, panels: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.panels = panels
+        self.bias = linear.bias
+        self.weight = None
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear) -> "PanelLinear | None":
+        """The panel form of an fp32 CPU linear; None where the library is not built."""
+        panels = pack_panels(linear.weight.detach())
+        return None if panels is None else cls(linear, panels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = panel_matmul(x.reshape(-1, x.shape[-1]), self.panels, self.out_features)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)

@@ -185,6 +185,23 @@ def test_a_served_fp32_head_keeps_only_its_codes_and_multiplies_wide_forwards_on
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
 
 
+@pytest.mark.skipif(not cpu_q4_kernel.available(), reason="the C kernel is not built here")
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
+def test_an_fp32_head_on_the_dense_kernel_gives_the_heads_outputs(target, algorithm):
+    """An explicit fp32 engine serves the head's linears on the dense C kernel's panels (the
+    only copy kept), an EAGLE-1 fc with its bias: the fp32 head's outputs up to the order of
+    the sums."""
+    head = make_head(target, algorithm, 200 if algorithm == "eagle3" else None)
+    width = 3 * H if algorithm == "eagle3" else H
+    exact = run(head, width)
+    linears = head.use_dense_panels()
+    assert linears == (9 if algorithm == "eagle3" else 8)  # an EAGLE-1 head scores by the target
+    assert [n for n, p in head.named_parameters() if p.dim() == 2] == []
+    assert (head.fc.bias is not None) == (algorithm == "eagle")
+    for a, b in zip(run(head, width), exact):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 # ----- an independent re-implementation from the safetensors file, plain torch ops -----
 
 def ref_rms(x, w):
