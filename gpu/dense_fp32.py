@@ -5,12 +5,15 @@ weights dequantized for exactness, as the test suite runs) multiplies every proj
 dense fp32 weight. MKL's sgemm reads W^T at memory speed for one row but multiplies a
 decode's or a verify's few rows poorly; the C kernel keeps W as panels of 16 output columns
 and R rows x 16-64 columns of sums in registers, reading each weight once for all the rows.
-The default model's 120 projections on one thread (2-core AVX2-only EPYC, minimum of 5):
+The default model's 120 projections (scripts/bench_dense_fp32.py, 2-core AVX2-only EPYC,
+minimum of 5 alternated):
 
-| rows | 1 | 2 | 3 | 4 | 6 | 8 | 16 | 64 |
-|---|---|---|---|---|---|---|---|---|
-| torch.mm on W^T, ms | 24.6 | 39.3 | 52.4 | 53.2 | 65.9 | 60.7 | 88.5 | 229.7 |
-| panels, ms | 17.3 | 19.8 | 23.2 | 32.3 | 32.2 | 41.7 | 67.9 | 195.6 |
+| rows | 1 | 2 | 4 | 8 | 16 | 64 |
+|---|---|---|---|---|---|---|
+| one thread: torch.mm on W^T, ms | 25.8 | 46.4 | 59.6 | 76.9 | 84.2 | 191.4 |
+| one thread: panels, ms | 19.8 | 22.2 | 26.1 | 42.8 | 56.8 | 159.5 |
+| two threads: torch.mm, ms | 26.5 | 35.4 | 51.1 | 62.0 | 71.9 | 146.3 |
+| two threads: panels, ms | 11.1 | 13.8 | 14.7 | 27.7 | 40.7 | 115.3 |
 
 A row's outputs are each one multiply-add chain over the inputs in order, so they do not
 depend on the other rows of the batch. The panels are the only copy kept: the same bytes as
