@@ -118,6 +118,9 @@ def _library(isa: str = "native") -> ctypes.CDLL | None:
     lib.fp32_pack_panels.restype = None
     lib.fp32_pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int]
+    lib.fp32_pack_panels_in_place.restype = None
+    lib.fp32_pack_panels_in_place.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_int]
     lib.fp32_panel_matmul.restype = None
     lib.fp32_panel_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,

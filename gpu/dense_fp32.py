@@ -25,23 +25,38 @@ from __future__ import annotations
 import torch
 
 from gpu.c_library import library
+from gpu.loader.fp32_convert import fp32_matrix_library
 
 PANEL = 16  # output columns a panel holds (gpu/csrc/dense_fp32.c)
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_panels(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor | None:
     """W [out, in] fp32 as the kernel's panels [ceil(out / 16), in, 16], the last one
-    zero-padded; None where the library is not built or W is not a 2-D fp32 CPU tensor."""
-    lib = library()
-    if (lib is None or weight.dim() != 2 or weight.dtype != torch.float32
-            or weight.device.type != "cpu"):
+    zero-padded; None where the library is not built or W is not a 2-D fp32 CPU tensor.
+
+    `in_place`: the caller gives W up; where W owns its memory (torch's, not a file's mapping)
+    and `out` is a multiple of 16, the panels take W's place, a view of its storage, and W's
+    values are gone. A fresh pack's time is mostly faulting in its new pages."""
+    lib = fp32_matrix_library(weight)
+    if lib is None:
         return None
-    weight = weight.contiguous()
     out, width = weight.shape
+    if in_place and _owns_its_memory(weight) and out % PANEL == 0:
+        lib.fp32_pack_panels_in_place(weight.data_ptr(), out, width, torch.get_num_threads())
+        return weight.view(out // PANEL, width, PANEL)
+    weight = weight.contiguous()
     panels = torch.empty(-(-out // PANEL), width, PANEL, dtype=torch.float32)
     lib.fp32_pack_panels(weight.data_ptr(), out, width, panels.data_ptr(),
                          torch.get_num_threads())
     return panels
+
+
+def _owns_its_memory(weight: torch.Tensor) -> bool:
+    """W is the whole of a storage torch allocated (resizable: not numpy's, not a mapped
+    file's, which may be read-only), so it may be overwritten."""
+    storage = weight.untyped_storage()
+    return (weight.is_contiguous() and weight.storage_offset() == 0 and storage.resizable()
+            and storage.nbytes() == weight.numel() * weight.element_size())
 
 
 def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:

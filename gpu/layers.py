@@ -130,16 +130,19 @@ class DenseLinear:
     as W @ x^T. Elsewhere (GPU, bf16) F.linear is the right call.
 
     `both_layouts` keeps W [out, in] too (the lm_head, which an EAGLE-1 head borrows).
+    `consume`: the caller gives W up, and the panels may take its place (gpu/dense_fp32.py).
     x is [rows, in_features].
     """
 
-    def __init__(self, weight: torch.Tensor, both_layouts: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, both_layouts: bool = False,
+                 consume: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
         wide = self.out_features >= self.in_features
         self.weight = weight  # [out, in]; None when only another layout is kept
         self.weight_t = None  # [in, out]
-        self.panels = pack_panels(weight) if self.cpu_fp32 else None
+        self.panels = (pack_panels(weight, in_place=consume and not both_layouts)
+                       if self.cpu_fp32 else None)
         if self.panels is None and self.cpu_fp32 and (wide or both_layouts):
             self.weight_t = transposed(weight)
         if (self.panels is not None or self.weight_t is not None) and not both_layouts:

@@ -71,7 +71,8 @@ class LlamaModel:
                  device: torch.device, dtype: torch.dtype, weight_quant: str = "none",
                  q4: dict[str, list[Int4Weight]] | None = None, q4_max_tokens: int = 0,
                  lm_head_q4: Int4Weight | None = None, deterministic: bool = False,
-                 fp32_split: Fp32Split | None = None, max_positions: int | None = None) -> None:
+                 fp32_split: Fp32Split | None = None, max_positions: int | None = None,
+                 consume_weights: bool = False) -> None:
         if weight_quant not in WEIGHT_QUANT_MODES:
             raise ValueError(f"weight_quant '{weight_quant}' is unknown; choose one of "
                              f"{WEIGHT_QUANT_MODES}")
@@ -121,7 +122,13 @@ class LlamaModel:
 
         def linear(name: str) -> Projection:
             if not use_q4 or name not in q4 or not q4_shape_ok(q4[name]):
-                return rowwise(make_linear(w(name), weight_quant))
+                weight = w(name)
+                # `consume_weights`: the caller's dict gives the weight up (its memory may
+                # become the dense kernel's panels), so it leaves the dict
+                mine = consume_weights and weights.get(name) is weight
+                if mine:
+                    del weights[name]
+                return rowwise(make_linear(weight, weight_quant, consume=mine))
             self.q4_projections += 1
             split_rows = fp32_split.projection_rows if fp32_split else 0
             if fp32_split:

@@ -85,10 +85,11 @@ Linear = DenseLinear | Int8Linear | Fp16Linear
 
 
 def make_linear(weight: torch.Tensor, weight_quant: str = "none",
-                both_layouts: bool = False) -> Linear:
-    """The linear layer for `weight` [out, in] under `weight_quant`."""
+                both_layouts: bool = False, consume: bool = False) -> Linear:
+    """The linear layer for `weight` [out, in] under `weight_quant` (`consume`: the caller
+    gives the weight up, see DenseLinear)."""
     if weight_quant == "none":
-        return DenseLinear(weight, both_layouts=both_layouts)
+        return DenseLinear(weight, both_layouts=both_layouts, consume=consume)
     if weight_quant == "int8":
         return Int8Linear(weight)
     if weight_quant == "fp16":

@@ -116,7 +116,7 @@ class WorkerState:
                                     q4_max_tokens=rt.q4_max_tokens,
                                     lm_head_q4=loaded.lm_head_q4,
                                     deterministic=rt.deterministic, fp32_split=fp32_split,
-                                    max_positions=max_positions)
+                                    max_positions=max_positions, consume_weights=True)
         if ranked is not None:
             ranked.parallelize(self.model)
         del loaded

@@ -33,7 +33,8 @@ from ipc.sampling import SamplingParams  # noqa: E402
 def engine(model: str, panels: bool, compile_mode: str) -> Engine:
     keep = layers.pack_panels
     if not panels:
-        layers.pack_panels = lambda weight: None  # this engine's DenseLinears keep W^T / W
+        # this engine's DenseLinears keep W^T / W, as without the library
+        layers.pack_panels = lambda weight, in_place=False: None
     try:
         return Engine(model=model, device="cpu", dtype="fp32", max_kv_tokens=4096,
                       max_running_requests=8, progress=False, compile=compile_mode)

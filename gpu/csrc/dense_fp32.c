@@ -12,6 +12,7 @@
  * Every output is one fused multiply-add chain over the inputs in order, whatever the batch:
  * a row's result does not depend on the rows beside it (batch-invariant). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -37,6 +38,27 @@ void fp32_pack_panels(const float *w, int64_t out, int64_t in, float *panels, in
                 for (int64_t k = k0; k < k1; k++)
                     dst[k * PANEL + c] = w[(c0 + c) * in + k];
         }
+    }
+}
+
+/* The same in W's own memory, for an `out` that is a multiple of 16: panel p takes the place of
+ * rows 16p..16p+15 (the same 16 x in floats), each block copied out to a thread's scratch
+ * first. Nothing new is allocated, so no fresh page is faulted in (most of a fresh pack's time;
+ * gpu/dense_fp32.py). */
+void fp32_pack_panels_in_place(float *w, int64_t out, int64_t in, int threads) {
+    const int64_t count = out / PANEL;
+#pragma omp parallel num_threads(threads)
+    {
+        float *block = malloc((size_t)(PANEL * in) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < count; p++) {
+            float *dst = w + p * in * PANEL;
+            memcpy(block, dst, (size_t)(PANEL * in) * sizeof(float));
+            for (int64_t k = 0; k < in; k++)
+                for (int c = 0; c < PANEL; c++)
+                    dst[k * PANEL + c] = block[c * in + k];
+        }
+        free(block);
     }
 }
 
@@ -126,7 +148,8 @@ void fp32_panel_matmul(const float *x, int rows, int64_t in, const float *panels
          * at one panel are 8 sums, too few to hide the multiply-add's latency */
         const int split = rows == 4 ? 2 : rows, np = panels_for(split);
         const int64_t units = (count + np - 1) / np;
-#pragma omp parallel for schedule(static) num_threads(threads) if (units > 1 && (int64_t)rows * in * out >= 65536)
+        const int parallel = units > 1 && (int64_t)rows * in * out >= 65536;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
         for (int64_t u = 0; u < units; u++) {
             const int64_t p0 = u * np;
             const int n = count - p0 < np ? (int)(count - p0) : np;

@@ -42,11 +42,18 @@ def blocks_to_fp32(raw: np.ndarray, type_name: str, rows: int, cols: int
     return out
 
 
+def fp32_matrix_library(weight: torch.Tensor):
+    """The C library where it is built and `weight` is a 2-D fp32 CPU tensor (the matrices
+    its fp32 routines take), else None."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return library()
+
+
 def transposed_fp32(weight: torch.Tensor) -> torch.Tensor | None:
     """weight.t().contiguous() of a 2-D fp32 CPU tensor; None where the library cannot."""
-    lib = library()
-    if (lib is None or weight.dim() != 2 or weight.dtype != torch.float32
-            or weight.device.type != "cpu"):
+    lib = fp32_matrix_library(weight)
+    if lib is None:
         return None
     weight = weight.contiguous()
     rows, cols = weight.shape

@@ -79,3 +79,49 @@ def test_zero_rows_and_wrong_inputs():
     with pytest.raises(ValueError, match="fp32 rows of 8 inputs"):
         panel_matmul(torch.randn(2, 9), panels, 20)
     assert pack_panels(weight.to(torch.bfloat16)) is None
+
+
+def test_an_owned_weight_is_packed_in_its_own_memory():
+    weight, x = matrices(64, 48, rows=3)
+    fresh = pack_panels(weight)
+    given = weight.clone()
+    panels = pack_panels(given, in_place=True)
+    assert panels.data_ptr() == given.data_ptr() and torch.equal(panels, fresh)
+    assert torch.equal(panel_matmul(x, panels, 64), panel_matmul(x, fresh, 64))
+
+
+def test_a_weight_it_does_not_own_or_cannot_hold_is_copied_and_left_as_it_was():
+    """A numpy array's memory (as a GGUF's F32 tensors map the file, read-only), a view into a
+    larger tensor, and 17 columns (the padded panel needs more room): packed into new memory."""
+    import numpy as np
+
+    array = np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32)
+    weight = torch.from_numpy(array)
+    panels = pack_panels(weight, in_place=True)
+    assert panels.data_ptr() != weight.data_ptr() and torch.equal(weight, torch.from_numpy(
+        array.copy())) and torch.equal(unpack_panels(panels, 32), weight)
+    base = torch.randn(64, 8)
+    for weight in (base[16:48], torch.randn(17, 8)):
+        before = weight.clone()
+        panels = pack_panels(weight, in_place=True)
+        assert torch.equal(weight, before) and torch.equal(
+            unpack_panels(panels, weight.shape[0]), before)
+
+
+def test_a_model_given_its_weights_packs_them_in_place_with_the_same_products(tiny_llama):
+    from gpu.llama import LlamaModel
+    from gpu.loader.load import load_model
+
+    loaded = load_model(tiny_llama, dtype=torch.float32, progress=False)
+    cpu = torch.device("cpu")
+    kept = LlamaModel(loaded.config, loaded.weights, cpu, torch.float32)
+    given = {name: w.clone() for name, w in loaded.weights.items()}
+    memory = given["layers.0.gate_up_proj"].data_ptr()
+    model = LlamaModel(loaded.config, given, cpu, torch.float32, consume_weights=True)
+    assert "layers.0.gate_up_proj" not in given and "layers.0.gate_up_proj" in loaded.weights
+    assert model.layers[0].gate_up_proj.panels.data_ptr() == memory
+    x = torch.randn(3, loaded.config.hidden_size)
+    for name in ("qkv_proj", "o_proj", "gate_up_proj"):
+        mine, theirs = getattr(model.layers[1], name), getattr(kept.layers[1], name)
+        rows = x if mine.in_features == x.shape[1] else torch.randn(3, mine.in_features)
+        assert torch.equal(mine(rows), theirs(rows))

@@ -102,7 +102,7 @@ def test_an_fp32_linear_keeps_only_the_c_kernels_panels():
 
 def test_without_the_library_a_wide_fp32_linear_multiplies_by_its_transposed_copy_exactly(
         monkeypatch):
-    monkeypatch.setattr(layers, "pack_panels", lambda weight: None)
+    monkeypatch.setattr(layers, "pack_panels", lambda weight, in_place=False: None)
     weight, x = torch.randn(200, 24), torch.randn(3, 24)
     linear = DenseLinear(weight)
     assert linear.weight is None and torch.equal(linear.weight_t, weight.t())
