@@ -122,8 +122,8 @@ class DenseLinear:
     """y = x @ W^T with W kept in the layout this device multiplies fastest.
 
     On CPU in fp32 with the C library built: W packed as panels of 16 output columns for the
-    C kernel (gpu/dense_fp32.py; 1.4-2.2x torch.mm at 1-6 rows, 1.2-1.3x at 16-64, on an AVX2
-    EPYC), the only copy kept. Without the library, MKL (measured on an AVX2 EPYC, weights
+    C kernel (gpu/dense_fp32.py; on one thread of an AVX2 EPYC 1.3-2.3x torch.mm at 1-8 rows,
+    1.2-1.5x at 16-64), the only copy kept. Without the library, MKL (measured on an AVX2 EPYC, weights
     streamed from DRAM): a one-row product reads W^T [in, out] about 1.6x faster than W
     [out, in] when out >= in, and 2x faster for the 49152-wide lm_head; narrow outputs
     (down_proj) are faster the usual way; a [out, in] weight runs its few-row products faster
