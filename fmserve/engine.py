@@ -10,7 +10,9 @@ rendered with the model's chat template). No sockets: plans go straight to the w
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,11 @@ class Completion:
         return accept_length(self.spec_accepted_drafts, self.spec_verify_steps)
 
 
+def _finish_builds(worker: "weakref.ref[Worker]") -> None:
+    if (alive := worker()) is not None:
+        alive.finish_background_compile()
+
+
 class Engine:
     def __init__(self, model: str | None = None, *, config: WorkerConfig | None = None,
                  overlap: bool = False, prefix_cache: bool = False,
@@ -74,6 +81,9 @@ class Engine:
         self.tokenizer = TextTokenizer.from_model_path(path)
         self.worker = Worker(cfg, background_compile)
         self.worker.start_background_compile()
+        # A bucket still building at exit is waited for: its thread killed inside the
+        # compiler aborted the interpreter ("terminate called without an active exception").
+        atexit.register(_finish_builds, weakref.ref(self.worker))
         self.info = self.worker.info()
         self.scheduler = Scheduler(self.info, self.tokenizer, SchedulerConfig(
             max_tokens_per_step=cfg.runtime.max_tokens_per_step, prefix_cache=prefix_cache))

@@ -59,6 +59,14 @@ class Worker:
         if self.background_compile_pending:
             self.step.compiled_decode.background.start()
 
+    def finish_background_compile(self) -> None:
+        """Wait for a compiled step's bucket being built on a thread, if one is (an offline
+        engine at exit: the build's daemon thread, stopped inside the compiler's C++ as the
+        interpreter ends, would abort the process)."""
+        compiled = self.step.compiled_decode if isinstance(self.step, PlainStep) else None
+        if compiled is not None and compiled.building:
+            compiled.background.join()
+
     def info(self) -> WorkerInfo:
         return msgspec.structs.replace(self.state.info(), decode_compile=self.decode_compile)
 
