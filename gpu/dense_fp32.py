@@ -10,7 +10,7 @@ minimum of 5 alternated):
 
 | rows | 1 | 2 | 4 | 8 | 16 | 64 |
 |---|---|---|---|---|---|---|
-| one thread: torch.mm on W^T, ms | 25.8 | 46.4 | 59.6 | 76.9 | 84.2 | 191.4 |
+| one thread: torch.mm (the layouts before), ms | 25.8 | 46.4 | 59.6 | 76.9 | 84.2 | 191.4 |
 | one thread: panels, ms | 19.8 | 22.2 | 26.1 | 42.8 | 56.8 | 159.5 |
 | two threads: torch.mm, ms | 26.5 | 35.4 | 51.1 | 62.0 | 71.9 | 146.3 |
 | two threads: panels, ms | 11.1 | 13.8 | 14.7 | 27.7 | 40.7 | 115.3 |
