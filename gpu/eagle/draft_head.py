@@ -270,35 +270,36 @@ class DraftHead(nn.Module):
         """Serve forwards of at most ``max_rows`` rows on int8 copies of every bias-free linear
         (on the CPU; see SmallRowsInt8Linear, and its `codes_only`). Returns how many linears
         it wrapped."""
-        wrapped = 0
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear) and child.bias is None and not (
-                        fp32_codes and child.in_features % 32):  # Q8_0 blocks of 32
-                    setattr(module, name, SmallRowsInt8Linear(child, max_rows, fp32_codes,
-                                                              codes_only))
-                    wrapped += 1
-        return wrapped
+        def int8(child: nn.Module) -> SmallRowsInt8Linear | None:
+            if not isinstance(child, nn.Linear) or child.bias is not None or (
+                    fp32_codes and child.in_features % 32):  # Q8_0 blocks of 32
+                return None
+            return SmallRowsInt8Linear(child, max_rows, fp32_codes, codes_only)
+
+        return self._replace_linears(int8)
 
     def use_dense_panels(self) -> int:
         """Serve every fp32 linear on the dense C kernel (PanelLinear; an explicit fp32 engine
         on the CPU). Returns how many it wrapped (0 without the library)."""
-        wrapped = 0
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and (
-                        panel := PanelLinear.wrap(child)) is not None:
-                    setattr(module, name, panel)
-                    wrapped += 1
-        return wrapped
+        return self._replace_linears(lambda child: PanelLinear.wrap(child) if isinstance(
+            child, nn.Linear) and child.weight.dtype == torch.float32 else None)
 
     def use_rowwise_linears(self) -> None:
         """Multiply one row at a time in every linear (runtime.deterministic, see
         gpu/rowwise_linear.py), after any int8 wrapping."""
+        self._replace_linears(lambda child: RowwiseLinear(child) if isinstance(
+            child, (nn.Linear, SmallRowsInt8Linear)) else None)
+
+    def _replace_linears(self, replacement: Callable[[nn.Module], nn.Module | None]) -> int:
+        """Each child module for which `replacement` gives one is replaced by it; returns how
+        many were."""
+        replaced = 0
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
-                if isinstance(child, (nn.Linear, SmallRowsInt8Linear)):
-                    setattr(module, name, RowwiseLinear(child))
+                if (new := replacement(child)) is not None:
+                    setattr(module, name, new)
+                    replaced += 1
+        return replaced
 
     @property
     def weight_dtype(self) -> torch.dtype:
