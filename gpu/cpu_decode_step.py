@@ -286,7 +286,11 @@ def causal_rows(batch: ForwardBatch) -> ForwardBatch:
     extend does, because the C step writes every row's key and value before any row attends.
     Rows keep the extend's token order, so hidden states and captures line up with it. No
     host sync: the row counts come from the token count."""
-    n, lens = batch.num_tokens, batch.extend_lens
+    n, lens, width = batch.num_tokens, batch.extend_lens, batch.max_extend_len
+    if width is not None and width * batch.batch_size == n:  # all alike (an EAGLE step's)
+        within = torch.arange(1, width + 1, device=lens.device)
+        return _decode_rows(batch, batch.slots.repeat_interleave(width),
+                            (batch.prefix_lens[:, None] + within).reshape(-1))
     row_slots = torch.repeat_interleave(batch.slots, lens, output_size=n)
     starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=n)
     within = torch.arange(n, device=lens.device) - starts

@@ -86,10 +86,14 @@ def accept_greedy(tree: DraftTree, target_argmax: Tensor) -> AcceptResult:
     d = tree.depth_bound()
     target_argmax = target_argmax.long()
     if tree.chain:  # node j's parent is j - 1: the accepted drafts are the leading matches
-        accept_lens = (tree.tokens[:, 1:] == target_argmax[:, :-1]).long().cumprod(1).sum(1)
+        accept_lens = (tree.tokens[:, 1:] == target_argmax[:, :-1]).cumprod(1).sum(1)
         cols = torch.arange(t, device=dev)
-        path = torch.where(cols <= accept_lens[:, None], cols, -1)
-        return _finish(tree, path, accept_lens, target_argmax.gather(1, accept_lens[:, None])[:, 0])
+        kept = cols <= accept_lens[:, None]
+        # Each accepted draft equals the argmax at the node before it, and the bonus is the
+        # argmax after the last: the emitted tokens are the argmaxes up to the bonus.
+        return AcceptResult(accept_lens, torch.where(kept, cols, -1),
+                            target_argmax.gather(1, accept_lens[:, None])[:, 0],
+                            torch.where(kept, target_argmax, -1))
     cur = torch.zeros(bs, dtype=torch.long, device=dev)
     alive = torch.ones(bs, dtype=torch.bool, device=dev)
     accept_lens = torch.zeros(bs, dtype=torch.long, device=dev)

@@ -152,6 +152,8 @@ class Drafter:
         level 0 is the relayed top-k itself; each later level expands the `topk` best nodes
         of the previous one by cumulative probability. Expanded nodes of level i-1 run at
         position L + i - 1 with their draft KV at index L + (i - 1) * topk + row."""
+        if self.chain:
+            return self._chain(batches, slots, seq_lens, root, topk_ids, hidden)
         s, dev = self.settings, self.device
         k, bs = s.topk, slots.shape[0]
         H = self.head.config.hidden_size
@@ -162,25 +164,15 @@ class Drafter:
         inputs = topk_ids.reshape(-1)
         hid = hidden.repeat_interleave(k, dim=0)
         ancestors = torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)
-        chain = self.chain
-        for i in range(1, s.num_steps):
+        for i in range(1, s.num_steps):  # topk > 1 (topk 1 is a chain: SpecSettings)
             pos = (seq_lens + i - 1).clamp(max=self.max_position)
-            if k == 1:
-                batch = batches.make(ForwardMode.DECODE, inputs, pos, slots, seq_lens + i - 1,
-                                     torch.ones_like(seq_lens), seq_lens + i,
-                                     batches.locs(slots, (seq_lens + i - 1)[:, None]))
-            else:
-                base = seq_lens[:, None] + (i - 1) * k
-                batch = batches.make(ForwardMode.EXTEND, inputs, pos.repeat_interleave(k), slots,
-                                     seq_lens, torch.full_like(seq_lens, k), seq_lens + i * k,
-                                     batches.locs(slots, base + torch.arange(k, device=dev)),
-                                     ancestors)
+            base = seq_lens[:, None] + (i - 1) * k
+            batch = batches.make(ForwardMode.EXTEND, inputs, pos.repeat_interleave(k), slots,
+                                 seq_lens, torch.full_like(seq_lens, k), seq_lens + i * k,
+                                 batches.locs(slots, base + torch.arange(k, device=dev)),
+                                 ancestors)
             h_out, h_logits = self.forward(batch, hid)
             p, ids = self.topk(h_logits)  # [bs * k, k]
-            if chain:  # no scores to rank: each level's one draft follows the last
-                token_list.append(ids)
-                inputs, hid = ids.reshape(-1), h_out
-                continue
             expand = scores[:, :, None] * p.view(bs, k, k)
             scores, best = expand.reshape(bs, k * k).topk(k, dim=-1)
             ids = ids.view(bs, k * k)
@@ -195,7 +187,23 @@ class Drafter:
             ancestors = torch.cat([
                 ancestors.gather(1, parent_row[:, :, None].expand(-1, -1, width)),
                 torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)], dim=2)
-        if chain:
-            return chain_tree(root, torch.cat(token_list, dim=1))
         return organize_draft_tree(score_list, token_list, parents_list, root,
                                    s.num_draft_tokens)
+
+    def _chain(self, batches: SpecBatches, slots, seq_lens, root, topk_ids, hidden) -> DraftTree:
+        """A chain's levels: no scores to rank, each level's one draft follows the last."""
+        drafts, inputs, hid = [topk_ids], topk_ids.reshape(-1), hidden
+        for i in range(1, self.settings.num_steps):
+            h_out, h_logits = self.forward(self._level(batches, inputs, slots, seq_lens, i), hid)
+            ids = self.topk(h_logits)[1]
+            drafts.append(ids)
+            inputs, hid = ids.reshape(-1), h_out
+        return chain_tree(root, drafts[0] if len(drafts) == 1 else torch.cat(drafts, dim=1))
+
+    def _level(self, batches: SpecBatches, inputs, slots, seq_lens, i: int) -> ForwardBatch:
+        """Level i of a one-child draft: each request's one node at position L + i - 1, its
+        draft KV at index L + i - 1."""
+        before = seq_lens + i - 1
+        return batches.make(ForwardMode.DECODE, inputs, before.clamp(max=self.max_position),
+                            slots, before, torch.ones_like(seq_lens), seq_lens + i,
+                            batches.locs(slots, before[:, None]))

@@ -32,10 +32,10 @@ from gpu.eagle.eagle_graphs import EagleGraphs
 from gpu.eagle.gate_memory import GateMemory
 from gpu.eagle.head_lag import HeadLag, head_regime
 from gpu.eagle.headless_steps import HeadlessSteps
+from gpu.eagle.host_chain import HostChain
 from gpu.eagle.spec_gate import GPU_AUTO_LIMIT, SpecGate
 from gpu.eagle.step_outputs import (StepPart, logprob_outputs, merge_logprobs, outputs_of,
-                                    pad_to, rows_of)
-from gpu.eagle.tree import drafted_before
+                                    pad_to, rows_of, verify_logprobs)
 from gpu.forward_batch import ForwardBatch, ForwardMode
 from gpu.plain_step import PlainStep, graphs_apply
 from gpu.sampling_state import BatchFlags, SampleOutput
@@ -100,6 +100,8 @@ class EagleStep:
                 log.warning("capturing the EAGLE step's CUDA graphs failed (%s); it runs "
                             "without them (runtime.cuda_graph_max_batch = 0 skips the try)",
                             self.graphs_error)
+        # A chain's greedy drafting steps on a CPU, bookkept on the host (host_chain.py).
+        self.host_chain = HostChain(self) if HostChain.applies(self) else None
 
     def use_graphs(self, max_batch: int) -> EagleGraphs:
         """Capture the drafting decode step for batches up to `max_batch` (on the CPU, where
@@ -294,19 +296,13 @@ class EagleStep:
             out = self.decode_plain(slots, slots_host)
             return StepPart(slots_host, {"tokens": out.token_ids, **logprob_outputs(out)})
         flags = st.sampler.batch_flags(slots, slots_host)
+        if self.host_chain is not None and self.host_chain.can_run(slots_host, flags):
+            tokens, acc = self.host_chain.run(slots, slots_host)
+            return StepPart(slots_host, {"tokens": tokens, "accept": acc}, verify=True)
         out_tokens, acc, tree, logits, path = self.draft_and_verify(slots, slots_host, flags)
-
-        # Logprobs of the emitted tokens, each from the logits of the node it follows (the
-        # root, then the accepted drafts), as the plain step would report them; only when a
-        # request asks (a host check: no gather of [bs * E, vocab] logits otherwise).
-        scored = None
-        if flags.max_logprobs >= 0:
-            T, E = tree.tokens.shape[1], out_tokens.shape[1]
-            node_rows = (torch.arange(bs, device=st.device)[:, None] * T + path).reshape(-1)
-            scored = st.sampler.logprobs_of(logits[node_rows], slots.repeat_interleave(E),
-                                            out_tokens.clamp(min=0).reshape(-1),
-                                            slots_host=np.repeat(slots_host, E),
-                                            drafted=drafted_before(tree).rows(node_rows))
+        # Only when a request asks (a host check): no gather of [bs * E, vocab] logits otherwise.
+        scored = (verify_logprobs(st.sampler, tree, logits, path, out_tokens, slots, slots_host)
+                  if flags.max_logprobs >= 0 else None)
         return StepPart(slots_host, {"tokens": out_tokens, "accept": acc,
                                      **logprob_outputs(scored)}, verify=True)
 

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from gpu.eagle.tree import DraftTree, drafted_before
 from ipc.worker_messages import pack_f32, pack_i32
 
 
@@ -117,3 +118,15 @@ def rows_of(parts: list[StepPart], host: dict[str, torch.Tensor]) -> list[PartRo
         mine = {k[len(prefix):]: v.numpy() for k, v in host.items() if k.startswith(prefix)}
         rows.append(PartRows.of(part, mine))
     return rows
+
+
+def verify_logprobs(sampler, tree: DraftTree, logits: torch.Tensor, path: torch.Tensor,
+                    out_tokens: torch.Tensor, slots: torch.Tensor, slots_host: np.ndarray):
+    """Logprobs of a verify's emitted tokens [bs, E], each from the logits of the node it
+    follows (the root, then the accepted drafts on `path`), as the plain step reports them."""
+    bs, T, E = tree.tokens.shape[0], tree.tokens.shape[1], out_tokens.shape[1]
+    node_rows = (torch.arange(bs, device=logits.device)[:, None] * T + path).reshape(-1)
+    return sampler.logprobs_of(logits[node_rows], slots.repeat_interleave(E),
+                               out_tokens.clamp(min=0).reshape(-1),
+                               slots_host=np.repeat(slots_host, E),
+                               drafted=drafted_before(tree).rows(node_rows))
